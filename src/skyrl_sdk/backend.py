@@ -1,0 +1,319 @@
+"""The Backend facade: validate -> convert -> engine -> typed outputs.
+
+Tinker semantics: losses SUM over tokens, gradients of successive ``forward_backward``
+calls add up until ``optim_step``, ``target_tokens`` are scored exactly as sent, every
+``AdamParams`` field is honoured. Bad input raises a ``ValueError`` subclass before any
+compute and leaves no trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from . import __version__
+from .checkpoint import atomic_directory, read_json, write_json
+from .errors import CheckpointError, InputError, UnknownNameError
+from .losses import LossInput
+from .losses.resolve import ResolvedLoss, resolve_loss
+from .plugins import get_registry
+from .serde import adam_params_from_any, lora_config_from_any
+from .types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoadStateOutput,
+    ModelInfo,
+    OptimStepOutput,
+    SampleOutput,
+    SamplingParams,
+    SaveStateOutput,
+    SaveWeightsForSamplerOutput,
+    TensorData,
+)
+from .validation import coerce_data, validate_data
+from .metrics import MetricAccumulator
+
+logger = logging.getLogger(__name__)
+
+METADATA_FILE = "skyrl_state.json"
+STATE_FORMAT = 1
+LOSS_FN_OUTPUT_TYPE = "ArrayRecord"
+
+
+class Backend:
+    """A trainable model behind Tinker's API, in-process.
+
+    >>> with Backend(model="tiny") as backend:  # doctest: +SKIP
+    ...     out = backend.forward_backward(data, loss_fn="cross_entropy")
+    ...     backend.optim_step(types.AdamParams(learning_rate=1e-4))
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        engine: str = "local",
+        engine_config: Mapping[str, Any] | None = None,
+        lora: Any = None,
+        role: str = "policy",
+        dialect: str = "tinker",
+        seed: int = 0,
+        grad_accumulation: str = "sum",
+    ) -> None:
+        if role not in ("policy", "critic"):
+            raise InputError(f"role must be 'policy' or 'critic', got {role!r}")
+        if grad_accumulation not in ("sum", "mean"):
+            raise InputError(f"grad_accumulation must be 'sum' or 'mean', got {grad_accumulation!r}")
+        registry = get_registry()
+        if dialect not in registry.dialects:
+            raise UnknownNameError(f"unknown dialect {dialect!r}; available: {sorted(registry.dialects)}")
+        if engine not in registry.engines:
+            raise UnknownNameError(
+                f"unknown engine {engine!r}; available: {sorted(registry.engines)} "
+                f"(engine 'fsdp' comes with: pip install skyrl-sdk-fsdp)"
+            )
+        self.model_name = str(model)
+        self.role = role
+        self.dialect = dialect
+        self.seed = seed
+        self.lora = lora_config_from_any(lora)
+        self.grad_accumulation = grad_accumulation
+        self.engine_name = engine
+        self._lock = threading.RLock()
+        self._calls_since_step = 0
+        self._closed = False
+        t0 = time.perf_counter()
+        self.engine = registry.engines[engine].factory(
+            model=self.model_name, role=role, lora=self.lora, seed=seed, engine_config=dict(engine_config or {})
+        )
+        logger.info("Backend ready: model=%s engine=%s role=%s lora=%s (%.1fs)",
+                    self.model_name, engine, role, self.lora, time.perf_counter() - t0)
+
+    # ---- context manager --------------------------------------------------------------
+    def __enter__(self) -> "Backend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self.engine.close()
+                self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InputError("this Backend is closed")
+
+    # ---- compute ----------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.info.vocab_size
+
+    def resolve(self, loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None) -> ResolvedLoss:
+        """Map a loss name and config through this Backend's dialect (validates the config)."""
+        return resolve_loss(get_registry(), loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
+
+    def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config) -> tuple[list[Datum], ResolvedLoss]:
+        resolved = self.resolve(loss_fn, loss_fn_config)
+        datums = coerce_data(data)
+        validate_data(datums, resolved.spec, self.vocab_size)
+        _check_same_keys(datums)
+        if resolved.spec.prepare is not None:
+            datums = self._add_prepared_inputs(datums, resolved)
+        return datums, resolved
+
+    def _add_prepared_inputs(self, datums: list[Datum], resolved: ResolvedLoss) -> list[Datum]:
+        """Whole-call statistics (e.g. clip_cov's token selection) from a no-grad pass."""
+        result = self.engine.run(datums, resolved, backward=False)
+        key = "values" if resolved.spec.role == "critic" else "logprobs"
+        lengths = [d.model_input.length for d in datums]
+        main = torch.from_numpy(np.concatenate([o[key] for o in result.outputs]))
+        inputs = {
+            k: torch.from_numpy(np.concatenate([d.loss_fn_inputs[k].array for d in datums]))
+            for k in datums[0].loss_fn_inputs
+        }
+        segment_ids = torch.from_numpy(np.repeat(np.arange(len(datums)), lengths))
+        kwargs = {"values" if key == "values" else "target_logprobs": main}
+        extra = resolved.spec.prepare(
+            LossInput(inputs=inputs, segment_ids=segment_ids, num_segments=len(datums), **kwargs), resolved.config
+        )
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        out = []
+        for i, d in enumerate(datums):
+            added = {k: v.detach().cpu().numpy()[bounds[i]:bounds[i + 1]] for k, v in extra.items()}
+            out.append(Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, **added}))
+        return out
+
+    def _outputs(self, result, resolved: ResolvedLoss, datums: list[Datum]) -> ForwardBackwardOutput:
+        outputs = [{k: TensorData(np.ascontiguousarray(v)) for k, v in o.items()} for o in result.outputs]
+        acc = MetricAccumulator()
+        acc.merge([result.metric_state])
+        return ForwardBackwardOutput(
+            loss_fn_output_type=LOSS_FN_OUTPUT_TYPE, loss_fn_outputs=outputs, metrics=acc.result()
+        )
+
+    def forward_backward(
+        self, data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, Any] | None = None
+    ) -> ForwardBackwardOutput:
+        """Score ``data`` with ``loss_fn`` and add the gradient of the summed loss."""
+        with self._lock:
+            self._check_open()
+            datums, resolved = self._prepare(data, loss_fn, loss_fn_config)
+            t0 = time.perf_counter()
+            result = self.engine.run(datums, resolved, backward=True)
+            self._calls_since_step += 1
+            logger.info("forward_backward(%s): %d datums, %.3fs", resolved.name, len(datums), time.perf_counter() - t0)
+            return self._outputs(result, resolved, datums)
+
+    def forward(
+        self, data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, Any] | None = None
+    ) -> ForwardBackwardOutput:
+        """Like :meth:`forward_backward` but computes no gradient and changes no state."""
+        with self._lock:
+            self._check_open()
+            datums, resolved = self._prepare(data, loss_fn, loss_fn_config)
+            return self._outputs(self.engine.run(datums, resolved, backward=False), resolved, datums)
+
+    def optim_step(self, adam_params: Any = None) -> OptimStepOutput:
+        """Apply AdamW with exactly ``adam_params`` to the accumulated gradients, then clear them."""
+        params = adam_params_from_any(adam_params if adam_params is not None else AdamParams())
+        with self._lock:
+            self._check_open()
+            scale = 1.0
+            if self.grad_accumulation == "mean" and self._calls_since_step > 1:
+                scale = 1.0 / self._calls_since_step
+            metrics = self.engine.optim_step(params, scale)
+            metrics["num_forward_backward_calls"] = float(self._calls_since_step)
+            self._calls_since_step = 0
+            return OptimStepOutput(metrics=metrics)
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last optim_step."""
+        with self._lock:
+            self.engine.zero_grad()
+            self._calls_since_step = 0
+
+    def sample(
+        self,
+        prompts: Sequence[Any],
+        sampling_params: SamplingParams | None = None,
+        num_samples: int = 1,
+        prompt_logprobs: bool = False,
+    ) -> list[SampleOutput]:
+        """Sample continuations of each prompt (token lists or ModelInputs) from the current weights."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise InputError(f"num_samples: expected an integer >= 1, got {num_samples!r}")
+        arrays = []
+        for i, p in enumerate(prompts):
+            arr = p.to_numpy() if hasattr(p, "to_numpy") else np.asarray(
+                p.to_ints() if hasattr(p, "to_ints") else p, dtype=np.int64)
+            if arr.ndim != 1 or arr.size == 0:
+                raise InputError(f"prompt {i}: expected a non-empty 1-D list of token ids")
+            if arr.min() < 0 or arr.max() >= self.vocab_size:
+                raise InputError(f"prompt {i}: token ids must be in [0, {self.vocab_size})")
+            arrays.append(arr.astype(np.int64))
+        if not arrays:
+            raise InputError("prompts is empty")
+        with self._lock:
+            self._check_open()
+            return self.engine.sample(arrays, params, num_samples, prompt_logprobs)
+
+    # ---- saving -----------------------------------------------------------------------
+    def save_weights_for_sampler(self, path: str | Path, *, merge_lora: bool = True, overwrite: bool = False) -> SaveWeightsForSamplerOutput:
+        """Write a Hugging Face model directory (LoRA merged unless ``merge_lora=False``)."""
+        with self._lock:
+            self._check_open()
+            with atomic_directory(path, overwrite=overwrite) as tmp:
+                self.engine.export_weights(tmp, merge_lora=merge_lora)
+            return SaveWeightsForSamplerOutput(path=str(Path(path).expanduser().resolve()))
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "architecture": self.engine.info.architecture,
+            "vocab_size": self.engine.info.vocab_size,
+            "num_parameters": self.engine.info.num_parameters,
+            "role": self.role,
+            "lora": attrs.asdict(self.lora) if self.lora is not None else None,
+        }
+
+    def save_state(self, path: str | Path, *, overwrite: bool = False) -> SaveStateOutput:
+        """Weights, optimizer moments and step counts, LoRA config and metadata; atomic, no pickle."""
+        with self._lock:
+            self._check_open()
+            with atomic_directory(path, overwrite=overwrite) as tmp:
+                engine_meta = self.engine.save_state(tmp)
+                write_json(tmp / METADATA_FILE, {
+                    "format": STATE_FORMAT,
+                    "sdk_version": __version__,
+                    "engine": self.engine_name,
+                    "saved_at": time.time(),
+                    "identity": self._identity(),
+                    "engine_state": engine_meta,
+                })
+            return SaveStateOutput(path=str(Path(path).expanduser().resolve()))
+
+    def load_state(self, path: str | Path, optimizer: bool = True) -> LoadStateOutput:
+        """Load a :meth:`save_state` directory; refuses a state of another model."""
+        directory = Path(path).expanduser()
+        with self._lock:
+            self._check_open()
+            if not directory.is_dir():
+                raise CheckpointError(f"no checkpoint directory at {directory}")
+            meta = read_json(directory / METADATA_FILE)
+            if meta.get("format") != STATE_FORMAT:
+                raise CheckpointError(f"{directory}: unsupported state format {meta.get('format')!r}")
+            mine, theirs = self._identity(), meta.get("identity", {})
+            for key in ("architecture", "vocab_size", "num_parameters", "role", "lora"):
+                if mine.get(key) != theirs.get(key):
+                    raise CheckpointError(
+                        f"{directory} holds a state of another model: {key} is {theirs.get(key)!r} there, "
+                        f"{mine.get(key)!r} here"
+                    )
+            self.engine.load_state(directory, meta.get("engine_state", {}), optimizer)
+            self._calls_since_step = 0
+            return LoadStateOutput(path=str(directory.resolve()), optimizer_loaded=optimizer)
+
+    def get_info(self) -> ModelInfo:
+        info = self.engine.info
+        return ModelInfo(
+            model_name=info.model_name,
+            architecture=info.architecture,
+            vocab_size=info.vocab_size,
+            tokenizer_dir=info.tokenizer_dir,
+            is_lora=self.lora is not None,
+            lora_rank=self.lora.rank if self.lora is not None else None,
+            role=self.role,
+            engine=self.engine_name,
+            num_parameters=info.num_parameters,
+            num_trainable_parameters=info.num_trainable_parameters,
+        )
+
+
+def _check_same_keys(datums: Sequence[Datum]) -> None:
+    """All datums of a call carry the same loss_fn_inputs keys (they are packed together)."""
+    first = set(datums[0].loss_fn_inputs)
+    for i, d in enumerate(datums[1:], start=1):
+        keys = set(d.loss_fn_inputs)
+        if keys != first:
+            from .errors import DatumError
+
+            raise DatumError(
+                f"loss_fn_inputs keys {sorted(keys)} differ from datum 0's {sorted(first)}; "
+                f"every datum of a call must carry the same keys",
+                index=i,
+            )

@@ -1,0 +1,1 @@
+"""Execution engines: run the model, compute target logprobs, backprop, step the optimizer."""

@@ -1,0 +1,144 @@
+"""The ``local`` engine: one process, one device (CPU or CUDA)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..checkpoint import WEIGHTS_FILE, dedupe_shared, load_tensors, save_tensors
+from ..errors import CheckpointError, InputError
+from ..hookspecs import hookimpl
+from ..losses.resolve import ResolvedLoss
+from ..models import LoadedModel, hf_model, load_model
+from ..types import AdamParams, Datum, LoraConfig, SampleOutput, SamplingParams
+from .base import EngineInfo, EngineResult
+from .config import EngineConfig
+from .export import export_hf_directory, full_state_dict, merged_lora_state_dict
+from .modules import ScoringModel, count_parameters
+from .runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+class LocalEngine:
+    """Runs a Hugging Face model on one device."""
+
+    name = "local"
+
+    def __init__(
+        self, *, model: str, role: str, lora: LoraConfig | None, seed: int, engine_config: dict | None
+    ) -> None:
+        self.config = EngineConfig.from_mapping(engine_config)
+        if self.config.world_size != 1:
+            raise InputError("engine_config['world_size']: the local engine runs 1 rank; use engine='fsdp'")
+        self.device = self.config.torch_device()
+        self.loaded: LoadedModel = load_model(
+            model, role=role, lora=lora, seed=seed, dtype=self.config.torch_dtype, device=self.device
+        )
+        scoring = ScoringModel(self.loaded.module, role)
+        scoring.chunk_elements = self.config.logprob_chunk_elements
+        tok = self.loaded.tokenizer
+        pad = getattr(tok, "pad_token_id", None) if tok is not None else None
+        self.runner = ModelRunner(
+            scoring,
+            device=self.device,
+            micro_batch_tokens=self.config.micro_batch_tokens,
+            batching=self.config.batching,
+            pad_id=int(pad) if pad is not None else 0,
+        )
+        total, trainable = count_parameters(self.loaded.module)
+        eos = getattr(tok, "eos_token_id", None) if tok is not None else None
+        if eos is None:
+            eos = getattr(self.loaded.config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        self.info = EngineInfo(
+            model_name=self.loaded.name,
+            architecture=self.loaded.architecture,
+            vocab_size=self.loaded.vocab_size,
+            tokenizer_dir=self.loaded.tokenizer_dir,
+            num_parameters=total,
+            num_trainable_parameters=trainable,
+            eos_token_id=eos,
+        )
+        self.tokenizer = tok
+
+    # ---- compute ----------------------------------------------------------------------
+    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
+        return self.runner.run(data, loss, backward=backward)
+
+    def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
+        return self.runner.optim_step(params, grad_scale)
+
+    def zero_grad(self) -> None:
+        self.runner.zero_grad()
+
+    # ---- state ------------------------------------------------------------------------
+    def save_state(self, directory: Path) -> dict[str, Any]:
+        weights, aliases = dedupe_shared(dict(self.loaded.module.state_dict()))
+        save_tensors(weights, directory / WEIGHTS_FILE)
+        save_tensors(self.runner.optimizer_tensors(), directory / OPTIMIZER_FILE)
+        return {"tied_aliases": aliases, "step": self.runner.step_count}
+
+    def load_state(self, directory: Path, metadata: dict[str, Any], optimizer: bool) -> None:
+        weights = load_tensors(directory / WEIGHTS_FILE)
+        module = self.loaded.module
+        result = module.load_state_dict(weights, strict=False)
+        aliases = set(metadata.get("tied_aliases", {}))
+        missing = [k for k in result.missing_keys if k not in aliases]
+        if missing or result.unexpected_keys:
+            raise CheckpointError(
+                f"checkpoint weights do not fit this model: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+            )
+        self.runner.zero_grad()
+        if optimizer:
+            self.runner.load_optimizer_tensors(load_tensors(directory / OPTIMIZER_FILE))
+            self.runner.step_count = int(metadata.get("step", 0))
+        else:
+            self.runner.optimizer = None
+            self.runner.step_count = 0
+
+    def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
+        module = self.loaded.module
+        if self.loaded.lora is not None and not merge_lora:
+            module.save_pretrained(str(directory))
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(directory))
+            return
+        state = merged_lora_state_dict(module) if self.loaded.lora is not None else full_state_dict(module)
+        export_hf_directory(
+            hf_model(module).config, state, self.tokenizer, directory, self.config.max_shard_bytes,
+            architecture=self.loaded.architecture,
+        )
+
+    # ---- sampling ---------------------------------------------------------------------
+    def sample(
+        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool
+    ) -> list[SampleOutput]:
+        from ..sampling import generate
+
+        if self.loaded.role != "policy":
+            raise InputError("sampling needs a policy model; this Backend's role is 'critic'")
+        pad = self.runner.pad_id
+        return generate(
+            self.loaded.module, self.tokenizer, prompts, params, num_samples,
+            device=self.device, eos_token_id=self.info.eos_token_id, pad_token_id=pad,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def close(self) -> None:
+        self.runner.optimizer = None
+        self.loaded.module = None
+        self.runner.scoring = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+@hookimpl
+def skyrl_sdk_register_engines(register):
+    register("local", LocalEngine, description="One process on one device (CPU or CUDA).")

@@ -1,0 +1,207 @@
+"""Model + optimizer logic shared by engines: one micro-batch loop, one AdamW step.
+
+The local engine uses it directly; the FSDP engine runs one per rank on a sharded module.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..batching import make_micro_batches, pack_inputs
+from ..losses import LossInput, run_loss
+from ..losses.resolve import ResolvedLoss
+from ..metrics import Metric, MetricAccumulator
+from ..types import AdamParams, Datum
+from .base import EngineResult
+from .modules import ScoringModel
+
+logger = logging.getLogger(__name__)
+
+#: Show a progress bar when a call has at least this many micro-batches.
+PROGRESS_MIN_MICRO_BATCHES = 8
+
+
+class ModelRunner:
+    """Runs a :class:`ScoringModel` over micro-batches and steps its optimizer."""
+
+    def __init__(
+        self,
+        scoring: ScoringModel,
+        *,
+        device: torch.device,
+        micro_batch_tokens: int = 8192,
+        batching: str = "bucket",
+        pad_id: int = 0,
+        loss_scale: float = 1.0,
+    ) -> None:
+        self.scoring = scoring
+        self.device = device
+        self.micro_batch_tokens = int(micro_batch_tokens)
+        self.batching = batching
+        self.pad_id = pad_id
+        #: multiplies every backward (e.g. to undo a data-parallel mean reduction)
+        self.loss_scale = loss_scale
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.step_count = 0
+
+    # ---- parameters -------------------------------------------------------------------
+    def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.scoring.model.named_parameters() if p.requires_grad]
+
+    def has_pending_grads(self) -> bool:
+        return any(p.grad is not None for _, p in self.named_trainable())
+
+    def zero_grad(self) -> None:
+        for _, p in self.named_trainable():
+            p.grad = None
+
+    # ---- forward / backward -----------------------------------------------------------
+    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
+        spec = loss.spec
+        batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)
+        outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
+        acc = MetricAccumulator()
+        had_grads = self.has_pending_grads()
+        progress = tqdm(
+            batches, desc="forward_backward" if backward else "forward", unit="mb",
+            disable=len(batches) < PROGRESS_MIN_MICRO_BATCHES or None, leave=False,
+        )
+        try:
+            for mb in progress:
+                self._run_micro_batch(data, mb, loss, backward, outputs, acc)
+        except BaseException:
+            if backward and not had_grads:
+                self.zero_grad()  # nothing pending before this call: restore exactly
+            elif backward:
+                logger.error("forward_backward failed mid-call; pending gradients were discarded")
+                self.zero_grad()
+            raise
+        acc.add({"num_tokens:sum": Metric(float(sum(d.model_input.length for d in data)))})
+        logger.debug("%s: %d datums in %d micro-batches", spec.name, len(data), len(batches))
+        return EngineResult(outputs=outputs, metric_state=acc.state())  # type: ignore[arg-type]
+
+    def _run_micro_batch(self, data, mb, loss: ResolvedLoss, backward: bool, outputs, acc) -> None:
+        spec = loss.spec
+        dev = self.device
+        packed = pack_inputs(data, mb.datum_indices)
+        inputs = {
+            k: torch.from_numpy(v).to(dev, non_blocking=True) for k, v in packed.items()
+        }
+        targets = inputs.get("target_tokens")
+        grad_ctx = torch.enable_grad() if backward else torch.no_grad()
+        with grad_ctx:
+            main, entropy = self.scoring(
+                mb.input_ids.to(dev),
+                None if mb.attention_mask is None else mb.attention_mask.to(dev),
+                None if mb.position_ids is None else mb.position_ids.to(dev),
+                mb.flat_index.to(dev),
+                targets,
+            )
+            kwargs = dict(
+                inputs=inputs,
+                segment_ids=mb.segment_ids.to(dev),
+                num_segments=len(mb.datum_indices),
+                entropy=entropy,
+            )
+            if spec.role == "critic":
+                loss_input = LossInput(values=main, **kwargs)
+            else:
+                loss_input = LossInput(target_logprobs=main, **kwargs)
+            out, metrics = run_loss(loss, loss_input)
+            if backward:
+                total = out.loss * self.loss_scale if self.loss_scale != 1.0 else out.loss
+                total.backward()
+        acc.add(metrics)
+        per_token = {
+            ("values" if spec.role == "critic" else "logprobs"): main.detach(),
+        }
+        if out.elementwise_loss is not None:
+            per_token["elementwise_loss"] = out.elementwise_loss.detach()
+        for key, value in out.extra_outputs.items():
+            per_token[key] = value.detach()
+        host = {k: v.float().cpu().numpy() for k, v in per_token.items() if k in spec.outputs or k in out.extra_outputs}
+        for local, idx in enumerate(mb.datum_indices):
+            start, end = int(mb.offsets[local]), int(mb.offsets[local + 1])
+            outputs[idx] = {k: v[start:end] for k, v in host.items()}
+
+    # ---- optimizer --------------------------------------------------------------------
+    def _ensure_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            params = [p for _, p in self.named_trainable()]
+            self.optimizer = torch.optim.AdamW(params, lr=0.0, foreach=None)
+        return self.optimizer
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm of the gradients (overridden by sharded engines)."""
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+
+    def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
+        optimizer = self._ensure_optimizer()
+        grads = [p.grad for _, p in self.named_trainable() if p.grad is not None]
+        if grad_scale != 1.0:
+            torch._foreach_mul_(grads, grad_scale) if grads else None
+        norm = self.grad_norm(grads)
+        norm_value = float(norm)
+        metrics = {"grad_norm": norm_value, "learning_rate": float(params.learning_rate)}
+        if not math.isfinite(norm_value):
+            logger.warning("non-finite gradient norm (%s): skipping this optim_step", norm_value)
+            self.zero_grad()
+            metrics.update(skipped=1.0, grad_norm_clipped=norm_value, step=float(self.step_count))
+            return metrics
+        if params.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(grads, params.grad_clip_norm, norm)
+            metrics["grad_norm_clipped"] = min(norm_value, params.grad_clip_norm)
+        else:
+            metrics["grad_norm_clipped"] = norm_value
+        for group in optimizer.param_groups:
+            group["lr"] = params.learning_rate
+            group["betas"] = (params.beta1, params.beta2)
+            group["eps"] = params.eps
+            group["weight_decay"] = params.weight_decay
+        optimizer.step()
+        self.zero_grad()
+        self.step_count += 1
+        metrics.update(skipped=0.0, step=float(self.step_count))
+        return metrics
+
+    # ---- optimizer state as flat tensors (for safetensors checkpoints) -----------------
+    def optimizer_tensors(self, to_full: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, torch.Tensor]:
+        if self.optimizer is None:
+            return {}
+        out = {}
+        for name, p in self.named_trainable():
+            state = self.optimizer.state.get(p)
+            if not state:
+                continue
+            out[f"{name}::exp_avg"] = to_full(state["exp_avg"])
+            out[f"{name}::exp_avg_sq"] = to_full(state["exp_avg_sq"])
+            out[f"{name}::step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
+        return out
+
+    def load_optimizer_tensors(
+        self, tensors: dict[str, torch.Tensor], from_full: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
+        optimizer = self._ensure_optimizer()
+        optimizer.state.clear()
+        for name, p in self.named_trainable():
+            if f"{name}::exp_avg" not in tensors:
+                continue
+            conv = from_full or (lambda full, like: full.to(device=like.device, dtype=like.dtype))
+            optimizer.state[p] = {
+                "step": tensors[f"{name}::step"].reshape(()).clone().float(),
+                "exp_avg": conv(tensors[f"{name}::exp_avg"], p.detach()),
+                "exp_avg_sq": conv(tensors[f"{name}::exp_avg_sq"], p.detach()),
+            }
+
+
+def iter_chunks(items: Sequence, size: int) -> Iterable[Sequence]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

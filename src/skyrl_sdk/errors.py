@@ -1,0 +1,67 @@
+"""Exceptions raised by skyrl-sdk.
+
+Every error caused by the caller's input subclasses :class:`ValueError` (through
+:class:`InputError`), so frameworks can catch bad input without importing this module,
+and the HTTP server can answer it as a *user* error.
+"""
+
+from __future__ import annotations
+
+
+class SkyrlError(Exception):
+    """Base class of every skyrl-sdk error."""
+
+
+class InputError(SkyrlError, ValueError):
+    """The caller sent something invalid. Raised before any state changes."""
+
+
+class DatumError(InputError):
+    """One datum of a batch is invalid; the message names its index and key."""
+
+    def __init__(self, message: str, *, index: int | None = None, key: str | None = None):
+        where = []
+        if index is not None:
+            where.append(f"datum {index}")
+        if key is not None:
+            where.append(f"loss_fn_inputs[{key!r}]" if key not in ("model_input",) else key)
+        prefix = ", ".join(where)
+        super().__init__(f"{prefix}: {message}" if prefix else message)
+        self.index = index
+        self.key = key
+
+
+class LossConfigError(InputError):
+    """A loss_fn_config key or value is invalid."""
+
+
+class UnknownLossError(InputError):
+    """The loss name is not registered (the message lists the available ones)."""
+
+
+class UnknownNameError(InputError):
+    """An engine or dialect name is not registered."""
+
+
+class AdamParamsError(InputError):
+    """An AdamParams field is out of range."""
+
+
+class ModelLoadError(InputError):
+    """A model directory is missing or malformed."""
+
+
+class CheckpointError(InputError):
+    """A checkpoint is missing, malformed, or belongs to another model."""
+
+
+class PluginError(SkyrlError):
+    """A plugin registered something malformed."""
+
+
+class DuplicateRegistrationError(PluginError):
+    """Two plugins registered the same name."""
+
+
+class EngineError(SkyrlError, RuntimeError):
+    """The execution engine failed (for example a worker rank died)."""

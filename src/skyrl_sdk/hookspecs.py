@@ -1,0 +1,48 @@
+"""Hook specifications: the three ways a plugin extends skyrl-sdk.
+
+Each hook receives a ``register`` callback, so a plugin never touches registry internals.
+The built-in losses, dialects and the local engine are registered through these very hooks.
+Hooks are called once per process, the first time the registry is needed (each FSDP rank
+included), in plugin load order.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("skyrl_sdk")
+hookimpl = pluggy.HookimplMarker("skyrl_sdk")
+
+
+@hookspec
+def skyrl_sdk_register_losses(register):
+    """Register loss functions.
+
+    Call ``register(name, fn, *, description, required_inputs, optional_inputs=(),
+    config_cls=None, outputs=("logprobs",), role="policy", prepare=None,
+    accepts_topk_targets=False)`` once per loss. ``fn(loss_input, config) -> LossOutput``
+    works on packed tokens (see ``skyrl_sdk.losses.base``); ``config_cls`` is a frozen
+    attrs class whose fields (with defaults and validators) are the loss's config keys.
+    Malformed registrations raise ``PluginError`` at registration time.
+    """
+
+
+@hookspec
+def skyrl_sdk_register_converters(register):
+    """Register config dialects (converters from a client's loss names and configs).
+
+    Call ``register(name, convert, *, description)`` where
+    ``convert(loss_fn, loss_fn_config, role) -> (canonical_name, config_dict) | None``.
+    Returning ``None`` means "not one of my names": the name then falls through to the
+    canonical loss registry with the config unchanged.
+    """
+
+
+@hookspec
+def skyrl_sdk_register_engines(register):
+    """Register execution engines.
+
+    Call ``register(name, factory, *, description)``; ``factory(**engine_kwargs)`` returns an
+    object implementing ``skyrl_sdk.engines.base.Engine``. The Backend calls it with
+    ``model``, ``role``, ``lora``, ``seed``, ``engine_config`` keyword arguments.
+    """

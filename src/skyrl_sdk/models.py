@@ -1,0 +1,235 @@
+"""Model and tokenizer loading: the built-in ``tiny`` model or any local HF directory.
+
+``tiny`` is a small Llama (byte-level tokenizer, 320-token vocabulary) that needs no
+network: its config and tokenizer ship in the package and its weights come from the seed,
+so the same seed gives bit-identical initial weights on every machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from .errors import ModelLoadError
+from .types import LoraConfig
+
+logger = logging.getLogger(__name__)
+
+TINY_NAME = "tiny"
+TINY_DIR = Path(__file__).parent / "assets" / "tiny"
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
+TINY_VOCAB_SIZE = 320  # 256 bytes + 3 specials, rounded up for alignment
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """A printable unicode character per byte (the usual byte-level BPE alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def build_tiny_tokenizer():
+    """A byte-level tokenizer: token id = byte value, then the special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _byte_to_unicode().items()}
+    for offset, tok in enumerate(SPECIAL_TOKENS):
+        vocab[tok] = 256 + offset
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        model_max_length=2048,
+    )
+
+
+def tiny_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+@attrs.define
+class LoadedModel:
+    """A model ready for an engine: the HF module, its tokenizer, and where they came from."""
+
+    module: Any  # transformers PreTrainedModel (possibly wrapped by peft)
+    tokenizer: Any
+    tokenizer_dir: str | None
+    name: str
+    role: str
+    lora: LoraConfig | None
+
+    @property
+    def config(self):
+        return hf_model(self.module).config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def architecture(self) -> str:
+        return type(hf_model(self.module)).__name__
+
+
+def hf_model(module):
+    """The transformers model inside a possible peft wrapper."""
+    get_base = getattr(module, "get_base_model", None)
+    return get_base() if callable(get_base) else module
+
+
+def _load_config(name: str):
+    from transformers import AutoConfig
+
+    if name == TINY_NAME:
+        return tiny_config(), str(TINY_DIR)
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model {name!r}: not 'tiny' and not a local directory (no model hub is used; "
+            f"pass the path of a Hugging Face model directory)"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model {name!r}: directory has no config.json")
+    try:
+        return AutoConfig.from_pretrained(str(path)), str(path)
+    except Exception as exc:
+        raise ModelLoadError(f"model {name!r}: config.json could not be read: {exc}") from None
+
+
+def load_tokenizer(directory: str):
+    from transformers import AutoTokenizer
+
+    if Path(directory) == TINY_DIR:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(directory)
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as exc:
+        logger.warning("no tokenizer loaded from %s: %s", directory, exc)
+        return None
+
+
+def _lora_targets(model, lora: LoraConfig) -> list[str]:
+    """Names of the Linear modules LoRA should wrap, chosen by their role in the block."""
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if out_emb is not None and module is out_emb:
+            if lora.train_unembed:
+                names.append(name)
+            continue
+        parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+        parent = model.get_submodule(parent_name) if parent_name else model
+        kind = type(parent).__name__.lower()
+        if "attention" in kind or "attn" in kind:
+            if lora.train_attn:
+                names.append(name)
+        elif "mlp" in kind or "feedforward" in kind or "expert" in kind:
+            if lora.train_mlp:
+                names.append(name)
+    return names
+
+
+def apply_lora(model, lora: LoraConfig, seed: int):
+    """Wrap ``model`` with peft LoRA adapters; only the adapters train."""
+    try:
+        import peft
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ModelLoadError("LoRA needs peft: pip install 'skyrl-sdk[lora]'") from exc
+    targets = _lora_targets(model, lora)
+    if not targets:
+        raise ModelLoadError("LoRA: no Linear modules matched train_attn/train_mlp/train_unembed")
+    config = peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        bias="none",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(lora.seed if lora.seed is not None else seed)
+        return peft.get_peft_model(model, config)
+
+
+def load_model(
+    name: str = TINY_NAME,
+    *,
+    role: str = "policy",
+    lora: LoraConfig | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LoadedModel:
+    """Build or load the model for ``role`` ("policy": causal LM; "critic": per-token value head)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if role not in ("policy", "critic"):
+        raise ModelLoadError(f"role must be 'policy' or 'critic', got {role!r}")
+    config, tok_dir = _load_config(name)
+    config.use_cache = False  # packed rows must not be treated as one sequence (PLATFORM_NOTES)
+    from_scratch = name == TINY_NAME
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            if role == "critic":
+                config.num_labels = 1
+                if from_scratch:
+                    model = AutoModelForTokenClassification.from_config(config)
+                else:
+                    model = AutoModelForTokenClassification.from_pretrained(name, config=config)
+            elif from_scratch:
+                model = AutoModelForCausalLM.from_config(config)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"model {name!r} could not be loaded: {exc}") from None
+    model.to(dtype=dtype)
+    model.eval()  # no dropout: RL needs the trainer's logprobs to match the sampler's
+    if lora is not None:
+        model = apply_lora(model, lora, seed)
+        model.eval()
+    model.to(device)
+    tokenizer = load_tokenizer(tok_dir)
+    return LoadedModel(module=model, tokenizer=tokenizer, tokenizer_dir=tok_dir, name=name, role=role, lora=lora)
+
+
+def tiny_config_json() -> dict:
+    return json.loads((TINY_DIR / "config.json").read_text())

@@ -1,0 +1,163 @@
+"""One cattrs converter between skyrl-sdk objects and Tinker's JSON shape.
+
+``{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [...]}]},
+"loss_fn_inputs": {"target_tokens": {"data": [...], "dtype": "int64", "shape": [N]}}}``.
+Sparse-CSR tensors (``sparse_crow_indices`` / ``sparse_col_indices``) are densified.
+Objects of the official ``tinker.types`` are accepted duck-typed (tinker is not imported).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cattrs
+import numpy as np
+
+from .errors import InputError
+from .types import (
+    AdamParams,
+    Datum,
+    EncodedTextChunk,
+    ForwardBackwardOutput,
+    LoraConfig,
+    ModelInput,
+    TensorData,
+    densify_csr,
+    dtype_for_key,
+)
+
+converter = cattrs.Converter()
+
+
+# ---- TensorData ---------------------------------------------------------------------------
+def _unstructure_tensor(t: TensorData) -> dict[str, Any]:
+    return {"data": t.array.reshape(-1).tolist(), "dtype": t.dtype, "shape": list(t.shape)}
+
+
+def tensor_from_json(obj: Any, dtype: str | None = None) -> TensorData:
+    """Tinker's TensorData JSON (dense or sparse CSR), or a bare list."""
+    if isinstance(obj, TensorData):
+        return obj
+    if not isinstance(obj, dict):
+        return TensorData.from_list(obj, dtype or "float32")
+    if "data" not in obj:
+        raise InputError(f"tensor: expected a 'data' field, got keys {sorted(obj)}")
+    dtype = obj.get("dtype") or dtype or "float32"
+    if dtype not in ("int64", "float32"):
+        raise InputError(f"tensor: dtype must be 'int64' or 'float32', got {dtype!r}")
+    shape = obj.get("shape")
+    if obj.get("sparse_crow_indices") is not None:
+        if shape is None or obj.get("sparse_col_indices") is None:
+            raise InputError("sparse CSR tensor needs 'shape' and 'sparse_col_indices'")
+        return TensorData(densify_csr(obj["data"], obj["sparse_crow_indices"], obj["sparse_col_indices"], shape, dtype))
+    array = np.asarray(obj["data"], dtype=np.int64 if dtype == "int64" else np.float32)
+    if shape is not None:
+        if int(np.prod(shape)) != array.size:
+            raise InputError(f"tensor: shape {list(shape)} does not match {array.size} data values")
+        array = array.reshape(tuple(shape))
+    return TensorData(array)
+
+
+converter.register_unstructure_hook(TensorData, _unstructure_tensor)
+converter.register_structure_hook(TensorData, lambda obj, _: tensor_from_json(obj))
+
+
+# ---- ModelInput ---------------------------------------------------------------------------
+def _unstructure_model_input(m: ModelInput) -> dict[str, Any]:
+    return {"chunks": [{"type": "encoded_text", "tokens": c.tokens.tolist()} for c in m.chunks]}
+
+
+def model_input_from_json(obj: Any) -> ModelInput:
+    if isinstance(obj, ModelInput):
+        return obj
+    if isinstance(obj, dict):
+        chunks = []
+        for j, chunk in enumerate(obj.get("chunks", [])):
+            kind = chunk.get("type", "encoded_text")
+            if kind != "encoded_text":
+                raise InputError(f"model_input.chunks[{j}]: only 'encoded_text' chunks are supported, got {kind!r}")
+            chunks.append(EncodedTextChunk(chunk["tokens"]))
+        return ModelInput(chunks)
+    return ModelInput.from_ints(obj)
+
+
+converter.register_unstructure_hook(ModelInput, _unstructure_model_input)
+converter.register_structure_hook(ModelInput, lambda obj, _: model_input_from_json(obj))
+
+
+# ---- Datum --------------------------------------------------------------------------------
+def _unstructure_datum(d: Datum) -> dict[str, Any]:
+    return {
+        "model_input": _unstructure_model_input(d.model_input),
+        "loss_fn_inputs": {k: _unstructure_tensor(v) for k, v in d.loss_fn_inputs.items()},
+    }
+
+
+def datum_from_json(obj: dict[str, Any]) -> Datum:
+    if "model_input" not in obj:
+        raise InputError(f"datum: expected a 'model_input' field, got keys {sorted(obj)}")
+    inputs = {k: tensor_from_json(v, dtype_for_key(k)) for k, v in (obj.get("loss_fn_inputs") or {}).items()}
+    return Datum(model_input=model_input_from_json(obj["model_input"]), loss_fn_inputs=inputs)
+
+
+def datum_from_any(obj: Any) -> Datum:
+    """A skyrl Datum, a Tinker-JSON dict, or a duck-typed ``tinker.types.Datum``."""
+    if isinstance(obj, Datum):
+        return obj
+    if isinstance(obj, dict):
+        return datum_from_json(obj)
+    if hasattr(obj, "model_input") and hasattr(obj, "loss_fn_inputs"):
+        return Datum(model_input=obj.model_input, loss_fn_inputs=dict(obj.loss_fn_inputs))
+    raise InputError(f"expected a Datum, got {type(obj).__name__}")
+
+
+converter.register_unstructure_hook(Datum, _unstructure_datum)
+converter.register_structure_hook(Datum, lambda obj, _: datum_from_any(obj))
+
+
+# ---- outputs ------------------------------------------------------------------------------
+def _unstructure_fwdbwd(o: ForwardBackwardOutput) -> dict[str, Any]:
+    return {
+        "loss_fn_output_type": o.loss_fn_output_type,
+        "loss_fn_outputs": [{k: _unstructure_tensor(v) for k, v in out.items()} for out in o.loss_fn_outputs],
+        "metrics": dict(o.metrics),
+    }
+
+
+def _structure_fwdbwd(obj: dict[str, Any], _: Any) -> ForwardBackwardOutput:
+    return ForwardBackwardOutput(
+        loss_fn_output_type=obj["loss_fn_output_type"],
+        loss_fn_outputs=[{k: tensor_from_json(v) for k, v in out.items()} for out in obj["loss_fn_outputs"]],
+        metrics={k: float(v) for k, v in obj.get("metrics", {}).items()},
+    )
+
+
+converter.register_unstructure_hook(ForwardBackwardOutput, _unstructure_fwdbwd)
+converter.register_structure_hook(ForwardBackwardOutput, _structure_fwdbwd)
+
+
+def adam_params_from_any(obj: Any) -> AdamParams:
+    """AdamParams from ours, a dict, or a duck-typed ``tinker.types.AdamParams``."""
+    if isinstance(obj, AdamParams):
+        return obj
+    if isinstance(obj, dict):
+        return converter.structure(obj, AdamParams)
+    fields = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    return AdamParams(**{f: getattr(obj, f) for f in fields if getattr(obj, f, None) is not None})
+
+
+def lora_config_from_any(obj: Any) -> LoraConfig | None:
+    if obj is None or isinstance(obj, LoraConfig):
+        return obj
+    if isinstance(obj, dict):
+        return converter.structure(obj, LoraConfig)
+    names = ("rank", "alpha", "seed", "train_mlp", "train_attn", "train_unembed")
+    return LoraConfig(**{n: getattr(obj, n) for n in names if getattr(obj, n, None) is not None})
+
+
+def unstructure(obj: Any) -> Any:
+    return converter.unstructure(obj)
+
+
+def structure(obj: Any, cls: type) -> Any:
+    return converter.structure(obj, cls)

@@ -1,0 +1,112 @@
+"""Checks every datum of a call before any compute, so bad input changes no state.
+
+Messages name the datum index, the key, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .errors import DatumError, InputError
+from .losses.base import LossSpec
+from .types import Datum
+
+
+def check_loss_inputs(
+    spec: LossSpec, shapes: Mapping[str, tuple[int, ...]], n: int, *, index: int, need_targets: bool = True
+) -> None:
+    """Required keys present, no unknown keys, first dimension equal to the datum length."""
+    accepted = set(spec.required_inputs) | set(spec.optional_inputs)
+    for key in spec.required_inputs:
+        if key == "target_tokens" and not need_targets:
+            continue
+        if key not in shapes:
+            raise DatumError(
+                f"loss {spec.name!r} requires input {key!r} (required: {list(spec.required_inputs)}), "
+                f"got keys {sorted(shapes)}",
+                index=index,
+            )
+    for key, shape in shapes.items():
+        if key not in accepted:
+            raise DatumError(
+                f"loss {spec.name!r} does not take this input; accepted inputs: "
+                f"{sorted(accepted)}",
+                index=index,
+                key=key,
+            )
+        if len(shape) == 0 or shape[0] != n:
+            raise DatumError(
+                f"expected first dimension {n} (the model_input length), got shape {list(shape)}",
+                index=index,
+                key=key,
+            )
+        topk_ok = spec.accepts_topk_targets and key in ("target_tokens", "weights")
+        if len(shape) != 1 and not (topk_ok and len(shape) == 2):
+            expected = "(N,) or (N, K)" if topk_ok else "(N,)"
+            raise DatumError(f"expected shape {expected} with N={n}, got {list(shape)}", index=index, key=key)
+    if spec.accepts_topk_targets and "target_tokens" in shapes and "weights" in shapes:
+        if shapes["target_tokens"] != shapes["weights"]:
+            raise DatumError(
+                f"weights shape {list(shapes['weights'])} must equal target_tokens shape "
+                f"{list(shapes['target_tokens'])}",
+                index=index,
+                key="weights",
+            )
+
+
+def coerce_data(data: Any) -> list[Datum]:
+    """Accept a list of Datum, tinker Datum (duck-typed) or Tinker-JSON dicts."""
+    from .serde import datum_from_any
+
+    if isinstance(data, (Datum, dict)) or not isinstance(data, Sequence) or isinstance(data, (str, bytes)):
+        raise InputError(f"data must be a list of Datum, got {type(data).__name__}")
+    if len(data) == 0:
+        raise InputError("data is empty: forward_backward needs at least one Datum")
+    out = []
+    for i, d in enumerate(data):
+        try:
+            out.append(datum_from_any(d))
+        except DatumError:
+            raise
+        except (InputError, TypeError, ValueError, KeyError) as exc:
+            raise DatumError(f"not a valid Datum: {exc}", index=i) from None
+    return out
+
+
+def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None) -> None:
+    """Validate a whole batch against a loss; raise :class:`DatumError` on the first problem."""
+    for i, datum in enumerate(data):
+        tokens = datum.model_input.to_numpy()
+        n = int(tokens.shape[0])
+        if n == 0:
+            raise DatumError("model_input is empty; expected at least one token", index=i, key="model_input")
+        if vocab_size is not None:
+            _check_token_range(tokens, vocab_size, i, "model_input")
+        shapes = {k: v.shape for k, v in datum.loss_fn_inputs.items()}
+        check_loss_inputs(spec, shapes, n, index=i)
+        for key, tensor in datum.loss_fn_inputs.items():
+            array = tensor.array
+            if key == "target_tokens":
+                if vocab_size is not None:
+                    _check_token_range(array, vocab_size, i, key)
+            elif array.size and not np.isfinite(array).all():
+                bad = int(np.flatnonzero(~np.isfinite(array.reshape(-1)))[0])
+                raise DatumError(
+                    f"expected finite values, got {array.reshape(-1)[bad]} at flat position {bad}", index=i, key=key
+                )
+
+
+def _check_token_range(tokens: np.ndarray, vocab_size: int, index: int, key: str) -> None:
+    if tokens.size == 0:
+        return
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = int(np.flatnonzero((tokens.reshape(-1) < 0) | (tokens.reshape(-1) >= vocab_size))[0])
+        raise DatumError(
+            f"token ids must be in [0, {vocab_size}) (the vocabulary size), got {int(tokens.reshape(-1)[bad])} "
+            f"at flat position {bad}",
+            index=index,
+            key=key,
+        )
