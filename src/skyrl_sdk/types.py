@@ -8,6 +8,7 @@ per-element Python loops on the hot path.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Literal, Mapping, Sequence
 
 import attrs
@@ -241,16 +242,24 @@ def _check_range(name: str, value: float, low: float | None, high: float | None,
         raise AdamParamsError(f"AdamParams.{name}: expected {'<' if high_open else '<='} {high}, got {value!r}")
 
 
+def _real_to_float(value: Any) -> Any:
+    """numpy scalars (e.g. a learning rate from a numpy schedule) become plain floats;
+    anything else is left for the range check to reject with the field's name."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
 @attrs.frozen
 class AdamParams:
     """AdamW hyper-parameters of one optim_step; Tinker's names and defaults. All are honoured."""
 
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0 = no clipping
+    learning_rate: float = attrs.field(default=1e-4, converter=_real_to_float)
+    beta1: float = attrs.field(default=0.9, converter=_real_to_float)
+    beta2: float = attrs.field(default=0.95, converter=_real_to_float)
+    eps: float = attrs.field(default=1e-12, converter=_real_to_float)
+    weight_decay: float = attrs.field(default=0.0, converter=_real_to_float)
+    grad_clip_norm: float = attrs.field(default=0.0, converter=_real_to_float)  # 0 = no clipping
 
     def __attrs_post_init__(self) -> None:
         _check_range("learning_rate", self.learning_rate, 0.0, None)
@@ -266,14 +275,28 @@ def _positive_int(instance, attribute, value):
         raise InputError(f"LoraConfig.{attribute.name}: expected a positive integer, got {value!r}")
 
 
+def _positive_number(instance, attribute, value):
+    if not _is_finite_number(value) or value <= 0:
+        raise InputError(f"LoraConfig.{attribute.name}: expected a finite number > 0, got {value!r}")
+
+
+def _probability(instance, attribute, value):
+    if not _is_finite_number(value) or not 0 <= value < 1:
+        raise InputError(f"LoraConfig.{attribute.name}: expected 0 <= value < 1, got {value!r}")
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @attrs.frozen
 class LoraConfig:
     """LoRA adapters (trained with peft). ``alpha`` defaults to 32 like Tinker."""
 
     rank: int = attrs.field(default=8, validator=_positive_int)
-    alpha: float = 32.0
+    alpha: float = attrs.field(default=32.0, validator=_positive_number)
     seed: int | None = None
-    dropout: float = 0.0
+    dropout: float = attrs.field(default=0.0, validator=_probability)
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True

@@ -8,6 +8,7 @@ is callable from a Tinker client by its own name.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Mapping
 
 from ..errors import LossConfigError
@@ -40,7 +41,7 @@ def _thresholds(cfg: Mapping[str, Any], loss: str) -> dict[str, float]:
     lo = cfg.get("clip_low_threshold")
     hi = cfg.get("clip_high_threshold")
     for key, value in (("clip_low_threshold", lo), ("clip_high_threshold", hi)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value):
             raise LossConfigError(f"loss_fn_config[{key!r}]: expected a number, got {value!r}")
     if lo is not None and not 0.0 <= lo <= 1.0:
         raise LossConfigError(f"loss_fn_config['clip_low_threshold']: expected 0 <= value <= 1 (an absolute ratio bound), got {lo}")

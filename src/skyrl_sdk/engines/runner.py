@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -145,9 +145,10 @@ class ModelRunner:
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         optimizer = self._ensure_optimizer()
-        grads = [p.grad for _, p in self.named_trainable() if p.grad is not None]
-        if grad_scale != 1.0:
-            torch._foreach_mul_(grads, grad_scale) if grads else None
+        with_grads = [p for _, p in self.named_trainable() if p.grad is not None]
+        grads = [p.grad for p in with_grads]
+        if grad_scale != 1.0 and grads:
+            torch._foreach_mul_(grads, grad_scale)
         norm = self.grad_norm(grads)
         norm_value = float(norm)
         metrics = {"grad_norm": norm_value, "learning_rate": float(params.learning_rate)}
@@ -157,7 +158,7 @@ class ModelRunner:
             metrics.update(skipped=1.0, grad_norm_clipped=norm_value, step=float(self.step_count))
             return metrics
         if params.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(grads, params.grad_clip_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(with_grads, params.grad_clip_norm, norm)
             metrics["grad_norm_clipped"] = min(norm_value, params.grad_clip_norm)
         else:
             metrics["grad_norm_clipped"] = norm_value
@@ -201,7 +202,3 @@ class ModelRunner:
                 "exp_avg_sq": conv(tensors[f"{name}::exp_avg_sq"], p.detach()),
             }
 
-
-def iter_chunks(items: Sequence, size: int) -> Iterable[Sequence]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]

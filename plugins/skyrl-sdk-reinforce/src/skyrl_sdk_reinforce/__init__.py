@@ -1,0 +1,47 @@
+"""REINFORCE for skyrl-sdk: ``loss = -sum(advantages * logprobs * weights)``.
+
+A complete third-party loss plugin in one module. It is found through the ``skyrl_sdk``
+entry point declared in this package's pyproject.toml and registered through the same
+hook the built-in losses use, so every engine and both dialects can call it by name.
+"""
+
+from __future__ import annotations
+
+import skyrl_sdk
+from skyrl_sdk import metrics
+from skyrl_sdk.losses import LossInput, LossOutput
+
+__version__ = "0.1.0"
+
+
+def reinforce(batch: LossInput, config: None) -> LossOutput:
+    """Vanilla policy gradient on packed tokens; a plain sum, so micro-batching cannot change it."""
+    lp = batch.target_logprobs
+    adv = batch.inputs["advantages"]
+    mask = batch.mask().to(lp.dtype)
+    per_token = -(adv * lp * mask)
+    # The positions metrics count: like the built-in policy losses, prompt positions that
+    # Tinker clients send with advantage 0 and no weights are not "loss tokens".
+    weights = batch.get("weights")
+    scored = weights != 0 if weights is not None else adv != 0
+    return LossOutput(
+        loss=per_token.sum(),
+        elementwise_loss=per_token.detach(),
+        scored=scored,
+        metrics={
+            "pg_loss:sum": metrics.total(per_token),
+            "num_loss_tokens:sum": metrics.total(scored.float()),
+        },
+    )
+
+
+@skyrl_sdk.hookimpl
+def skyrl_sdk_register_losses(register):
+    register(
+        "reinforce",
+        reinforce,
+        description="REINFORCE policy gradient, -sum(advantages * logprobs * weights).",
+        required_inputs=("target_tokens", "advantages"),
+        optional_inputs=("weights",),
+        outputs=("logprobs", "elementwise_loss"),
+    )

@@ -1,0 +1,280 @@
+"""The ``skyrl-sdk`` command: inspect plugins and losses, run the demo, serve over HTTP.
+
+Every listing has a ``--json`` form that prints exactly one JSON document on stdout (logs
+and warnings go to stderr), so scripts and tests can read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+import attrs
+
+from . import __version__
+from .errors import SkyrlError
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "SKYRL_SDK_API_KEY"
+
+
+# ---- output helpers -----------------------------------------------------------------------
+
+
+def _print_json(doc: Any) -> None:
+    # repr() keeps odd config defaults (e.g. an enum) printable instead of crashing.
+    print(json.dumps(doc, indent=2, sort_keys=False, default=repr))
+
+
+def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Left-aligned columns, two spaces apart; the last column is not padded."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    for row in [headers, *rows]:
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths)] + [str(row[-1])]
+        print("  ".join(cells).rstrip())
+
+
+# ---- plugins ------------------------------------------------------------------------------
+
+
+def plugin_rows() -> list[dict[str, Any]]:
+    """One dict per plugin, loaded or failed, in load order."""
+    from .plugins import get_plugins
+
+    return [info.to_dict() for info in get_plugins().plugins]
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    rows = plugin_rows()
+    if args.json:
+        _print_json(rows)
+        return 0
+    _print_table(
+        ("NAME", "PACKAGE", "VERSION", "BUILTIN", "REGISTERED"),
+        [
+            (
+                r["name"], r["package"], r["version"], "yes" if r["builtin"] else "no",
+                f"ERROR: {r['error']}" if r["error"] else (", ".join(r["registered"]) or "-"),
+            )
+            for r in rows
+        ],
+    )
+    return 0
+
+
+# ---- losses -------------------------------------------------------------------------------
+
+
+def dialect_names(dialect: Any, spec: Any) -> list[str]:
+    """The names a client of ``dialect`` calls ``spec`` by.
+
+    Asks the dialect's own converter (its ``convert.names`` lists the names it maps), so the
+    tables stay in the dialect; a canonical name the dialect does not claim falls through
+    to the registry and is callable as it is.
+    """
+    names = []
+    for name in getattr(dialect.convert, "names", ()):
+        try:
+            converted = dialect.convert(name, None, spec.role)
+        except Exception:  # a name that needs a config is still listed by its owner's docs
+            continue
+        if converted is not None and converted[0] == spec.name:
+            names.append(name)
+    try:
+        shadowed = dialect.convert(spec.name, None, spec.role) is not None
+    except Exception:
+        shadowed = True
+    if not shadowed and spec.name not in names:
+        names.append(spec.name)
+    return names
+
+
+def config_defaults(spec: Any) -> dict[str, Any]:
+    """Default config values, as an instance built with no arguments holds them (factories run)."""
+    if spec.config_cls is None:
+        return {}
+    return attrs.asdict(spec.config_cls(), recurse=False)
+
+
+def loss_rows(dialect: str | None = None) -> list[dict[str, Any]]:
+    """One dict per registered loss, sorted by name."""
+    from .plugins import get_registry
+
+    registry = get_registry()
+    dialects = registry.dialects if dialect is None else {dialect: registry.dialects[dialect]}
+    rows = []
+    for name in sorted(registry.losses):
+        spec = registry.losses[name]
+        rows.append({
+            "name": spec.name,
+            "plugin": registry.owners.get(("loss", name)),
+            "role": spec.role,
+            "dialect_names": {d: dialect_names(ds, spec) for d, ds in dialects.items()},
+            "required_inputs": list(spec.required_inputs),
+            "optional_inputs": list(spec.optional_inputs),
+            "outputs": list(spec.outputs),
+            "config": config_defaults(spec),
+            "accepts_topk_targets": spec.accepts_topk_targets,
+            "description": spec.description,
+        })
+    return rows
+
+
+def _loss_text(row: dict[str, Any]) -> tuple[str, ...]:
+    names = "; ".join(f"{d}: {', '.join(n) or '-'}" for d, n in row["dialect_names"].items())
+    inputs = ", ".join(row["required_inputs"])
+    if row["optional_inputs"]:
+        inputs += " [" + ", ".join(row["optional_inputs"]) + "]"
+    config = ", ".join(f"{k}={v!r}" for k, v in row["config"].items()) or "-"
+    return (row["name"], row["role"], names, inputs, config, row["description"])
+
+
+def cmd_losses(args: argparse.Namespace) -> int:
+    from .plugins import get_registry
+
+    if args.dialect is not None and args.dialect not in get_registry().dialects:
+        print(f"skyrl-sdk: unknown dialect {args.dialect!r}; available: {sorted(get_registry().dialects)}",
+              file=sys.stderr)
+        return 2
+    rows = loss_rows(args.dialect)
+    if args.json:
+        _print_json(rows)
+        return 0
+    _print_table(("NAME", "ROLE", "CALLED AS", "INPUTS [optional]", "CONFIG DEFAULTS", "DESCRIPTION"),
+                 [_loss_text(r) for r in rows])
+    return 0
+
+
+# ---- version ------------------------------------------------------------------------------
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    if not args.json:
+        print(f"skyrl-sdk {__version__}")
+        return 0
+    deps = ("torch", "transformers", "pluggy", "attrs", "cattrs", "tinker")
+    _print_json({
+        "skyrl_sdk": __version__,
+        "python": sys.version.split()[0],
+        **{d: _dist_version(d) for d in deps},
+    })
+    return 0
+
+
+# ---- demo / serve (written elsewhere, imported only when used) ----------------------------
+
+
+def _lazy(module: str, func: str, hint: str) -> Callable[[argparse.Namespace], int]:
+    """A handler that imports ``module`` on use, so listing plugins never pulls in a server."""
+
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            why = "not in this installation" if (exc.name or "").startswith("skyrl_sdk") else hint
+            print(f"skyrl-sdk {args.command}: cannot import {exc.name!r} ({why})", file=sys.stderr)
+            return 2
+        result = getattr(mod, func)(args)
+        return int(result or 0)
+
+    return handler
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("demo", parents=[common], help="train the tiny model: SFT, then a few RL steps")
+    p.add_argument("--steps", type=int, default=120, help="supervised steps (default 120)")
+    p.add_argument("--rl-steps", type=int, default=16, help="RL steps after SFT (default 16)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON document")
+    p.add_argument("--out", default="./skyrl-demo-out", help="output directory (default ./skyrl-demo-out)")
+    p.add_argument("--short", action="store_true", help="a tiny run (for tests)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.set_defaults(func=_lazy("skyrl_sdk.demo", "main", "is skyrl-sdk fully installed?"))
+
+
+def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("serve", parents=[common], help="serve models over Tinker's HTTP API")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--model", action="append", default=None, dest="model",
+                   help="a model to serve: 'tiny' or a local HF directory; repeatable (default: tiny)")
+    p.add_argument("--engine", default="local", help="engine name (default local)")
+    p.add_argument("--engine-config", type=_json_object, default=None, metavar="JSON",
+                   help='engine options as a JSON object, e.g. \'{"device": "cpu"}\'')
+    p.add_argument("--state-dir", default="./skyrl-server-state",
+                   help="checkpoints and saved weights (default ./skyrl-server-state)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"required X-API-Key (default: ${API_KEY_ENV}; unset accepts any key)")
+    p.set_defaults(func=_lazy("skyrl_sdk.server.app", "serve", "pip install 'skyrl-sdk[server]'"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # -v is accepted before or after the subcommand; SUPPRESS keeps a later default from
+    # overwriting an earlier -v.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="more logging (-v info, -vv debug)")
+    parser = argparse.ArgumentParser(prog="skyrl-sdk", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("plugins", parents=[common], help="list plugins and what each registered")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("losses", parents=[common], help="list losses: names per dialect, inputs, config")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--dialect", default=None, help="show only the names of this dialect")
+    p.set_defaults(func=cmd_losses)
+
+    p = sub.add_parser("version", parents=[common], help="print the version")
+    p.add_argument("--json", action="store_true", help="also the versions of key dependencies, as JSON")
+    p.set_defaults(func=cmd_version)
+
+    _add_demo(sub, common)
+    _add_serve(sub, common)
+    return parser
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "model", "absent") is None:
+        args.model = ["tiny"]  # an append default would be appended to, so fill it here
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except SkyrlError as exc:
+        print(f"skyrl-sdk: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

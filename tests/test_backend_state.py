@@ -1,0 +1,183 @@
+"""Checkpoints, exports, LoRA and the critic role."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import skyrl_sdk
+from skyrl_sdk import errors, types
+
+from conftest import assert_tensors_close, make_rl_data, make_sft_data, weights_of
+
+ADAM = types.AdamParams(learning_rate=5e-3, beta1=0.85, beta2=0.98, weight_decay=0.01, grad_clip_norm=1.0)
+
+
+def _train(backend, batches):
+    for data in batches:
+        backend.forward_backward(data)
+        backend.optim_step(ADAM)
+
+
+@pytest.mark.parametrize("lora", [None, types.LoraConfig(rank=4)])
+def test_resume_equals_never_stopping_even_with_another_seed(tmp_path, lora):
+    batches = [make_sft_data([5, 9], seed=s) for s in range(4)]
+    with skyrl_sdk.Backend(seed=0, lora=lora) as straight:
+        _train(straight, batches)
+        want = weights_of(straight)
+    with skyrl_sdk.Backend(seed=0, lora=lora) as first:
+        _train(first, batches[:2])
+        first.save_state(tmp_path / "state")
+    assert not any(p.name.startswith(".state.tmp") for p in tmp_path.iterdir())
+    with skyrl_sdk.Backend(seed=123, lora=lora) as resumed:
+        resumed.load_state(tmp_path / "state", optimizer=True)
+        _train(resumed, batches[2:])
+        assert_tensors_close(weights_of(resumed), want, atol=1e-6)
+
+
+def test_load_state_without_optimizer_resets_moments(tmp_path):
+    batches = [make_sft_data([5, 9], seed=s) for s in range(2)]
+    with skyrl_sdk.Backend(seed=0) as a:
+        _train(a, batches[:1])
+        a.save_state(tmp_path / "s")
+        _train(a, batches[1:])
+        with_moments = weights_of(a)
+    with skyrl_sdk.Backend(seed=0) as b:
+        b.load_state(tmp_path / "s", optimizer=False)
+        _train(b, batches[1:])
+        diff = max(float((weights_of(b)[k] - with_moments[k]).abs().max()) for k in with_moments)
+        assert diff > 1e-6
+
+
+def test_state_files_are_safetensors_and_json(tmp_path):
+    with skyrl_sdk.Backend(seed=0) as b:
+        _train(b, [make_sft_data([4], seed=0)])
+        b.save_state(tmp_path / "s")
+    names = sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert names == ["model.safetensors", "optimizer.safetensors", "skyrl_state.json"]
+    meta = json.loads((tmp_path / "s" / "skyrl_state.json").read_text())
+    assert meta["identity"]["architecture"] == "LlamaForCausalLM"
+    assert meta["engine_state"]["step"] == 1
+
+
+def test_state_of_another_model_is_refused(tmp_path):
+    with skyrl_sdk.Backend(seed=0, lora=types.LoraConfig(rank=2)) as b:
+        b.save_state(tmp_path / "lora")
+    with skyrl_sdk.Backend(seed=0, role="critic") as c:
+        c.save_state(tmp_path / "critic")
+    with skyrl_sdk.Backend(seed=0) as full:
+        before = weights_of(full)
+        with pytest.raises(errors.CheckpointError, match="another model"):
+            full.load_state(tmp_path / "lora")
+        with pytest.raises(errors.CheckpointError, match="another model"):
+            full.load_state(tmp_path / "critic")
+        with pytest.raises(errors.CheckpointError, match="no checkpoint"):
+            full.load_state(tmp_path / "missing")
+        assert_tensors_close(weights_of(full), before, atol=0.0)
+
+
+def test_save_refuses_to_overwrite_and_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
+    with skyrl_sdk.Backend(seed=0) as b:
+        b.save_state(tmp_path / "s")
+        with pytest.raises(errors.CheckpointError, match="already exists"):
+            b.save_state(tmp_path / "s")
+        b.save_state(tmp_path / "s", overwrite=True)
+
+        def explode(directory, **kwargs):
+            (directory / "config.json").write_text("{}")
+            raise RuntimeError("disk full")
+
+        monkeypatch.setattr(b.engine, "export_weights", explode)
+        with pytest.raises(RuntimeError, match="disk full"):
+            b.save_weights_for_sampler(tmp_path / "export")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def _hf_logprobs(directory, data):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory))
+    out = []
+    with torch.no_grad():
+        for d in data:
+            logits = model(input_ids=torch.from_numpy(d.model_input.to_numpy()).unsqueeze(0)).logits[0].float()
+            tgt = torch.from_numpy(d.loss_fn_inputs["target_tokens"].array)
+            out.append(torch.log_softmax(logits, -1).gather(1, tgt.unsqueeze(1)).squeeze(1).numpy())
+    return out
+
+
+@pytest.mark.parametrize("lora", [None, types.LoraConfig(rank=4, alpha=16)])
+def test_exported_directory_reproduces_backend_logprobs(tmp_path, lora):
+    from transformers import AutoTokenizer
+
+    data = make_sft_data([6, 10], seed=5)
+    with skyrl_sdk.Backend(seed=0, lora=lora) as b:
+        _train(b, [make_sft_data([8, 8], seed=s) for s in range(2)])
+        want = b.forward(data).loss_fn_outputs
+        b.save_weights_for_sampler(tmp_path / "hf")
+    files = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= files
+    for got, w in zip(_hf_logprobs(tmp_path / "hf", data), want):
+        np.testing.assert_allclose(got, w["logprobs"].to_numpy(), atol=2e-5)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert tok.decode(tok("7+8=15")["input_ids"]) == "7+8=15"
+
+
+def test_lora_adapter_only_export_loads_with_peft(tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    data = make_sft_data([6], seed=5)
+    with skyrl_sdk.Backend(seed=0, lora=types.LoraConfig(rank=4)) as b:
+        _train(b, [make_sft_data([8, 8], seed=1)])
+        want = b.forward(data).loss_fn_outputs[0]["logprobs"].to_numpy()
+        b.save_weights_for_sampler(tmp_path / "base", merge_lora=True)
+        b.save_weights_for_sampler(tmp_path / "adapter", merge_lora=False)
+        # a base directory for the adapter: the initial (seed 0) weights
+    with skyrl_sdk.Backend(seed=0) as base:
+        base.save_weights_for_sampler(tmp_path / "init")
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tmp_path / "init")), str(tmp_path / "adapter"))
+    ids = torch.from_numpy(data[0].model_input.to_numpy()).unsqueeze(0)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    got = logp.gather(1, torch.from_numpy(data[0].loss_fn_inputs["target_tokens"].array).unsqueeze(1)).squeeze(1)
+    np.testing.assert_allclose(got.numpy(), want, atol=2e-5)
+
+
+def test_lora_trains_only_adapters_and_reports_info():
+    with skyrl_sdk.Backend(seed=0, lora=types.LoraConfig(rank=4, train_unembed=False)) as b:
+        info = b.get_info()
+        assert info.is_lora and info.lora_rank == 4
+        assert 0 < info.num_trainable_parameters < info.num_parameters
+        names = [n for n, _ in b.engine.runner.named_trainable()]
+        assert names and all("lora_" in n for n in names)
+        assert not any("lm_head" in n for n in names)
+
+
+def _critic_data(seed=0):
+    rng = np.random.default_rng(seed)
+    data = []
+    for n in (6, 9, 4):
+        tokens = rng.integers(0, 256, n)
+        returns = ((tokens % 7) / 3.0 - 1.0).astype(np.float32)  # learnable from the current token
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                                loss_fn_inputs={"values": np.zeros(n, np.float32), "returns": returns}))
+    return data
+
+
+def test_critic_value_loss_falls_and_forward_returns_values():
+    data = _critic_data()
+    losses = []
+    with skyrl_sdk.Backend(seed=0, role="critic") as critic:
+        for _ in range(25):
+            out = critic.forward_backward(data, "value", {"value_clip": 10.0})
+            losses.append(out.metrics["loss:sum"])
+            critic.optim_step(types.AdamParams(learning_rate=1e-2))
+        fwd = critic.forward(data, "ppo", {"value_clip": 10.0})  # Tinker's ppo on a critic = value loss
+        assert fwd.loss_fn_outputs[0]["values"].shape == (6,)
+    assert losses[-1] < 0.5 * losses[0]
+

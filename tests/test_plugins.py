@@ -1,0 +1,366 @@
+"""The plugin manager: built-ins, real entry points, failure isolation, duplicates, restriction.
+
+Third-party plugins are real installed distributions: each test writes a module and a
+``*.dist-info`` folder (``METADATA`` + ``entry_points.txt``) into a temporary directory on
+``sys.path``, which ``importlib.metadata`` finds exactly like a pip-installed package.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import attrs
+import pytest
+
+from skyrl_sdk import plugins
+from skyrl_sdk.errors import DuplicateRegistrationError, PluginError
+from skyrl_sdk.registry import Registry
+
+HOOKS = ("skyrl_sdk_register_losses", "skyrl_sdk_register_converters", "skyrl_sdk_register_engines")
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugins(monkeypatch):
+    """Each test starts and ends with an empty plugin cache and no SKYRL_SDK_PLUGINS."""
+    monkeypatch.delenv(plugins.ENV_VAR, raising=False)
+    plugins.reset()
+    yield
+    plugins.reset()
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A fresh 'site-packages' on sys.path; returns ``install(dist, modules, entry_points)``."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    installed: list[str] = []
+
+    def install(dist: str, modules: dict[str, str], entry_points: dict[str, str], version: str = "1.2.3") -> None:
+        for module, source in modules.items():
+            (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+            installed.append(module)
+        info = tmp_path / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
+        (info / "entry_points.txt").write_text(f"[skyrl_sdk]\n{lines}")
+
+    yield install
+    for module in installed:
+        sys.modules.pop(module, None)
+
+
+def loss_plugin(name: str, extra: str = "") -> str:
+    """Source of a plugin module registering a cross-entropy-like loss called ``name``."""
+    return f"""
+        import skyrl_sdk
+        from skyrl_sdk.losses import LossOutput
+
+        def fn(batch, config):
+            return LossOutput(loss=-batch.target_logprobs.sum())
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_losses(register):
+            register({name!r}, fn, description="test loss", required_inputs=("target_tokens",))
+            {extra}
+    """
+
+
+def info_of(name: str) -> plugins.PluginInfo:
+    return next(p for p in plugins.get_plugins().plugins if p.name == name)
+
+
+# ---- built-ins ---------------------------------------------------------------------------
+
+
+def test_builtins_are_registered_through_the_same_hooks():
+    loaded = plugins.get_plugins()
+    for module_name in plugins.BUILTIN_PLUGINS:
+        module = sys.modules[module_name]
+        assert loaded.manager.get_plugin(module_name) is module
+        info = info_of(module_name)
+        assert (info.package, info.builtin, info.error) == ("skyrl-sdk", True, None)
+    impls = {impl.plugin_name for impl in loaded.manager.hook.skyrl_sdk_register_losses.get_hookimpls()}
+    assert "skyrl_sdk.losses.sft" in impls
+    registry = loaded.registry
+    assert registry.owners[("loss", "cross_entropy")] == "skyrl_sdk.losses.sft"
+    assert registry.owners[("dialect", "tinker")] == "skyrl_sdk.converters.tinker"
+    assert registry.owners[("dialect", "native")] == "skyrl_sdk.converters.native"
+    assert "loss:cross_entropy" in info_of("skyrl_sdk.losses.sft").registered
+
+
+def test_builtins_come_first_and_are_cached():
+    loaded = plugins.get_plugins()
+    names = [p.name for p in loaded.plugins]
+    assert names[: len(plugins.BUILTIN_PLUGINS)] == list(plugins.BUILTIN_PLUGINS)
+    assert plugins.get_plugins() is loaded
+    plugins.reset()
+    assert plugins.get_plugins() is not loaded
+
+
+def test_a_failing_builtin_is_not_hidden(site, monkeypatch):
+    site("unused-dist", {"skyrl_fake_builtin": loss_plugin("fake_builtin", "raise RuntimeError('boom')")}, {})
+    monkeypatch.setattr(plugins, "BUILTIN_PLUGINS", (*plugins.BUILTIN_PLUGINS, "skyrl_fake_builtin"))
+    with pytest.raises(RuntimeError, match="boom"):
+        plugins.load_plugins()
+
+
+# ---- real entry points -------------------------------------------------------------------
+
+
+def test_reinforce_found_through_its_real_entry_point():
+    pytest.importorskip("skyrl_sdk_reinforce", reason="pip install -e plugins/skyrl-sdk-reinforce")
+    info = info_of("reinforce")
+    assert (info.package, info.builtin, info.error) == ("skyrl-sdk-reinforce", False, None)
+    assert info.version == "0.1.0"
+    assert info.registered == ("loss:reinforce",)
+    assert plugins.get_registry().owners[("loss", "reinforce")] == "reinforce"
+
+
+def test_installed_plugin_registers_all_three_kinds(site):
+    site(
+        "skyrl-fake-all",
+        {
+            "skyrl_fake_all": loss_plugin("fake_all_loss") + """
+        def convert(loss_fn, loss_fn_config, role):
+            return ("fake_all_loss", {}) if loss_fn == "alias" else None
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_converters(register):
+            register("fake_dialect", convert, description="test dialect")
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_engines(register):
+            register("fake_engine", lambda **kw: kw, description="test engine")
+        """
+        },
+        {"fake_all": "skyrl_fake_all"},
+        version="4.5.6",
+    )
+    info = info_of("fake_all")
+    assert (info.package, info.version, info.builtin, info.error) == ("skyrl-fake-all", "4.5.6", False, None)
+    assert info.registered == ("loss:fake_all_loss", "dialect:fake_dialect", "engine:fake_engine")
+    registry = plugins.get_registry()
+    assert registry.dialects["fake_dialect"].convert("alias", None, "policy") == ("fake_all_loss", {})
+    assert registry.engines["fake_engine"].factory(model="m") == {"model": "m"}
+
+
+def test_entry_point_may_name_an_object(site):
+    source = loss_plugin("fake_obj_loss") + """
+        class Holder:
+            skyrl_sdk_register_losses = staticmethod(skyrl_sdk_register_losses)
+
+        holder = Holder()
+    """
+    site("skyrl-fake-obj", {"skyrl_fake_obj": source}, {"fake_obj": "skyrl_fake_obj:holder"})
+    assert "fake_obj_loss" in plugins.get_registry().losses
+
+
+# ---- failure isolation -------------------------------------------------------------------
+
+
+def test_plugin_that_fails_to_import_is_reported_and_skipped(site):
+    site("skyrl-fake-broken", {"skyrl_fake_broken": "raise ImportError('needs libfoo')\n"},
+         {"broken": "skyrl_fake_broken"}, version="0.0.1")
+    site("skyrl-fake-good", {"skyrl_fake_good": loss_plugin("fake_good_loss")}, {"good": "skyrl_fake_good"})
+    broken = info_of("broken")
+    assert (broken.package, broken.version, broken.builtin, broken.registered) == (
+        "skyrl-fake-broken", "0.0.1", False, ()
+    )
+    assert "import failed" in broken.error and "needs libfoo" in broken.error
+    assert info_of("good").error is None
+    assert "fake_good_loss" in plugins.get_registry().losses
+
+
+def test_plugin_that_raises_while_registering_is_rolled_back(site):
+    partial = loss_plugin("fake_partial", "raise RuntimeError('half way')")
+    site("skyrl-fake-partial", {"skyrl_fake_partial": partial}, {"a_partial": "skyrl_fake_partial"})
+    # Loads after a_partial (sorted by name) and claims the same name: fine once rolled back.
+    site("skyrl-fake-after", {"skyrl_fake_after": loss_plugin("fake_partial")}, {"b_after": "skyrl_fake_after"})
+    loaded = plugins.get_plugins()
+    info = info_of("a_partial")
+    assert info.registered == () and info.package == "skyrl-fake-partial"
+    assert "registration failed" in info.error and "half way" in info.error
+    assert loaded.registry.owners[("loss", "fake_partial")] == "b_after"
+    assert "a_partial" not in loaded.registry.registered_by
+    assert loaded.manager.get_plugin("a_partial") is None
+    assert "cross_entropy" in loaded.registry.losses
+
+
+def test_plugin_with_a_wrong_hook_signature_is_isolated(site):
+    bad = """
+        import skyrl_sdk
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_losses(register, unknown_argument):
+            pass
+    """
+    site("skyrl-fake-badsig", {"skyrl_fake_badsig": bad}, {"badsig": "skyrl_fake_badsig"})
+    site("skyrl-fake-fine", {"skyrl_fake_fine": loss_plugin("fake_fine_loss")}, {"fine": "skyrl_fake_fine"})
+    assert "registration failed" in info_of("badsig").error
+    assert "fake_fine_loss" in plugins.get_registry().losses
+
+
+def test_malformed_registration_in_a_plugin_is_reported(site):
+    bad = """
+        import skyrl_sdk
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_losses(register):
+            register("fake_bad_role", lambda b, c: None, description="x",
+                     required_inputs=("target_tokens",), role="judge")
+    """
+    site("skyrl-fake-bad", {"skyrl_fake_bad": bad}, {"bad": "skyrl_fake_bad"})
+    error = info_of("bad").error
+    assert "PluginError" in error and "role" in error
+    assert "fake_bad_role" not in plugins.get_registry().losses
+
+
+# ---- duplicates --------------------------------------------------------------------------
+
+
+def test_two_plugins_registering_one_loss_name_raise_naming_both(site):
+    site("skyrl-fake-one", {"skyrl_fake_one": loss_plugin("fake_dup")}, {"first": "skyrl_fake_one"})
+    site("skyrl-fake-two", {"skyrl_fake_two": loss_plugin("fake_dup")}, {"second": "skyrl_fake_two"})
+    with pytest.raises(DuplicateRegistrationError) as excinfo:
+        plugins.get_plugins()
+    message = str(excinfo.value)
+    assert "'fake_dup'" in message and "'first'" in message and "'second'" in message
+
+
+def test_plugin_reusing_a_builtin_name_raises_naming_both(site):
+    site("skyrl-fake-shadow", {"skyrl_fake_shadow": loss_plugin("cross_entropy")}, {"shadow": "skyrl_fake_shadow"})
+    with pytest.raises(DuplicateRegistrationError, match="skyrl_sdk.losses.sft.*shadow"):
+        plugins.get_plugins()
+
+
+def test_duplicate_engine_and_dialect_names_raise():
+    registry = Registry()
+    registry.register_engine("p1", "eng", lambda **kw: None)
+    with pytest.raises(DuplicateRegistrationError, match="engine 'eng'.*'p1'.*'p2'"):
+        registry.register_engine("p2", "eng", lambda **kw: None)
+    registry.register_dialect("p1", "dia", lambda *a: None)
+    with pytest.raises(DuplicateRegistrationError, match="dialect 'dia'.*'p1'.*'p2'"):
+        registry.register_dialect("p2", "dia", lambda *a: None)
+
+
+# ---- SKYRL_SDK_PLUGINS -------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_plugins(site):
+    site("skyrl-fake-a", {"skyrl_fake_a": loss_plugin("fake_a_loss")}, {"a": "skyrl_fake_a"})
+    site("skyrl-fake-b", {"skyrl_fake_b": loss_plugin("fake_b_loss")}, {"b": "skyrl_fake_b"})
+
+
+def _third_party() -> set[str]:
+    return {p.name for p in plugins.get_plugins().plugins if not p.builtin}
+
+
+def test_env_unset_loads_every_plugin(two_plugins):
+    assert {"a", "b"} <= _third_party()
+
+
+def test_env_empty_loads_builtins_only(two_plugins, monkeypatch):
+    monkeypatch.setenv(plugins.ENV_VAR, "")
+    assert _third_party() == set()
+    assert "cross_entropy" in plugins.get_registry().losses
+
+
+def test_env_names_restrict_by_entry_point_or_distribution(two_plugins, monkeypatch):
+    monkeypatch.setenv(plugins.ENV_VAR, "a")
+    assert _third_party() == {"a"}
+    assert "fake_b_loss" not in plugins.get_registry().losses
+    monkeypatch.setenv(plugins.ENV_VAR, " skyrl-fake-b , a ")
+    assert _third_party() == {"a", "b"}
+
+
+# ---- malformed registrations fail at registration ----------------------------------------
+
+
+def _ok_fn(batch, config):
+    return None
+
+
+@attrs.frozen
+class GoodConfig:
+    beta: float = 0.1
+
+
+@attrs.frozen
+class NoDefaultConfig:
+    beta: float
+
+
+@attrs.frozen
+class BadDefaultConfig:
+    beta: float = attrs.field(default=-1.0, validator=attrs.validators.ge(0))
+
+
+class PlainConfig:
+    beta = 0.1
+
+
+BASE = dict(description="d", required_inputs=("target_tokens",))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(fn=42), "fn must be callable"),
+        (dict(fn=lambda batch: None), "fn must accept"),
+        (dict(config_cls=PlainConfig), "config_cls must be an attrs class"),
+        (dict(config_cls=GoodConfig()), "config_cls must be an attrs class"),
+        (dict(config_cls=NoDefaultConfig), r"config fields \['beta'\] need defaults"),
+        (dict(config_cls=BadDefaultConfig), "defaults fails"),
+        (dict(role="judge"), "role must be one of"),
+        (dict(optional_inputs=("target_tokens", "weights")), r"\['target_tokens'\] are both required and optional"),
+        (dict(required_inputs="target_tokens"), "required_inputs must be a list"),
+        (dict(outputs=("logprobs", "")), "outputs must be a list"),
+        (dict(prepare=3), "prepare must be callable"),
+        (dict(description=None), "description must be a string"),
+        (dict(name=""), "name must be a non-empty string"),
+    ],
+)
+def test_malformed_loss_registration_raises_plugin_error(kwargs, match):
+    args = {"name": "fake_loss", "fn": _ok_fn, **BASE, **kwargs}
+    registry = Registry()
+    with pytest.raises(PluginError, match=match) as excinfo:
+        registry.register_loss("myplugin", args.pop("name"), args.pop("fn"), **args)
+    assert not isinstance(excinfo.value, DuplicateRegistrationError)
+    assert registry.losses == {} and registry.owners == {}
+
+
+def test_wellformed_loss_registration_records_owner():
+    registry = Registry()
+    spec = registry.register_loss("myplugin", "fake_loss", _ok_fn, config_cls=GoodConfig, **BASE)
+    assert spec.config_defaults() == {"beta": 0.1}
+    assert registry.owners[("loss", "fake_loss")] == "myplugin"
+    assert registry.registered_by == {"myplugin": ["loss:fake_loss"]}
+
+
+@pytest.mark.parametrize("method", ["register_engine", "register_dialect"])
+def test_non_callable_engine_or_dialect_raises(method):
+    with pytest.raises(PluginError, match="must be callable"):
+        getattr(Registry(), method)("myplugin", "x", "not callable")
+
+
+def test_plugin_info_to_dict_is_json_ready():
+    info = plugins.PluginInfo("n", "pkg", "1", False, ("loss:x",), None)
+    assert info.to_dict() == {
+        "name": "n", "package": "pkg", "version": "1", "builtin": False, "registered": ["loss:x"], "error": None,
+    }
+
+
+def test_plugin_with_a_misspelt_hook_is_reported(site):
+    typo = """
+        import skyrl_sdk
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_loss(register):
+            pass
+    """
+    site("skyrl-fake-typo", {"skyrl_fake_typo": typo}, {"typo": "skyrl_fake_typo"})
+    error = info_of("typo").error
+    assert "unknown hook" in error and "skyrl_sdk_register_loss'" in error and "skyrl_sdk_register_losses" in error
+    assert plugins.get_plugins().manager.get_plugin("typo") is None
