@@ -157,7 +157,8 @@ class Backend:
             out.append(Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, **added}))
         return out
 
-    def _outputs(self, result, resolved: ResolvedLoss, datums: list[Datum]) -> ForwardBackwardOutput:
+    @staticmethod
+    def _outputs(result) -> ForwardBackwardOutput:
         outputs = [{k: TensorData(np.ascontiguousarray(v)) for k, v in o.items()} for o in result.outputs]
         acc = MetricAccumulator()
         acc.merge([result.metric_state])
@@ -176,7 +177,7 @@ class Backend:
             result = self.engine.run(datums, resolved, backward=True)
             self._calls_since_step += 1
             logger.info("forward_backward(%s): %d datums, %.3fs", resolved.name, len(datums), time.perf_counter() - t0)
-            return self._outputs(result, resolved, datums)
+            return self._outputs(result)
 
     def forward(
         self, data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, Any] | None = None
@@ -185,7 +186,7 @@ class Backend:
         with self._lock:
             self._check_open()
             datums, resolved = self._prepare(data, loss_fn, loss_fn_config)
-            return self._outputs(self.engine.run(datums, resolved, backward=False), resolved, datums)
+            return self._outputs(self.engine.run(datums, resolved, backward=False))
 
     def optim_step(self, adam_params: Any = None) -> OptimStepOutput:
         """Apply AdamW with exactly ``adam_params`` to the accumulated gradients, then clear them."""

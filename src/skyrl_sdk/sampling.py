@@ -71,7 +71,8 @@ def generate(
                       top_p=params.top_p)
     if stop_strings:
         kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    cuda_ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_ids):
         if params.seed is not None:
             torch.manual_seed(params.seed)
         out = module.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)

@@ -80,32 +80,18 @@ def evaluate_loss(
         role = spec.role if spec is not None else "policy"
     resolved = resolve_loss(registry, name, config, dialect=dialect, role=role)
     n = int(target_logprobs.shape[0])
+    device = target_logprobs.device
     tensors = {}
     for key, value in inputs.items():
         t = torch.as_tensor(value.to_numpy() if hasattr(value, "to_numpy") else value)
-        t = t.to(torch.long if key == "target_tokens" else torch.float32)
-        tensors[key] = t.to(target_logprobs.device)
+        tensors[key] = t.to(device=device, dtype=torch.long if key == "target_tokens" else torch.float32)
     check_loss_inputs(resolved.spec, {k: tuple(v.shape) for k, v in tensors.items()}, n, index=0, need_targets=False)
-    segment_ids = torch.zeros(n, dtype=torch.long, device=target_logprobs.device)
-    base = dict(
-        inputs=tensors,
-        segment_ids=segment_ids,
-        num_segments=1,
-        entropy=entropy,
-    )
-    if resolved.spec.role == "critic":
-        loss_input = LossInput(values=target_logprobs, **base)
-    else:
-        loss_input = LossInput(target_logprobs=target_logprobs, **base)
-    if resolved.spec.prepare is not None:
-        detached = LossInput(**{**base, "inputs": tensors}, target_logprobs=target_logprobs.detach()) \
-            if resolved.spec.role == "policy" else LossInput(**{**base}, values=target_logprobs.detach())
-        extra = resolved.spec.prepare(detached, resolved.config)
-        tensors = {**tensors, **extra}
-        loss_input = LossInput(
-            inputs=tensors, segment_ids=segment_ids, num_segments=1, entropy=entropy,
-            target_logprobs=loss_input.target_logprobs, values=loss_input.values,
-        )
+    main = "values" if resolved.spec.role == "critic" else "target_logprobs"
+    common = dict(segment_ids=torch.zeros(n, dtype=torch.long, device=device), num_segments=1, entropy=entropy)
+    if resolved.spec.prepare is not None:  # whole-call statistics: here the call is this sequence
+        detached = LossInput(inputs=tensors, **common, **{main: target_logprobs.detach()})
+        tensors = {**tensors, **resolved.spec.prepare(detached, resolved.config)}
+    loss_input = LossInput(inputs=tensors, **common, **{main: target_logprobs})
     out, metrics = run_loss(resolved, loss_input)
     acc = MetricAccumulator()
     acc.add(metrics)
