@@ -31,7 +31,7 @@ def skyrl_sdk_register_losses(register):
 def skyrl_sdk_register_converters(register):
     """Register config dialects (converters from a client's loss names and configs).
 
-    Call ``register(name, convert, *, description)`` where
+    Call ``register(name, convert, *, description='')`` where
     ``convert(loss_fn, loss_fn_config, role) -> (canonical_name, config_dict) | None``.
     Returning ``None`` means "not one of my names": the name then falls through to the
     canonical loss registry with the config unchanged.
@@ -42,7 +42,7 @@ def skyrl_sdk_register_converters(register):
 def skyrl_sdk_register_engines(register):
     """Register execution engines.
 
-    Call ``register(name, factory, *, description)``; ``factory(**engine_kwargs)`` returns an
+    Call ``register(name, factory, *, description='')``; ``factory(**engine_kwargs)`` returns an
     object implementing ``skyrl_sdk.engines.base.Engine``. The Backend calls it with
     ``model``, ``role``, ``lora``, ``seed``, ``engine_config`` keyword arguments.
     """
