@@ -1,0 +1,107 @@
+"""The ``engine_config`` keys the fsdp engine adds to the shared :class:`EngineConfig`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import attrs
+
+from skyrl_sdk.errors import InputError
+
+#: Engine-specific keys (passed to ``EngineConfig.from_mapping(extra_keys=...)``).
+FSDP_KEYS = (
+    "launcher",
+    "timeout_s",
+    "call_timeout_s",
+    "state_format",
+    "reshard_after_forward",
+    "threads_per_rank",
+)
+
+LAUNCHERS = ("auto", "spawn", "torchrun")
+STATE_FORMATS = ("full", "sharded")
+
+
+def _number(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InputError(f"engine_config[{name!r}]: expected a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+@attrs.frozen
+class FSDPOptions:
+    """FSDP-only options (see docs/engines.md).
+
+    - ``launcher``: ``"auto"`` (torchrun when its environment variables are set, else spawn),
+      ``"spawn"`` (this process starts ``world_size`` worker processes) or ``"torchrun"``.
+    - ``timeout_s``: how long a rank waits for its peers in one collective (and for the
+      rendezvous) before failing; default 1800.
+    - ``call_timeout_s``: optional wall-clock bound on one engine call, seen from the
+      controller (spawn launcher); default none (dead or failing ranks are detected anyway).
+    - ``state_format``: what ``save_state`` writes: ``"full"`` (default; the local engine's
+      files, portable between engines and world sizes) or ``"sharded"``
+      (``torch.distributed.checkpoint``: every rank writes its shard; fsdp only).
+    - ``reshard_after_forward``: FSDP2's option for the transformer blocks (default True:
+      least memory; False keeps gathered blocks from forward to backward).
+    - ``threads_per_rank``: torch / OpenMP threads per CPU rank (default: cores / world_size).
+    """
+
+    launcher: str = "auto"
+    timeout_s: float = 1800.0
+    call_timeout_s: float | None = None
+    state_format: str = "full"
+    reshard_after_forward: bool = True
+    threads_per_rank: int | None = None
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> "FSDPOptions":
+        launcher = extra.get("launcher", "auto")
+        if launcher not in LAUNCHERS:
+            raise InputError(f"engine_config['launcher']: expected one of {list(LAUNCHERS)}, got {launcher!r}")
+        state_format = extra.get("state_format", "full")
+        if state_format not in STATE_FORMATS:
+            raise InputError(
+                f"engine_config['state_format']: expected one of {list(STATE_FORMATS)}, got {state_format!r}"
+            )
+        reshard = extra.get("reshard_after_forward", True)
+        if not isinstance(reshard, bool):
+            raise InputError(f"engine_config['reshard_after_forward']: expected a bool, got {reshard!r}")
+        threads = extra.get("threads_per_rank")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise InputError(f"engine_config['threads_per_rank']: expected a positive integer, got {threads!r}")
+        return cls(
+            launcher=launcher,
+            timeout_s=_number("timeout_s", extra.get("timeout_s", 1800.0)),
+            call_timeout_s=_number("call_timeout_s", extra.get("call_timeout_s"), allow_none=True),
+            state_format=state_format,
+            reshard_after_forward=reshard,
+            threads_per_rank=threads,
+        )
+
+    def threads(self, world_size: int) -> int:
+        if self.threads_per_rank is not None:
+            return self.threads_per_rank
+        return max(1, (os.cpu_count() or 1) // max(1, world_size))
+
+
+@attrs.frozen
+class LauncherEnv:
+    """Rank layout given by a launcher such as torchrun."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launcher_env() -> LauncherEnv | None:
+    """The torchrun-style environment of this process, or None when not under a launcher."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    try:
+        return LauncherEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])))
+    except ValueError:
+        return None

@@ -1,0 +1,563 @@
+"""What runs on every rank: the process group, the sharded model, and one method per engine call.
+
+The controller sends ``(op, payload)`` requests; :class:`Executor` runs ``RankWorker.op_<op>``
+on every rank in lockstep (SPMD) and answers ``("ok", result)`` or ``("error", details)``.
+Payloads and results are plain Python / numpy data: no torch tensors cross processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from skyrl_sdk import errors
+from skyrl_sdk.batching import make_micro_batches
+from skyrl_sdk.checkpoint import WEIGHTS_FILE, dedupe_shared, load_tensors, save_tensors
+from skyrl_sdk.engines.base import EngineResult
+from skyrl_sdk.engines.config import EngineConfig
+from skyrl_sdk.engines.export import export_hf_directory
+from skyrl_sdk.engines.local import OPTIMIZER_FILE
+from skyrl_sdk.engines.modules import ScoringModel, count_parameters
+from skyrl_sdk.engines.runner import ModelRunner
+from skyrl_sdk.losses.resolve import ResolvedLoss
+from skyrl_sdk.models import hf_model, load_model
+from skyrl_sdk.plugins import get_registry
+from skyrl_sdk.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams, TensorData
+
+from .options import FSDP_KEYS, FSDPOptions
+
+logger = logging.getLogger(__name__)
+
+SHARDED_DIR = "sharded"  # torch.distributed.checkpoint folder of state_format="sharded"
+
+
+# ---- the process group --------------------------------------------------------------------
+@attrs.define
+class DistSession:
+    """This process's place in the process group (one per process, shared by its engines)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    #: "cuda" or "cpu": the device type of the ranks
+    device_type: str
+    #: gloo group for controller requests (torchrun launcher only)
+    control_group: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank) if self.device_type == "cuda" else torch.device("cpu")
+
+
+def init_session(
+    *, rank: int, world_size: int, local_rank: int, device_type: str, timeout_s: float,
+    store: Any = None, control_group: bool = False,
+) -> DistSession:
+    """Join the process group (from ``store``, or from the launcher's env variables)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = dict(backend=backend, timeout=timeout, rank=rank, world_size=world_size)
+        if store is not None:
+            kwargs["store"] = store
+        else:
+            kwargs["init_method"] = "env://"
+        dist.init_process_group(**kwargs)
+    session = DistSession(rank=rank, world_size=world_size, local_rank=local_rank, device_type=device_type)
+    if control_group:
+        # Idle ranks wait here for the next request for as long as the user's script runs.
+        session.control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    return session
+
+
+# ---- sharding -----------------------------------------------------------------------------
+def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of an HF model (its ``_no_split_modules`` classes)."""
+    inner = hf_model(module)
+    names = set(getattr(inner, "_no_split_modules", None) or ())
+    blocks = [m for m in module.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    for m in module.modules():  # fallback: the longest ModuleList is the block stack
+        if isinstance(m, torch.nn.ModuleList) and len(m) > len(blocks):
+            blocks = list(m)
+    return blocks
+
+
+def shard_scoring_model(scoring: ScoringModel, mesh, *, reshard_after_forward: bool = True) -> int:
+    """``fully_shard`` every transformer block, then the root; gradients reduce by SUM.
+
+    Returns the loss scale the runner must apply (1, or world size on a torch without
+    ``set_force_sum_reduction_for_comms``, whose reduce-scatter averages).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for block in transformer_blocks(scoring.model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(scoring, mesh=mesh)
+    loss_scale = 1
+    for m in scoring.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            # SUM semantics: the reduce-scatter adds the ranks' gradients (FSDP2 averages by
+            # default; gloo has no PREMUL_SUM, hence the forced SUM with a divide factor of 1).
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+        else:  # pragma: no cover - older torch: undo the mean with a loss scale
+            loss_scale = mesh.size()
+    return loss_scale
+
+
+class ShardedScoringModel(ScoringModel):
+    """The FSDP root: never returns a view (an in-place op on a view output would drop
+    FSDP2's pre-backward hook and skip an all-gather; the critic's ``squeeze`` is one)."""
+
+    def forward(self, *args, **kwargs):
+        main, entropy = super().forward(*args, **kwargs)
+        if main._base is not None:
+            main = main.clone()
+        return main, entropy
+
+
+class ShardedRunner(ModelRunner):
+    """:class:`ModelRunner` on an FSDP2 module: equal micro-batch counts on every rank.
+
+    Every rank must run the same number of forward (and backward) passes, because each one
+    all-gathers (and reduce-scatters) the shards. A rank with fewer micro-batches than the
+    busiest one runs zero-weight dummy passes (one pad token, loss multiplied by 0).
+    """
+
+    def __init__(self, scoring: ScoringModel, *, group=None, **kwargs) -> None:
+        super().__init__(scoring, **kwargs)
+        self.group = group
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        norm = super().grad_norm(grads)  # DTensor grads: a replicated global norm
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
+        mine = len(make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)) if data else 0
+        count = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+        result = super().run(data, loss, backward=backward)
+        for _ in range(int(count.item()) - mine):
+            self._dummy_pass(backward)
+        # A no-grad forward leaves the root (and, with reshard_after_forward=False, the
+        # blocks) gathered; the optimizer updates the shards, so drop the gathered copies.
+        for module in self.scoring.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return result
+
+    def _dummy_pass(self, backward: bool) -> None:
+        dev = self.device
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=dev)
+        index = torch.zeros(1, dtype=torch.long, device=dev)
+        targets = index if self.scoring.role == "policy" else None
+        with torch.enable_grad() if backward else torch.no_grad():
+            main, _ = self.scoring(ids, None, None, index, targets, want_entropy=False)
+            if backward:
+                (main.sum() * 0.0).backward()
+
+
+# ---- gather / scatter helpers -------------------------------------------------------------
+def full_state_on_rank0(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's full (unsharded) state dict on CPU on rank 0; ``{}`` on other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def merge_lora_full_state(peft_module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fold LoRA deltas into a gathered state dict of ``hf_model(peft_module)`` (rank 0).
+
+    Same formula as peft's ``get_delta_weight`` (and the local engine's export):
+    ``W + transpose(B @ A, fan_in_fan_out) * scaling``.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    state = dict(state)
+    for name, layer in hf_model(peft_module).named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        weight = state.pop(f"{name}.base_layer.weight")
+        for adapter in layer.active_adapters:
+            a = state[f"{name}.lora_A.{adapter}.weight"]
+            b = state[f"{name}.lora_B.{adapter}.weight"]
+            delta = b @ a
+            if getattr(layer, "fan_in_fan_out", False):
+                delta = delta.T
+            weight = weight + (delta * layer.scaling[adapter]).to(weight.dtype)
+        state[f"{name}.weight"] = weight
+        if f"{name}.base_layer.bias" in state:
+            state[f"{name}.bias"] = state.pop(f"{name}.base_layer.bias")
+    return {k: v for k, v in state.items() if "lora_" not in k}
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+# ---- one engine on one rank ---------------------------------------------------------------
+class RankWorker:
+    """One engine's model shard, optimizer shard and call handlers on one rank."""
+
+    def __init__(self, session: DistSession, *, model: str, role: str, lora: dict | None, seed: int,
+                 engine_config: dict) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.session = session
+        self.rank = session.rank
+        self.config = EngineConfig.from_mapping(engine_config, extra_keys=FSDP_KEYS)
+        self.options = FSDPOptions.from_extra(self.config.extra)
+        device_type = self.config.torch_device().type  # "cpu" or "cuda" (checked by the controller)
+        if device_type == "cuda" and session.device_type != "cuda":
+            raise errors.InputError("engine_config['device']: CUDA ranks need a process group started with CUDA")
+        self.device = torch.device("cuda", session.local_rank) if device_type == "cuda" else torch.device("cpu")
+        lora_cfg = LoraConfig(**lora) if lora is not None else None
+        self.loaded = load_model(model, role=role, lora=lora_cfg, seed=seed, dtype=self.config.torch_dtype,
+                                 device=self.device)
+        module = self.loaded.module
+        total, trainable = count_parameters(module)
+        # names that alias an earlier tensor (tied embeddings), found before sharding
+        _, self.aliases = dedupe_shared(dict(module.state_dict()))
+        _, self.hf_aliases = dedupe_shared(dict(hf_model(module).state_dict()))
+        self.state_shapes = {
+            k: list(v.shape) for k, v in module.state_dict().items() if k not in self.aliases
+        }
+        self.mesh = init_device_mesh(self.device.type, (session.world_size,))
+        scoring = ShardedScoringModel(module, role)
+        scoring.chunk_elements = self.config.logprob_chunk_elements
+        loss_scale = shard_scoring_model(scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward)
+        tok = self.loaded.tokenizer
+        pad = getattr(tok, "pad_token_id", None) if tok is not None else None
+        self.runner = ShardedRunner(
+            scoring, group=self.mesh.get_group(), device=self.device,
+            micro_batch_tokens=self.config.micro_batch_tokens, batching=self.config.batching,
+            pad_id=int(pad) if pad is not None else 0, loss_scale=float(loss_scale),
+        )
+        eos = getattr(tok, "eos_token_id", None) if tok is not None else None
+        if eos is None:
+            eos = getattr(self.loaded.config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        self.engine_info = dict(
+            model_name=self.loaded.name, architecture=self.loaded.architecture, vocab_size=self.loaded.vocab_size,
+            tokenizer_dir=self.loaded.tokenizer_dir, num_parameters=total, num_trainable_parameters=trainable,
+            eos_token_id=eos,
+        )
+        self.weights_version = 0  # bumped whenever the weights change (sampler cache key)
+        self._sampler: tuple[int, Any] | None = None
+        self.in_collectives = False
+
+    def info(self) -> dict:
+        return dict(
+            engine_info=self.engine_info,
+            state_shapes=self.state_shapes,
+            trainable_shapes={n: list(p.shape) for n, p in self.runner.named_trainable()},
+            aliases=self.aliases,
+            world_size=self.session.world_size,
+            device=str(self.device),
+            pid=os.getpid(),
+        )
+
+    def _collectives(self) -> None:
+        """Mark that this call has reached its first collective (errors after it are fatal)."""
+        self.in_collectives = True
+
+    # ---- compute ----------------------------------------------------------------------
+    def op_run(self, items: list, loss: dict, backward: bool):
+        spec = get_registry().losses.get(loss["name"])
+        if spec is None:
+            raise errors.PluginError(
+                f"loss {loss['name']!r} is not registered on rank {self.rank}: install the plugin that "
+                f"provides it where the ranks run (plugins load from entry points on every rank)"
+            )
+        config = spec.config_cls(**loss["config"]) if spec.config_cls is not None else None
+        resolved = ResolvedLoss(spec=spec, config=config, requested_name=loss["requested_name"],
+                                dialect=loss["dialect"])
+        data = [
+            Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs={k: TensorData(v) for k, v in inputs.items()})
+            for tokens, inputs in items
+        ]
+        self._collectives()
+        result = self.runner.run(data, resolved, backward=backward)
+        return result.outputs, result.metric_state
+
+    def op_optim_step(self, params: dict, grad_scale: float):
+        self._collectives()
+        metrics = self.runner.optim_step(AdamParams(**params), grad_scale)
+        if not metrics.get("skipped"):
+            self.weights_version += 1
+        return metrics
+
+    def op_zero_grad(self):
+        self.runner.zero_grad()
+
+    # ---- state ------------------------------------------------------------------------
+    def _gather_to_rank0(self, t: torch.Tensor) -> torch.Tensor:
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        return full.detach().cpu() if self.rank == 0 else full.new_empty(0, device="cpu")
+
+    def op_save_state(self, directory: str, state_format: str):
+        self._collectives()
+        directory = Path(directory)
+        meta = {"tied_aliases": self.aliases, "step": self.runner.step_count, "state_format": state_format}
+        if state_format == "sharded":
+            self._save_sharded(directory)
+            meta["world_size"] = self.session.world_size
+            return meta
+        weights = full_state_on_rank0(self.loaded.module)
+        optim = self.runner.optimizer_tensors(to_full=self._gather_to_rank0)
+        if self.rank == 0:
+            save_tensors({k: v for k, v in weights.items() if k not in self.aliases}, directory / WEIGHTS_FILE)
+            save_tensors(optim, directory / OPTIMIZER_FILE)
+        return meta
+
+    def _load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Rank 0's full tensors -> every rank's shards (scattered from rank 0)."""
+        module = self.loaded.module
+        with torch.no_grad():
+            for name, target in module.state_dict(keep_vars=True).items():
+                if name in self.aliases:
+                    continue
+                full = weights[name] if self.rank == 0 else torch.empty(target.shape, dtype=target.dtype)
+                full = full.to(device=self.device, dtype=target.dtype)
+                if isinstance(target, DTensor):
+                    shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=0)
+                    target.to_local().copy_(shard.to_local())
+                else:
+                    dist.broadcast(full, src=0, group=self.mesh.get_group())
+                    target.copy_(full)
+
+    def op_load_state(self, directory: str, optimizer: bool, step: int, state_format: str,
+                      optimizer_steps: dict[str, float]):
+        directory = Path(directory)
+        self._collectives()
+        if state_format == "sharded":
+            self._load_sharded(directory, optimizer)
+        else:
+            weights = load_tensors(directory / WEIGHTS_FILE) if self.rank == 0 else {}
+            self._load_full_weights(weights)
+            del weights
+            self.runner.zero_grad()
+            if optimizer:
+                if self.rank == 0:
+                    tensors = load_tensors(directory / OPTIMIZER_FILE)
+                else:  # shapes only: the values are scattered from rank 0
+                    shapes = dict(self.runner.named_trainable())
+                    tensors = {}
+                    for name, value in optimizer_steps.items():
+                        shape, dtype = shapes[name].shape, shapes[name].dtype
+                        tensors[f"{name}::exp_avg"] = torch.empty(shape, dtype=dtype)
+                        tensors[f"{name}::exp_avg_sq"] = torch.empty(shape, dtype=dtype)
+                        tensors[f"{name}::step"] = torch.tensor([value], dtype=torch.float32)
+
+                def from_full(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+                    full = full.to(device=like.device, dtype=like.dtype)
+                    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=0)
+
+                self.runner.load_optimizer_tensors(tensors, from_full=from_full)
+        self.runner.zero_grad()
+        if optimizer:
+            self.runner.step_count = int(step)
+        else:
+            self.runner.optimizer = None
+            self.runner.step_count = 0
+        self.weights_version += 1
+
+    def _save_sharded(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        optimizer = self.runner._ensure_optimizer()
+        model_sd, optim_sd = get_state_dict(self.loaded.module, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / SHARDED_DIR))
+
+    def _load_sharded(self, directory: Path, optimizer: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        opt = self.runner._ensure_optimizer()
+        model_sd, optim_sd = get_state_dict(self.loaded.module, opt)
+        state = {"model": model_sd, "optim": optim_sd} if optimizer else {"model": model_sd}
+        dcp.load(state, checkpoint_id=str(directory / SHARDED_DIR))
+        if optimizer:
+            set_state_dict(self.loaded.module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.loaded.module, state["model"])
+
+    # ---- export / sampling ------------------------------------------------------------
+    def _merged_full_state(self) -> dict[str, torch.Tensor]:
+        """The HF model's full weights (LoRA merged) on rank 0; ``{}`` elsewhere."""
+        inner = hf_model(self.loaded.module)
+        state = full_state_on_rank0(inner)
+        if self.rank != 0:
+            return {}
+        if self.loaded.lora is not None:
+            state = merge_lora_full_state(self.loaded.module, state)
+        return {k: v for k, v in state.items() if k not in self.hf_aliases}
+
+    def op_export_weights(self, directory: str, merge_lora: bool):
+        self._collectives()
+        directory = Path(directory)
+        module = self.loaded.module
+        if self.loaded.lora is not None and not merge_lora:
+            state = full_state_on_rank0(module)
+            if self.rank == 0:
+                module.save_pretrained(str(directory), state_dict=state)
+                if self.loaded.tokenizer is not None:
+                    self.loaded.tokenizer.save_pretrained(str(directory))
+            return None
+        state = self._merged_full_state()
+        if self.rank == 0:
+            export_hf_directory(
+                hf_model(module).config, state, self.loaded.tokenizer, directory, self.config.max_shard_bytes,
+                architecture=self.loaded.architecture,
+            )
+        return None
+
+    def _sampler_model(self):
+        """Rank 0's unsharded copy of the current weights (rebuilt when they change)."""
+        if self._sampler is not None and self._sampler[0] == self.weights_version:
+            return self._sampler[1]
+        self._sampler = None
+        state = self._merged_full_state()  # collective: every rank takes part
+        if self.rank != 0:
+            return None
+        from transformers import AutoModelForCausalLM
+
+        tmp = Path(tempfile.mkdtemp(prefix="skyrl-fsdp-sampler-"))
+        try:
+            export_hf_directory(hf_model(self.loaded.module).config, state, None, tmp, self.config.max_shard_bytes,
+                                architecture=self.loaded.architecture)
+            del state
+            model = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=self.config.torch_dtype)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        model.to(self.device).eval()
+        self._sampler = (self.weights_version, model)
+        return model
+
+    def op_sample(self, prompts: list, params: dict, num_samples: int, prompt_logprobs: bool):
+        from skyrl_sdk.sampling import generate
+
+        self._collectives()
+        model = self._sampler_model()
+        if self.rank != 0:
+            return None
+        return generate(
+            model, self.loaded.tokenizer, [np.asarray(p, dtype=np.int64) for p in prompts],
+            SamplingParams(**params), num_samples, device=self.device,
+            eos_token_id=self.engine_info["eos_token_id"], pad_token_id=self.runner.pad_id,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    # ---- introspection ----------------------------------------------------------------
+    def op_gradients(self):
+        """Full gradients by parameter name (numpy, on rank 0): for tests and debugging."""
+        self._collectives()
+        out = {}
+        for name, p in self.runner.named_trainable():
+            if p.grad is not None:
+                full = self._gather_to_rank0(p.grad)
+                if self.rank == 0:
+                    out[name] = full.float().numpy()
+        return out if self.rank == 0 else None
+
+    def op_memory(self):
+        """Bytes this rank holds: parameter shards, gradient shards, optimizer-state shards."""
+        params = grads = 0
+        seen = set()
+        for p in self.loaded.module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            params += _local_bytes(p)
+            if p.grad is not None:
+                grads += _local_bytes(p.grad)
+        optim = 0
+        if self.runner.optimizer is not None:
+            for state in self.runner.optimizer.state.values():
+                optim += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+        return {"rank": self.rank, "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optim}
+
+    def op_debug_fail(self, rank: int, mode: str):
+        """Tests: make ``rank`` fail ("raise" or "exit") while the others wait in a collective."""
+        self._collectives()
+        if self.rank == rank:
+            if mode == "exit":
+                os._exit(3)
+            raise RuntimeError(f"injected failure on rank {rank}")
+        dist.barrier(group=self.mesh.get_group())
+
+    def close(self) -> None:
+        self._sampler = None
+        self.runner.optimizer = None
+        self.runner.scoring = None
+        self.loaded = None
+
+
+# ---- request dispatch ---------------------------------------------------------------------
+def describe_error(exc: BaseException, rank: int, clean: bool) -> dict:
+    """A picklable description of an exception raised on a rank."""
+    kind = type(exc).__name__
+    message = str(exc)
+    comm = kind in ("DistBackendError", "DistNetworkError", "DistStoreError") or any(
+        s in message for s in ("[gloo", "Connection closed by peer", "Connection reset", "NCCL", "Broken pipe")
+    )
+    return {
+        "rank": rank,
+        "type": kind,
+        "message": message,
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "clean": clean,
+        "comm": comm,
+    }
+
+
+class Executor:
+    """Runs requests on one rank; holds this process's engines (several under torchrun)."""
+
+    def __init__(self, session: DistSession) -> None:
+        self.session = session
+        self.engines: dict[int, RankWorker] = {}
+
+    def handle(self, engine_id: int, op: str, payload: dict) -> tuple[str, Any]:
+        worker = self.engines.get(engine_id)
+        if worker is not None:
+            worker.in_collectives = False
+        try:
+            if op == "init":
+                self.engines[engine_id] = RankWorker(self.session, **payload)
+                return "ok", self.engines[engine_id].info()
+            if op == "close":
+                closing = self.engines.pop(engine_id, None)
+                if closing is not None:
+                    closing.close()
+                return "ok", None
+            if worker is None:
+                raise errors.EngineError(f"no fsdp engine {engine_id} on rank {self.session.rank}")
+            return "ok", getattr(worker, f"op_{op}")(**payload)
+        except Exception as exc:
+            clean = op == "init" or (worker is not None and not worker.in_collectives)
+            logger.debug("rank %d: %s failed", self.session.rank, op, exc_info=True)
+            return "error", describe_error(exc, self.session.rank, clean)

@@ -1,0 +1,104 @@
+"""A rank that dies or raises gives a clear EngineError quickly; no process outlives its owner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytest.importorskip("skyrl_sdk_fsdp")
+psutil = pytest.importorskip("psutil")
+
+from fsdp_testutil import make_sft_data  # noqa: E402
+
+import skyrl_sdk  # noqa: E402
+from skyrl_sdk.errors import EngineError  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+BOUND_S = 20.0  # "bounded time": failures must surface well within this
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_gone(pids, timeout=10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if _alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _backend():
+    return skyrl_sdk.Backend(model="tiny", engine="fsdp", engine_config={"world_size": 2})
+
+
+def test_killed_worker_gives_clear_error_and_no_orphans():
+    backend = _backend()
+    pids = backend.engine.worker_pids
+    data = make_sft_data([5, 8, 3], seed=1)
+    backend.forward_backward(data)
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=r"rank 1 died \(killed by signal SIGKILL\)"):
+        backend.forward_backward(data)
+    assert time.monotonic() - start < BOUND_S
+    # the engine says why it cannot go on, instead of hanging on the survivors
+    with pytest.raises(EngineError, match="unusable after an earlier failure"):
+        backend.optim_step()
+    backend.close()
+    assert _wait_gone(pids) == []
+
+
+@pytest.mark.parametrize("mode,cause", [("raise", "rank 1 raised RuntimeError: injected failure"),
+                                        ("exit", "rank 1 exited with code 3")])
+def test_rank_failing_mid_collective(mode, cause):
+    """Rank 1 fails while rank 0 waits for it inside a collective: no hang, the cause named first."""
+    backend = _backend()
+    pids = backend.engine.worker_pids
+    start = time.monotonic()
+    with pytest.raises(EngineError) as info:
+        backend.engine.debug_fail(1, mode)
+    assert time.monotonic() - start < BOUND_S
+    message = str(info.value)
+    assert message.startswith(f"fsdp engine: debug_fail failed: {cause}"), message
+    assert "create a new Backend" in message
+    assert _wait_gone(pids) == []  # the stuck rank 0 was stopped right away
+    backend.close()
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import skyrl_sdk
+    backend = skyrl_sdk.Backend(model="tiny", engine="fsdp", engine_config={"world_size": 2})
+    print("PIDS", *backend.engine.worker_pids, flush=True)
+    if sys.argv[1] == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)   # the controller dies without any cleanup
+    # "exit": the interpreter exits without close()
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_no_orphans_when_controller_exits_or_dies(tmp_path, how):
+    script = tmp_path / "controller.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PIDS")]
+    assert lines, proc.stderr[-2000:]
+    pids = [int(p) for p in lines[0].split()[1:]]
+    assert len(pids) == 2
+    assert _wait_gone(pids, timeout=10.0) == []
