@@ -1,0 +1,97 @@
+"""The FastAPI application (``create_app``) and the ``skyrl-sdk serve`` entry (``serve``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import sys
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from .. import __version__
+from ..errors import InputError
+from .config import ServerConfig
+from .guard import Guard
+from .runtime import Runtime, UnknownError
+from . import routes_runs, routes_sampling, routes_service, routes_training
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(config: ServerConfig | None = None) -> Any:
+    """A Tinker-compatible ASGI app serving ``config.models``.
+
+    The returned object is the FastAPI app wrapped in the auth / body-limit middleware;
+    the FastAPI app itself is its ``.fastapi`` attribute (its ``state.runtime`` holds the
+    live :class:`~.runtime.Runtime` while the app runs)."""
+    config = config or ServerConfig()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.runtime = Runtime(config, asyncio.get_running_loop())
+        logger.info("skyrl-sdk serve: models %s, state dir %s", list(config.models), config.state_dir)
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, app.state.runtime.close)
+
+    app = FastAPI(title="skyrl-sdk Tinker-compatible server", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(UnknownError)
+    async def _unknown(request: Request, exc: UnknownError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(InputError)
+    async def _bad_input(request: Request, exc: InputError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _ours(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse({"detail": f"internal server error: {type(exc).__name__}: {exc}"}, status_code=500)
+
+    for module in (routes_service, routes_training, routes_sampling, routes_runs):
+        app.include_router(module.router)
+    guarded = Guard(app, config.api_key, config.max_body_bytes)
+    guarded.fastapi = app  # type: ignore[attr-defined]
+    return guarded
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(args: Any) -> int:
+    """``skyrl-sdk serve``: run the server until Ctrl-C (then shut down cleanly)."""
+    import uvicorn
+
+    try:
+        config = ServerConfig.from_args(args)
+    except InputError as exc:
+        print(f"skyrl-sdk serve: {exc}", file=sys.stderr)
+        return 2
+    if not _is_loopback(config.host) and not config.api_key:
+        logger.warning("serving on %s without an API key: anyone who can reach it can train and read "
+                       "checkpoints (pass --api-key or set SKYRL_SDK_API_KEY)", config.host)
+    print(f"skyrl-sdk serve: http://{config.host}:{config.port} (models: {', '.join(config.models)}; "
+          f"state: {config.state_dir}) - point the tinker client at it with "
+          f"TINKER_BASE_URL=http://{config.host}:{config.port}", file=sys.stderr)
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(config), host=config.host, port=config.port, log_level="warning",
+        timeout_graceful_shutdown=5, lifespan="on",
+    ))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C while shutting down
+        pass
+    return 0

@@ -1,0 +1,322 @@
+"""Futures: accepted at once, run per model in ``seq_id`` order, retrieved by long-poll.
+
+- :class:`Worker` - one thread per Backend; runs its jobs one at a time in the order
+  they were handed over (consecutive compatible sampling jobs run as one batch).
+- :class:`Sequencer` - per training model, on the event loop: hands jobs to the worker
+  in ``seq_id`` order, holding later ones until the earlier ones arrived (the client
+  may send a batch's chunks in parallel, first chunk last).
+- :class:`FutureStore` - request id -> result, with ``(model_id, seq_id)`` de-duplication
+  so a retried submission gets the original request id and never runs twice.
+
+Everything except ``Worker``'s thread runs on the event loop thread, so none of it needs
+locks; results cross from worker threads with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import threading
+import time
+import traceback
+import uuid
+from typing import Any, Callable, Hashable
+
+import attrs
+
+logger = logging.getLogger(__name__)
+
+JSON = "application/json"
+PROTOBUF = "application/x-protobuf"
+
+
+@attrs.frozen
+class Result:
+    """A finished request's answer: the exact body and content type retrieve_future sends."""
+
+    body: bytes
+    media_type: str = JSON
+    failed: bool = False
+
+    @classmethod
+    def json(cls, obj: Any) -> "Result":
+        return cls(json.dumps(obj).encode(), JSON)
+
+    @classmethod
+    def proto(cls, data: bytes) -> "Result":
+        return cls(data, PROTOBUF)
+
+    @classmethod
+    def error(cls, message: str, category: str) -> "Result":
+        return cls(json.dumps({"error": message, "category": category}).encode(), JSON, failed=True)
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, what: str = "request") -> "Result":
+        """Bad input (ValueError, which every skyrl-sdk InputError is) -> category "user"
+        with the SDK's own message; anything else is our fault -> category "server"."""
+        if isinstance(exc, ValueError):
+            return cls.error(str(exc) or type(exc).__name__, "user")
+        logger.error("%s failed:\n%s", what, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        return cls.error(f"internal server error in {what}: {type(exc).__name__}: {exc}", "server")
+
+
+@attrs.define(eq=False)
+class Job:
+    """Work for a :class:`Worker`. ``run`` returns a :class:`Result` (exceptions are turned
+    into error results) that ``done`` receives on the worker thread, or None when it handed
+    the work on to another worker (which then calls ``done``).
+
+    Jobs with the same non-None ``batch_key`` that sit next to each other in the queue are
+    handed together to ``run_batch`` (which returns one Result per job)."""
+
+    run: Callable[[], Result]
+    done: Callable[[Result], None]
+    what: str = "request"
+    batch_key: Hashable | None = None
+    run_batch: Callable[[list["Job"]], list[Result]] | None = None
+    payload: Any = None
+
+
+class Worker:
+    """One thread that runs jobs one at a time, in the order they were put."""
+
+    def __init__(self, name: str, max_batch: int = 64) -> None:
+        self.name = name
+        self.max_batch = max_batch
+        self._jobs: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._running = False
+        self.last_active = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name=f"skyrl-worker-{name}", daemon=True)
+        self._thread.start()
+
+    def put(self, job: Job) -> None:
+        with self._cv:
+            if self._closed:
+                job.done(Result.error(f"{self.name} was shut down (server stopping, model released or sampler "
+                                      f"evicted); retry the request", "server"))
+                return
+            self._jobs.append(job)
+            self._cv.notify()
+
+    def close(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Stop taking jobs; queued ones fail; the running one finishes."""
+        with self._cv:
+            self._closed = True
+            dropped = list(self._jobs)
+            self._jobs.clear()
+            self._cv.notify_all()
+        for job in dropped:
+            job.done(Result.error("the server is shutting down", "server"))
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _take(self) -> list[Job] | None:
+        with self._cv:
+            while not self._jobs and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                return None
+            first = self._jobs.popleft()
+            self._running = True
+            batch = [first]
+            if first.batch_key is not None and first.run_batch is not None:
+                while self._jobs and len(batch) < self.max_batch and self._jobs[0].batch_key == first.batch_key:
+                    batch.append(self._jobs.popleft())
+            return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            if len(batch) == 1:
+                results = [self._run_one(batch[0])]
+            else:
+                try:
+                    results = batch[0].run_batch(batch)
+                except BaseException:  # noqa: BLE001 - one bad job must not fail its neighbours
+                    logger.debug("batched %s failed; running its %d jobs one by one", batch[0].what, len(batch))
+                    results = [self._run_one(job) for job in batch]
+            for job, result in zip(batch, results):
+                if result is None:  # the job handed itself on to another worker
+                    continue
+                try:
+                    job.done(result)
+                except Exception:  # pragma: no cover - a callback bug must not kill the worker
+                    logger.exception("result callback of %s failed", job.what)
+            with self._cv:
+                self._running = False
+                self.last_active = time.monotonic()
+
+    def idle_for(self) -> float:
+        """Seconds since the worker last had anything to do (0 while busy)."""
+        with self._cv:
+            if self._running or self._jobs:
+                return 0.0
+            return time.monotonic() - self.last_active
+
+    @staticmethod
+    def _run_one(job: Job) -> Result:
+        try:
+            return job.run()
+        except BaseException as exc:  # noqa: BLE001
+            return Result.from_exception(exc, job.what)
+
+
+class Sequencer:
+    """Hands a model's jobs to its worker in ``seq_id`` order (event-loop side).
+
+    Jobs without a seq_id go straight through. A missing seq_id is skipped, with a warning,
+    only once the model's worker has been idle for ``gap_timeout_s`` with later requests
+    waiting (a submission that never arrived, e.g. one the client gave up on), so one lost
+    request cannot stall a model forever, while a slow forward pass (or a client computing a
+    custom loss between its forward and backward halves) never causes a skip."""
+
+    def __init__(self, worker: Worker, next_seq: int = 1, gap_timeout_s: float = 30.0) -> None:
+        self.worker = worker
+        self.next_seq = next_seq
+        self.gap_timeout_s = gap_timeout_s
+        self._waiting: dict[int, Job] = {}
+        self._gap_timer: asyncio.TimerHandle | None = None
+
+    def submit(self, seq_id: int | None, job: Job) -> None:
+        if seq_id is None:
+            self.worker.put(job)
+            return
+        if seq_id < self.next_seq:
+            logger.warning("%s: seq_id %d arrived after %d ran; running it now", self.worker.name, seq_id,
+                           self.next_seq - 1)
+            self.worker.put(job)
+            return
+        self._waiting[seq_id] = job
+        self._drain()
+
+    def _drain(self) -> None:
+        while self.next_seq in self._waiting:
+            self.worker.put(self._waiting.pop(self.next_seq))
+            self.next_seq += 1
+        if self._gap_timer is not None:
+            self._gap_timer.cancel()
+            self._gap_timer = None
+        if self._waiting:
+            loop = asyncio.get_running_loop()
+            self._gap_timer = loop.call_later(self.gap_timeout_s, self._skip_gap)
+
+    def _skip_gap(self) -> None:
+        self._gap_timer = None
+        if not self._waiting:
+            return
+        idle = self.worker.idle_for()
+        if idle < self.gap_timeout_s:
+            self._gap_timer = asyncio.get_running_loop().call_later(self.gap_timeout_s - idle + 0.01, self._skip_gap)
+            return
+        first = min(self._waiting)
+        logger.warning("%s: seq_id %d..%d never arrived within %.0fs; skipping to %d", self.worker.name,
+                       self.next_seq, first - 1, self.gap_timeout_s, first)
+        self.next_seq = first
+        self._drain()
+
+    def fail_pending(self, message: str) -> None:
+        for job in self._waiting.values():
+            job.done(Result.error(message, "server"))
+        self._waiting.clear()
+
+
+@attrs.define(eq=False)
+class FutureRecord:
+    request_id: str
+    model_id: str | None
+    created_at: float
+    event: asyncio.Event
+    result: Result | None = None
+    retrieved_at: float | None = None
+    dedup_key: tuple | None = None
+    extra: dict = attrs.Factory(dict)
+
+
+class FutureStore:
+    """Request id -> record; lives on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, retention_s: float = 900.0,
+                 unretrieved_retention_s: float = 6 * 3600.0) -> None:
+        self.loop = loop
+        self.retention_s = retention_s
+        self.unretrieved_retention_s = unretrieved_retention_s
+        self._records: dict[str, FutureRecord] = {}
+        self._dedup: dict[tuple, str] = {}
+        self._last_sweep = time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def lookup(self, dedup_key: tuple | None) -> FutureRecord | None:
+        """The record of an earlier submission with the same key (a retry), if any."""
+        if dedup_key is None:
+            return None
+        rid = self._dedup.get(dedup_key)
+        return self._records.get(rid) if rid is not None else None
+
+    def create(self, model_id: str | None, dedup_key: tuple | None = None, prefix: str = "req") -> FutureRecord:
+        self._maybe_sweep()
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        rec = FutureRecord(rid, model_id, time.time(), asyncio.Event(), dedup_key=dedup_key)
+        self._records[rid] = rec
+        if dedup_key is not None:
+            self._dedup[dedup_key] = rid
+        return rec
+
+    def completer(self, rec: FutureRecord) -> Callable[[Result], None]:
+        """A thread-safe callback that finishes ``rec``."""
+
+        def done(result: Result) -> None:
+            try:
+                self.loop.call_soon_threadsafe(self._finish, rec, result)
+            except RuntimeError:  # the loop is closed: the server has shut down
+                pass
+
+        return done
+
+    def finish(self, rec: FutureRecord, result: Result) -> None:
+        """Finish from the event loop thread."""
+        self._finish(rec, result)
+
+    @staticmethod
+    def _finish(rec: FutureRecord, result: Result) -> None:
+        if rec.result is None:
+            rec.result = result
+            rec.event.set()
+
+    async def wait(self, request_id: str, timeout: float) -> tuple[FutureRecord | None, Result | None]:
+        """(record, result): result None means still running after ``timeout`` seconds."""
+        rec = self._records.get(request_id)
+        if rec is None:
+            return None, None
+        if rec.result is None:
+            try:
+                await asyncio.wait_for(asyncio.shield(rec.event.wait()), timeout)
+            except asyncio.TimeoutError:
+                return rec, None
+        rec.retrieved_at = time.time()
+        return rec, rec.result
+
+    def _maybe_sweep(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sweep < 60:
+            return
+        self._last_sweep = now
+        wall = time.time()
+        dead = [
+            rid for rid, r in self._records.items()
+            if r.result is not None and (
+                (r.retrieved_at is not None and wall - r.retrieved_at > self.retention_s)
+                or wall - r.created_at > self.unretrieved_retention_s
+            )
+        ]
+        for rid in dead:
+            rec = self._records.pop(rid)
+            if rec.dedup_key is not None and self._dedup.get(rec.dedup_key) == rid:
+                del self._dedup[rec.dedup_key]

@@ -1,0 +1,320 @@
+"""Durable records under ``--state-dir``: sessions, training runs, checkpoints (SQLite).
+
+Checkpoints are directories under ``<state-dir>/runs/<run dir>/<kind>/<name>``. Every path
+handed out is built here from validated parts and checked to lie inside the state dir, so
+neither a checkpoint name nor a ``tinker://`` path can point anywhere else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import sqlite3
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import attrs
+
+from ..errors import InputError
+
+#: tinker path segment -> checkpoint type (Tinker's names)
+SEGMENT_TO_KIND = {"weights": "training", "sampler_weights": "sampler"}
+KIND_TO_SEGMENT = {v: k for k, v in SEGMENT_TO_KIND.items()}
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,199}$")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    last_heartbeat REAL,
+    finished_at REAL,
+    finish_reason TEXT,
+    tags TEXT,
+    user_metadata TEXT,
+    sdk_version TEXT
+);
+CREATE TABLE IF NOT EXISTS training_runs (
+    run_id TEXT PRIMARY KEY,
+    session_id TEXT,
+    base_model TEXT NOT NULL,
+    lora TEXT,
+    user_metadata TEXT,
+    created_at REAL NOT NULL,
+    last_request_time REAL NOT NULL,
+    dirname TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    size_bytes INTEGER,
+    expires_at REAL,
+    user_metadata TEXT,
+    PRIMARY KEY (run_id, kind, name)
+);
+CREATE TABLE IF NOT EXISTS sampling_sessions (
+    sampling_session_id TEXT PRIMARY KEY,
+    session_id TEXT,
+    base_model TEXT NOT NULL,
+    model_path TEXT,
+    created_at REAL NOT NULL
+);
+"""
+
+
+def check_name(name: Any, what: str = "checkpoint name") -> str:
+    """A checkpoint name: letters, digits, ``_ . -``; no slashes, no leading dot."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
+        raise InputError(
+            f"invalid {what} {name!r}: use 1-200 characters from A-Z a-z 0-9 _ . - "
+            f"(no '/', no '..', not starting with '.' or '-')"
+        )
+    return name
+
+
+def check_run_id(run_id: Any) -> str:
+    if not isinstance(run_id, str) or not _ID_RE.match(run_id) or ".." in run_id:
+        raise InputError(f"invalid training run id {run_id!r}")
+    return run_id
+
+
+def iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc).isoformat()
+
+
+@attrs.frozen
+class TinkerPath:
+    """A parsed ``tinker://<run_id>/<weights|sampler_weights>/<name>``."""
+
+    run_id: str
+    kind: str  # "training" | "sampler"
+    name: str
+
+    @classmethod
+    def parse(cls, path: Any) -> "TinkerPath":
+        if not isinstance(path, str) or not path.startswith("tinker://"):
+            raise InputError(f"expected a tinker:// path, got {path!r}")
+        parts = path[len("tinker://"):].split("/")
+        if len(parts) != 3 or parts[1] not in SEGMENT_TO_KIND:
+            raise InputError(
+                f"invalid tinker path {path!r}: expected tinker://<training_run_id>/weights/<name> "
+                f"or tinker://<training_run_id>/sampler_weights/<name>"
+            )
+        return cls(check_run_id(parts[0]), SEGMENT_TO_KIND[parts[1]], check_name(parts[2]))
+
+    def __str__(self) -> str:
+        return f"tinker://{self.run_id}/{KIND_TO_SEGMENT[self.kind]}/{self.name}"
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{KIND_TO_SEGMENT[self.kind]}/{self.name}"
+
+
+def _dumps(obj: Any) -> str | None:
+    return None if obj is None else json.dumps(obj, sort_keys=True)
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+class Store:
+    """SQLite records + checkpoint directories. Thread-safe (one connection, one lock)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.root = Path(state_dir).expanduser().resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "runs").mkdir(exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(self.root / "server.sqlite3"), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _exec(self, sql: str, params: tuple = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, params)
+
+    def _rows(self, sql: str, params: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
+    # ---- paths ------------------------------------------------------------------------
+    def inside(self, path: Path) -> Path:
+        """``path`` resolved, or an error if it is not strictly inside the state dir."""
+        resolved = Path(path).resolve()
+        if resolved == self.root or self.root not in resolved.parents:
+            raise InputError(f"refusing a path outside the server's state dir: {path}")
+        return resolved
+
+    def scratch_dir(self, *parts: str) -> Path:
+        """A server-owned directory (ephemeral snapshots, ...) under the state dir."""
+        for p in parts:
+            check_name(p, "directory name")
+        return self.inside(self.root.joinpath("scratch", *parts))
+
+    @staticmethod
+    def run_dirname(run_id: str) -> str:
+        return "run-" + hashlib.sha256(run_id.encode()).hexdigest()[:20]
+
+    def checkpoint_dir(self, tp: TinkerPath) -> Path:
+        return self.inside(self.root / "runs" / self.run_dirname(tp.run_id) / KIND_TO_SEGMENT[tp.kind] / tp.name)
+
+    # ---- sessions ---------------------------------------------------------------------
+    def add_session(self, session_id: str, tags: Any, user_metadata: Any, sdk_version: Any) -> None:
+        self._exec(
+            "INSERT OR IGNORE INTO sessions (session_id, created_at, last_heartbeat, tags, user_metadata, sdk_version)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (session_id, time.time(), time.time(), _dumps(tags), _dumps(user_metadata), sdk_version),
+        )
+
+    def session(self, session_id: str) -> dict[str, Any] | None:
+        rows = self._rows("SELECT * FROM sessions WHERE session_id = ?", (session_id,))
+        return dict(rows[0]) if rows else None
+
+    def heartbeat(self, session_id: str) -> bool:
+        return self._exec("UPDATE sessions SET last_heartbeat = ? WHERE session_id = ?",
+                          (time.time(), session_id)).rowcount > 0
+
+    def finish_session(self, session_id: str, reason: Any) -> None:
+        self._exec(
+            "UPDATE sessions SET finished_at = COALESCE(finished_at, ?), finish_reason = COALESCE(finish_reason, ?)"
+            " WHERE session_id = ?",
+            (time.time(), _dumps(reason), session_id),
+        )
+
+    def list_sessions(self, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
+        rows = self._rows("SELECT * FROM sessions ORDER BY created_at DESC LIMIT ? OFFSET ?", (limit, offset))
+        total = self._rows("SELECT COUNT(*) AS n FROM sessions")[0]["n"]
+        return [dict(r) for r in rows], total
+
+    # ---- training runs ----------------------------------------------------------------
+    def add_run(self, run_id: str, session_id: str | None, base_model: str, lora: dict | None,
+                user_metadata: Any) -> None:
+        now = time.time()
+        self._exec(
+            "INSERT OR REPLACE INTO training_runs (run_id, session_id, base_model, lora, user_metadata, created_at,"
+            " last_request_time, dirname) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (check_run_id(run_id), session_id, base_model, _dumps(lora), _dumps(user_metadata), now, now,
+             self.run_dirname(run_id)),
+        )
+
+    def touch_run(self, run_id: str) -> None:
+        self._exec("UPDATE training_runs SET last_request_time = ? WHERE run_id = ?", (time.time(), run_id))
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        rows = self._rows("SELECT * FROM training_runs WHERE run_id = ?", (run_id,))
+        if not rows:
+            return None
+        out = dict(rows[0])
+        out["lora"] = _loads(out["lora"])
+        out["user_metadata"] = _loads(out["user_metadata"])
+        return out
+
+    def list_runs(self, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
+        rows = self._rows("SELECT run_id FROM training_runs ORDER BY created_at DESC LIMIT ? OFFSET ?",
+                          (limit, offset))
+        total = self._rows("SELECT COUNT(*) AS n FROM training_runs")[0]["n"]
+        return [self.run(r["run_id"]) for r in rows], total
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def add_checkpoint(self, tp: TinkerPath, ttl_seconds: Any = None, user_metadata: Any = None) -> None:
+        now = time.time()
+        directory = self.checkpoint_dir(tp)
+        size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()) if directory.exists() else None
+        expires = now + float(ttl_seconds) if isinstance(ttl_seconds, (int, float)) and ttl_seconds else None
+        self._exec(
+            "INSERT OR REPLACE INTO checkpoints (run_id, kind, name, created_at, size_bytes, expires_at, user_metadata)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (tp.run_id, tp.kind, tp.name, now, size, expires, _dumps(user_metadata)),
+        )
+
+    def checkpoint(self, tp: TinkerPath) -> dict[str, Any] | None:
+        rows = self._rows("SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
+                          (tp.run_id, tp.kind, tp.name))
+        return self._checkpoint_json(rows[0]) if rows else None
+
+    def resolve_checkpoint(self, path: Any, kind: str | None = None) -> tuple[TinkerPath, Path]:
+        """A recorded checkpoint's ``tinker://`` path -> its directory (which must exist)."""
+        tp = TinkerPath.parse(path)
+        if kind is not None and tp.kind != kind:
+            want = KIND_TO_SEGMENT[kind]
+            raise InputError(f"{path}: expected a tinker://<run>/{want}/<name> path here")
+        if self.checkpoint(tp) is None:
+            raise InputError(f"no checkpoint {path} on this server")
+        directory = self.checkpoint_dir(tp)
+        if not directory.is_dir():
+            raise InputError(f"checkpoint {path} is recorded but its files are gone")
+        return tp, directory
+
+    def list_checkpoints(self, run_id: str | None = None, limit: int = 10**9, offset: int = 0
+                         ) -> tuple[list[dict[str, Any]], int]:
+        where, params = ("WHERE run_id = ?", (run_id,)) if run_id is not None else ("", ())
+        rows = self._rows(f"SELECT * FROM checkpoints {where} ORDER BY created_at, name LIMIT ? OFFSET ?",
+                          (*params, limit, offset))
+        total = self._rows(f"SELECT COUNT(*) AS n FROM checkpoints {where}", params)[0]["n"]
+        return [self._checkpoint_json(r) for r in rows], total
+
+    def last_checkpoint(self, run_id: str, kind: str) -> dict[str, Any] | None:
+        rows = self._rows("SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? ORDER BY created_at DESC LIMIT 1",
+                          (run_id, kind))
+        return self._checkpoint_json(rows[0]) if rows else None
+
+    def delete_checkpoint(self, tp: TinkerPath) -> bool:
+        directory = self.checkpoint_dir(tp)
+        found = self._exec("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
+                           (tp.run_id, tp.kind, tp.name)).rowcount > 0
+        if directory.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            found = True
+        return found
+
+    def delete_expired(self) -> int:
+        """Delete checkpoints whose ``ttl_seconds`` ran out; returns how many."""
+        rows = self._rows("SELECT run_id, kind, name FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at < ?",
+                          (time.time(),))
+        for r in rows:
+            self.delete_checkpoint(TinkerPath(r["run_id"], r["kind"], r["name"]))
+        return len(rows)
+
+    @staticmethod
+    def _checkpoint_json(row: sqlite3.Row) -> dict[str, Any]:
+        tp = TinkerPath(row["run_id"], row["kind"], row["name"])
+        return {
+            "checkpoint_id": tp.checkpoint_id,
+            "checkpoint_type": row["kind"],
+            "time": iso(row["created_at"]),
+            "tinker_path": str(tp),
+            "size_bytes": row["size_bytes"],
+            "public": False,
+            "user_metadata": _loads(row["user_metadata"]),
+            "expires_at": iso(row["expires_at"]),
+        }
+
+    # ---- sampling sessions ------------------------------------------------------------
+    def add_sampling_session(self, sid: str, session_id: str | None, base_model: str, model_path: str | None) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO sampling_sessions (sampling_session_id, session_id, base_model, model_path,"
+            " created_at) VALUES (?, ?, ?, ?, ?)",
+            (sid, session_id, base_model, model_path, time.time()),
+        )
+
+    def sampling_session(self, sid: str) -> dict[str, Any] | None:
+        rows = self._rows("SELECT * FROM sampling_sessions WHERE sampling_session_id = ?", (sid,))
+        return dict(rows[0]) if rows else None
+
+    def iter_runs(self) -> Iterator[dict[str, Any]]:
+        for r in self._rows("SELECT run_id FROM training_runs"):
+            yield self.run(r["run_id"])

@@ -1,0 +1,70 @@
+"""Run a real ``skyrl-sdk serve`` app (uvicorn, loopback, free port) in a background thread
+for tests that drive the unmodified ``tinker`` client against it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+API_KEY = "tml-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """``with ServerThread(state_dir, **config) as srv: srv.url``"""
+
+    def __init__(self, state_dir: Path | str, **config: Any) -> None:
+        import uvicorn
+
+        from skyrl_sdk.server import ServerConfig, create_app
+
+        self.port = free_port()
+        config.setdefault("api_key", API_KEY)
+        self.config = ServerConfig(state_dir=state_dir, port=self.port, **config)
+        self.app = create_app(self.config)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name="skyrl-test-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def runtime(self):
+        return self.app.fastapi.state.runtime
+
+    def start(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def service_client(self, api_key: str = API_KEY):
+        import tinker
+
+        return tinker.ServiceClient(base_url=self.url, api_key=api_key)

@@ -1,0 +1,574 @@
+"""``skyrl-sdk serve`` driven by the unmodified official ``tinker`` client over loopback.
+
+One server (uvicorn in a thread, model ``tiny``) serves the whole module. Numbers that
+come back through the client are compared with an in-process :class:`Backend` built
+the same way, so every check covers the wire format as well as the semantics.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+pytest.importorskip("fastapi")
+from tinker import types as tt  # noqa: E402
+from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
+
+from _server_harness import API_KEY, ServerThread  # noqa: E402
+from conftest import make_rl_data, make_sft_data  # noqa: E402
+from skyrl_sdk import Backend, types  # noqa: E402
+
+RANK, LORA_SEED = 4, 7
+CHUNK = 2  # the server tells the client to send at most 2 datums per forward_backward request
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ServerThread(tmp_path_factory.mktemp("state"), client_config={"fwdbwd_max_chunk_len": CHUNK},
+                      max_body_bytes=4 * 2**20) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    sc = server.service_client()
+    yield sc
+    sc.close("success").result()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """A fresh in-process model identical to a freshly created server model (forward only)."""
+    with Backend(model="tiny", lora=types.LoraConfig(rank=RANK, seed=LORA_SEED)) as b:
+        yield b
+
+
+def new_trainer(service):
+    return service.create_lora_training_client(base_model="tiny", rank=RANK, seed=LORA_SEED).result()
+
+
+def to_tinker(d: types.Datum, sparse: tuple[str, ...] = (), chunks: int = 1) -> tt.Datum:
+    tokens = d.model_input.to_ints()
+    bounds = np.linspace(0, len(tokens), chunks + 1).astype(int)
+    model_input = tt.ModelInput(chunks=[tt.EncodedTextChunk(tokens=tokens[a:b]) for a, b in zip(bounds, bounds[1:])])
+    inputs = {
+        k: tt.TensorData.from_torch_sparse(torch.from_numpy(v.array)) if k in sparse
+        else tt.TensorData.from_numpy(v.array)
+        for k, v in d.loss_fn_inputs.items()
+    }
+    return tt.Datum(model_input=model_input, loss_fn_inputs=inputs)
+
+
+def assert_outputs_close(got, want, atol=1e-5):
+    assert len(got.loss_fn_outputs) == len(want.loss_fn_outputs)
+    for g, w in zip(got.loss_fn_outputs, want.loss_fn_outputs):
+        np.testing.assert_allclose(g["logprobs"].to_numpy(), w["logprobs"].array, atol=atol)
+    np.testing.assert_allclose(got.metrics["loss:sum"], want.metrics["loss:sum"], rtol=1e-5, atol=1e-4)
+
+
+# ---- training ---------------------------------------------------------------------------------
+def test_cross_entropy_train_steps_match_in_process(service):
+    """5 datums -> 3 parallel chunks whose gradients add up; AdamW honoured; weights match."""
+    data = make_sft_data([7, 12, 3, 20, 9], seed=1)
+    adam = dict(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.01, grad_clip_norm=5.0)
+    tc = new_trainer(service)
+    with Backend(model="tiny", lora=types.LoraConfig(rank=RANK, seed=LORA_SEED)) as ref:
+        for _ in range(2):
+            got = tc.forward_backward([to_tinker(d) for d in data], "cross_entropy")
+            got_step = tc.optim_step(tt.AdamParams(**adam))
+            want = ref.forward_backward(data, "cross_entropy")
+            want_step = ref.optim_step(types.AdamParams(**adam))
+            assert_outputs_close(got.result(), want)
+            step = got_step.result().metrics
+            np.testing.assert_allclose(step["grad_norm"], want_step.metrics["grad_norm"], rtol=1e-4)
+            assert step["num_forward_backward_calls"] == 3  # the chunks arrived as 3 requests
+        assert_outputs_close(tc.forward([to_tinker(d) for d in data], "cross_entropy").result(),
+                             ref.forward(data, "cross_entropy"))
+
+
+def test_sparse_csr_tensors_and_multi_chunk_prompts(service, reference):
+    """Top-K targets with a sparse CSR weight tensor and 3-chunk prompts give the dense result."""
+    rng = np.random.default_rng(3)
+    data = []
+    for n in (6, 9):
+        weights = np.zeros((n, 8), np.float32)
+        weights[np.arange(n), rng.integers(0, 8, n)] = 1.0
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(rng.integers(0, 256, n)),
+                                loss_fn_inputs={"target_tokens": rng.integers(0, 256, (n, 8)), "weights": weights}))
+    tc = new_trainer(service)
+    wire_data = [to_tinker(d, sparse=("weights",), chunks=3) for d in data]
+    assert wire_data[0].loss_fn_inputs["weights"].sparse_crow_indices is not None
+    got = tc.forward(wire_data, "cross_entropy").result()
+    want = reference.forward(data, "cross_entropy")
+    assert got.loss_fn_outputs[0]["logprobs"].shape == [6, 8]
+    assert_outputs_close(got, want)
+
+
+@pytest.mark.parametrize("loss_fn,config", [
+    ("importance_sampling", None),
+    ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+    ("cispo", None),
+    ("dro", {"beta": 0.1}),
+    ("gspo", None),
+])
+def test_policy_losses_match_in_process(service, reference, loss_fn, config):
+    data = make_rl_data([10, 14, 6], seed=2)
+    tc = new_trainer(service)
+    got = tc.forward_backward([to_tinker(d) for d in data], loss_fn, config).result()
+    assert_outputs_close(got, reference.forward(data, loss_fn, config))
+    assert tc.optim_step(tt.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm"] > 0
+
+
+def test_plugin_loss_by_name(service, reference):
+    pytest.importorskip("skyrl_sdk_reinforce")
+    data = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"], "advantages": d.loss_fn_inputs["advantages"]})
+        for d in make_rl_data([8, 5], seed=4)]
+    got = new_trainer(service).forward_backward([to_tinker(d) for d in data], "reinforce").result()
+    assert_outputs_close(got, reference.forward(data, "reinforce"))
+
+
+def test_forward_only_adds_no_gradient(service):
+    tc = new_trainer(service)
+    data = [to_tinker(d) for d in make_sft_data([5, 6], seed=5)]
+    first = tc.forward(data, "cross_entropy").result()
+    step = tc.optim_step(tt.AdamParams(learning_rate=1e-2)).result()
+    assert step.metrics["grad_norm"] == 0.0
+    again = tc.forward(data, "cross_entropy").result()
+    np.testing.assert_array_equal(first.loss_fn_outputs[0]["logprobs"].to_numpy(),
+                                  again.loss_fn_outputs[0]["logprobs"].to_numpy())
+
+
+def test_forward_backward_custom_equals_cross_entropy(service):
+    data = make_sft_data([6, 11, 4], seed=6)
+    wire = [to_tinker(d) for d in data]
+
+    def nll(batch, logprobs_list):
+        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].data)).sum()
+                   for d, lp in zip(batch, logprobs_list))
+        return loss, {"custom:sum": float(loss.detach())}
+
+    a, b = new_trainer(service), new_trainer(service)
+    custom = a.forward_backward_custom(wire, nll).result()
+    plain = b.forward_backward(wire, "cross_entropy").result()
+    np.testing.assert_allclose(custom.metrics["loss:sum"], plain.metrics["loss:sum"], rtol=1e-5)
+    ga = a.optim_step(tt.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm"]
+    gb = b.optim_step(tt.AdamParams(learning_rate=1e-3)).result().metrics["grad_norm"]
+    np.testing.assert_allclose(ga, gb, rtol=1e-5)
+
+
+# ---- state ---------------------------------------------------------------------------------
+def test_save_state_and_create_from_state(service, server):
+    data = [to_tinker(d) for d in make_sft_data([8, 6], seed=7)]
+    adam = tt.AdamParams(learning_rate=1e-2)
+    tc = new_trainer(service)
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(adam)
+    saved = tc.save_state("step2").result()
+    assert saved.path == f"tinker://{tc.model_id}/weights/step2"
+    exported = tc.save_weights_for_sampler("step2").result()
+    prompt, params = tt.ModelInput.from_ints([5, 6, 7]), tt.SamplingParams(max_tokens=5, seed=2)
+    via_state, via_export = (service.create_sampling_client(model_path=p).result().sample(prompt, 1, params).result()
+                             for p in (saved.path, exported.path))
+    assert via_state.sequences[0].tokens == via_export.sequences[0].tokens
+    np.testing.assert_allclose(via_state.sequences[0].logprobs, via_export.sequences[0].logprobs, atol=1e-4)
+    at_save = tc.forward(data, "cross_entropy").result()
+    tc.forward_backward(data, "cross_entropy")
+    tc.optim_step(adam).result()
+    continued = tc.forward(data, "cross_entropy").result()
+
+    plain = service.create_training_client_from_state(saved.path).result()
+    assert_outputs_close(plain.forward(data, "cross_entropy").result(), _as_ref(at_save))
+    with_opt = service.create_training_client_from_state_with_optimizer(saved.path).result()
+    for client in (plain, with_opt):
+        client.forward_backward(data, "cross_entropy")
+        client.optim_step(adam).result()
+    # the optimizer moments came along: the third step lands exactly where the original's did
+    assert_outputs_close(with_opt.forward(data, "cross_entropy").result(), _as_ref(continued))
+    fresh_moments = plain.forward(data, "cross_entropy").result()
+    assert abs(fresh_moments.metrics["loss:sum"] - continued.metrics["loss:sum"]) > 1e-3
+
+    rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+    ids = {c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert "weights/step2" in ids
+    with pytest.raises(tinker.RequestFailedError, match="already exists"):
+        tc.save_state("step2").result()
+
+
+def _as_ref(out):
+    """A client ForwardBackwardOutput in the shape assert_outputs_close expects as 'want'."""
+    return types.ForwardBackwardOutput(
+        loss_fn_output_type=out.loss_fn_output_type,
+        loss_fn_outputs=[{k: types.TensorData(v.to_numpy()) for k, v in o.items()} for o in out.loss_fn_outputs],
+        metrics=dict(out.metrics),
+    )
+
+
+def test_checkpoint_names_cannot_escape_state_dir(service, server):
+    tc = new_trainer(service)
+    for bad in ("../escape", "a/b", ".hidden", ""):
+        with pytest.raises(tinker.RequestFailedError, match="invalid checkpoint name"):
+            tc.save_state(bad).result(timeout=30)
+    for bad in ("tinker://../weights/x", "tinker://x/weights/../../etc", "file:///etc/passwd"):
+        with pytest.raises(tinker.RequestFailedError):
+            service.create_training_client_from_state(bad).result(timeout=30)
+    assert not any(p.name == "escape" for p in server.config.state_dir.parent.rglob("escape"))
+
+
+# ---- sampling --------------------------------------------------------------------------------
+def test_sampling_logprobs_agree_with_forward(service):
+    tc = new_trainer(service)
+    data = [to_tinker(d) for d in make_sft_data([10, 7], seed=8, shifted=True)]
+    tc.forward_backward(data, "cross_entropy")
+    tc.optim_step(tt.AdamParams(learning_rate=2e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = [72, 101, 108, 108, 111, 32]
+    res = sampler.sample(tt.ModelInput.from_ints(prompt), 3, tt.SamplingParams(max_tokens=12, seed=11)).result()
+    assert len(res.sequences) == 3
+    for seq in res.sequences:
+        full = prompt + list(seq.tokens)
+        datum = tt.Datum(model_input=tt.ModelInput.from_ints(full[:-1]), loss_fn_inputs={
+            "target_tokens": tt.TensorData.from_numpy(np.array(full[1:])),
+            "weights": tt.TensorData.from_numpy(np.ones(len(full) - 1, np.float32))})
+        lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_allclose(np.array(seq.logprobs), lp[len(prompt) - 1:], atol=1e-3)
+    # many concurrent requests (batched server-side) each get their own num_samples sequences
+    many = [sampler.sample(tt.ModelInput.from_ints(prompt[:k]), 2, tt.SamplingParams(max_tokens=4))
+            for k in range(2, 7)]
+    assert [len(f.result().sequences) for f in many] == [2] * 5
+    # compute_logprobs = a max_tokens=1 sample with prompt_logprobs
+    lps = sampler.compute_logprobs(tt.ModelInput.from_ints(prompt + [33, 33])).result()
+    datum = tt.Datum(model_input=tt.ModelInput.from_ints(prompt + [33]), loss_fn_inputs={
+        "target_tokens": tt.TensorData.from_numpy(np.array(prompt[1:] + [33, 33])),
+        "weights": tt.TensorData.from_numpy(np.ones(len(prompt) + 1, np.float32))})
+    want = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert lps[0] is None
+    np.testing.assert_allclose(np.array(lps[1:], dtype=np.float32), want, atol=1e-3)
+
+
+def test_snapshot_sampler_keeps_its_weights_after_training(service):
+    tc = new_trainer(service)
+    data = [to_tinker(d) for d in make_sft_data([9, 9], seed=9)]
+    params = tt.SamplingParams(max_tokens=6, seed=3, temperature=1.0)
+    prompt = tt.ModelInput.from_ints([1, 2, 3, 4])
+    before = tc.save_weights_and_get_sampling_client().result()
+    first = before.sample(prompt, 1, params).result()
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(tt.AdamParams(learning_rate=5e-2)).result()
+    again = before.sample(prompt, 1, params).result()  # served from the exported snapshot
+    assert again.sequences[0].tokens == first.sequences[0].tokens
+    np.testing.assert_allclose(again.sequences[0].logprobs, first.sequences[0].logprobs, atol=1e-4)
+    after = tc.save_weights_and_get_sampling_client().result().sample(prompt, 1, params).result()
+    assert not np.allclose(after.sequences[0].logprobs, first.sequences[0].logprobs, atol=1e-4)
+
+
+def test_sampling_params_stop_and_paths(service, server):
+    tc = new_trainer(service)
+    saved = tc.save_weights_for_sampler("sampler0").result()
+    assert saved.path == f"tinker://{tc.model_id}/sampler_weights/sampler0"
+    from_path = service.create_sampling_client(model_path=saved.path).result()
+    from_base = service.create_sampling_client(base_model="tiny").result()
+    live = tc.save_weights_and_get_sampling_client().result()
+    prompt = tt.ModelInput.from_ints([10, 20, 30])
+    params = tt.SamplingParams(max_tokens=8, seed=5, temperature=0.7, top_k=50, top_p=0.9)
+    seqs = [c.sample(prompt, 2, params).result().sequences for c in (from_path, from_base, live)]
+    for other in seqs[1:]:  # a fresh LoRA model equals its base; the exported copy equals both
+        assert [s.tokens for s in other] == [s.tokens for s in seqs[0]]
+        np.testing.assert_allclose([s.logprobs for s in other], [s.logprobs for s in seqs[0]], atol=1e-4)
+    # stop token ids and strings cut the sequence and report "stop"
+    greedy = live.sample(prompt, 1, tt.SamplingParams(max_tokens=10, temperature=0.0)).result().sequences[0]
+    stop_tok = greedy.tokens[3]
+    cut = live.sample(prompt, 1, tt.SamplingParams(max_tokens=10, temperature=0.0, stop=[stop_tok])).result()
+    assert cut.sequences[0].stop_reason == "stop"
+    assert cut.sequences[0].tokens == greedy.tokens[:greedy.tokens.index(stop_tok) + 1]
+    tok = tc.get_tokenizer()
+    text = tok.decode(greedy.tokens[:4])
+    if text.strip():
+        by_str = live.sample(prompt, 1, tt.SamplingParams(max_tokens=10, temperature=0.0,
+                                                           stop=[text[-1]])).result().sequences[0]
+        assert by_str.stop_reason == "stop" and len(by_str.tokens) <= 4
+    info = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+    assert info.get_training_run(tc.model_id).result().base_model == "tiny"
+
+
+def test_unsupported_sampling_option_is_a_user_error(service):
+    sampler = service.create_sampling_client(base_model="tiny").result()
+    with pytest.raises(tinker.RequestFailedError, match="top-k"):
+        sampler.sample(tt.ModelInput.from_ints([1, 2, 3]), 1, tt.SamplingParams(max_tokens=2),
+                       topk_prompt_logprobs=2).result(timeout=30)
+
+
+# ---- errors ----------------------------------------------------------------------------------
+def test_bad_datum_fails_fast_and_model_stays_usable(service):
+    tc = new_trainer(service)
+    good = [to_tinker(d) for d in make_sft_data([5], seed=10)]
+    bad = tt.Datum(model_input=tt.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={
+        "target_tokens": tt.TensorData.from_numpy(np.array([4, 5, 99999])),
+        "weights": tt.TensorData.from_numpy(np.ones(3, np.float32))})
+    t0 = time.monotonic()
+    with pytest.raises(tinker.RequestFailedError) as err:
+        tc.forward_backward(good + [bad], "cross_entropy").result(timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert "datum" in str(err.value) and "target_tokens" in str(err.value) and "99999" in str(err.value)
+    assert err.value.category == tt.RequestErrorCategory.User
+    with pytest.raises(tinker.RequestFailedError, match="unknown"):
+        tc.forward_backward(good, "no_such_loss").result(timeout=30)
+    out = tc.forward_backward(good, "cross_entropy").result(timeout=30)
+    assert out.metrics["loss:sum"] > 0
+    assert tc.optim_step(tt.AdamParams(learning_rate=1e-3)).result(timeout=30).metrics["grad_norm"] > 0
+
+
+# ---- raw HTTP: ordering, de-duplication, auth, limits -----------------------------------------------
+def _raw(server):
+    return httpx.Client(base_url=server.url, headers={"X-API-Key": API_KEY}, timeout=60)
+
+
+def _raw_model(http) -> str:
+    sid = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "x"}).json()
+    fut = http.post("/api/v1/create_model", json={"session_id": sid["session_id"], "model_seq_id": 0,
+                                                   "base_model": "tiny", "lora_config": {"rank": 2}}).json()
+    assert _result(http, fut["request_id"]).json()["model_id"] == fut["model_id"]
+    return fut["model_id"]
+
+
+def _result(http, request_id):
+    while True:
+        r = http.post("/api/v1/retrieve_future", json={"request_id": request_id, "allow_metadata_only": True})
+        if r.headers["content-type"].startswith("application/json") and r.json().get("type") == "try_again":
+            continue
+        return r
+
+
+def _fwdbwd_body(model_id, seq_id) -> bytes:
+    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.array([1, 2, 3, 4], np.int32).tobytes()
+    d.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(dense=np.array([2, 3, 4, 5]).tobytes(),
+                                                          dtype=pb.DTYPE_INT64, shape=[4]))
+    d.loss_fn_inputs["weights"].CopyFrom(pb.Tensor(dense=np.ones(4, np.float32).tobytes(),
+                                                    dtype=pb.DTYPE_FLOAT32, shape=[4]))
+    return msg.SerializeToString()
+
+
+def test_replayed_seq_id_runs_once_and_order_is_kept(server):
+    with _raw(server) as http:
+        model_id = _raw_model(http)
+        proto = {"Content-Type": "application/x-protobuf"}
+        # optim_step (seq 2) arrives before the forward_backward (seq 1) it must follow
+        optim = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 2,
+                                                      "adam_params": {"learning_rate": 1e-3}}).json()
+        first = http.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1), headers=proto).json()
+        replay = http.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1), headers=proto).json()
+        assert replay["request_id"] == first["request_id"]
+        out = _result(http, first["request_id"])
+        assert out.headers["content-type"] == "application/x-protobuf"
+        parsed = pb.ForwardBackwardOutput.FromString(out.content)
+        assert parsed.metrics["loss:sum"] > 0 and parsed.loss_fn_outputs[0].num_datums == 1
+        metrics = _result(http, optim["request_id"]).json()["metrics"]
+        assert metrics["num_forward_backward_calls"] == 1.0  # ran once, and before the step
+        again = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 2,
+                                                      "adam_params": {"learning_rate": 1e-3}}).json()
+        assert again["request_id"] == optim["request_id"]
+        unknown = _result(http, "req-nope").json()
+        assert unknown["category"] == "server" and "unknown request_id" in unknown["error"]
+
+
+def test_event_loop_stays_responsive_while_training(server):
+    with _raw(server) as http:
+        model_id = _raw_model(http)
+        big = pb.ForwardBackwardRequest(model_id=model_id, seq_id=1, loss_fn="cross_entropy")
+        rng = np.random.default_rng(0)
+        for _ in range(16):
+            d = big.data.add()
+            d.model_input.add().encoded_text.tokens = rng.integers(0, 256, 256).astype(np.int32).tobytes()
+            d.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(
+                dense=rng.integers(0, 256, 256).astype(np.int64).tobytes(), dtype=pb.DTYPE_INT64, shape=[256]))
+        fut = http.post("/api/v1/forward_backward", content=big.SerializeToString(),
+                        headers={"Content-Type": "application/x-protobuf"}).json()
+        t0 = time.monotonic()
+        assert http.get("/api/v1/healthz").json() == {"status": "ok"}
+        assert time.monotonic() - t0 < 0.5
+        assert _result(http, fut["request_id"]).status_code == 200
+
+
+def test_two_clients_at_once(server):
+    data = make_sft_data([6, 8, 10], seed=12)
+    results: dict[int, float] = {}
+    errors: list[BaseException] = []
+
+    def train(i: int) -> None:
+        try:
+            sc = server.service_client()
+            tc = sc.create_lora_training_client(base_model="tiny", rank=RANK, seed=LORA_SEED).result()
+            for _ in range(3):
+                tc.forward_backward([to_tinker(d) for d in data], "cross_entropy")
+                tc.optim_step(tt.AdamParams(learning_rate=1e-2))
+            results[i] = tc.forward([to_tinker(d) for d in data], "cross_entropy").result().metrics["loss:sum"]
+            sc.close("success").result()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert results[0] == pytest.approx(results[1], rel=1e-6)  # same start, same data, same result
+
+
+def test_auth_is_required(server):
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        assert http.post("/api/v1/create_session", json={}).status_code == 401
+        assert http.post("/api/v1/create_session", json={}, headers={"X-API-Key": "tml-wrong"}).status_code == 401
+        ok = http.post("/api/v1/create_session", json={}, headers={"x-api-key": API_KEY})
+        assert ok.status_code == 200 and ok.json()["session_id"]
+        assert http.get("/api/v1/healthz").json() == {"status": "ok"}
+        assert http.post("/api/v1/telemetry", json={"events": []}, headers={"X-API-KEY": API_KEY}).status_code == 200
+    with pytest.raises(Exception) as err:
+        server.service_client(api_key="tml-wrong").create_lora_training_client(base_model="tiny", rank=RANK)
+    assert "401" in str(err.value) or "X-API-Key" in str(err.value)
+
+
+def test_body_size_limit(server):
+    with _raw(server) as http:
+        r = http.post("/api/v1/forward_backward", content=b"\0" * (5 * 2**20),
+                      headers={"Content-Type": "application/x-protobuf"})
+        assert r.status_code == 413
+
+
+def test_unknown_base_model_and_bad_json_are_user_errors(service, server):
+    with pytest.raises(tinker.RequestFailedError, match="not served here"):
+        service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=RANK).result(timeout=30)
+    with _raw(server) as http:
+        fut = http.post("/api/v1/optim_step", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert fut.status_code == 200
+        assert _result(http, fut.json()["request_id"]).json()["category"] == "user"
+
+
+def test_restart_keeps_checkpoints(tmp_path):
+    data = [to_tinker(d) for d in make_sft_data([7, 5], seed=13)]
+    with ServerThread(tmp_path / "state") as srv:
+        sc = srv.service_client()
+        tc = sc.create_lora_training_client(base_model="tiny", rank=RANK, seed=LORA_SEED).result()
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(tt.AdamParams(learning_rate=1e-2))
+        path = tc.save_state("kept").result().path
+        sampler_path = tc.save_weights_for_sampler("kept-sampler").result().path
+        want = tc.forward(data, "cross_entropy").result()
+        run_id = tc.model_id
+        sc.close("success").result()
+    with ServerThread(tmp_path / "state") as srv:
+        sc = srv.service_client()
+        rest = tinker.RestClient(base_url=srv.url, api_key=API_KEY)
+        ids = {c.checkpoint_id for c in rest.list_checkpoints(run_id).result().checkpoints}
+        assert ids == {"weights/kept", "sampler_weights/kept-sampler"}
+        assert any(r.training_run_id == run_id for r in rest.list_training_runs().result().training_runs)
+        tc = sc.create_training_client_from_state_with_optimizer(path).result()
+        assert_outputs_close(tc.forward(data, "cross_entropy").result(), _as_ref(want))
+        assert sc.create_sampling_client(model_path=sampler_path).result().sample(
+            tt.ModelInput.from_ints([1, 2]), 1, tt.SamplingParams(max_tokens=2)).result().sequences
+        rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+        assert {c.checkpoint_id for c in rest.list_checkpoints(run_id).result().checkpoints} == {"weights/kept"}
+        sc.close("success").result()
+
+
+def test_store_paths_stay_inside(tmp_path):
+    from skyrl_sdk.errors import InputError
+    from skyrl_sdk.server.store import Store, TinkerPath
+
+    store = Store(tmp_path / "s")
+    tp = TinkerPath.parse("tinker://sess-1:train:0/weights/ok-1.x")
+    assert store.checkpoint_dir(tp).is_relative_to(store.root)
+    for bad in ("tinker://../weights/x", "tinker://a/weights/..", "tinker://a/other/x", "tinker://a/weights/x/y",
+                "tinker://a/weights/.x", "s3://a/weights/x"):
+        with pytest.raises(InputError):
+            TinkerPath.parse(bad)
+    with pytest.raises(InputError):
+        store.inside(tmp_path / "s" / ".." / "elsewhere")
+    json.dumps(store.list_checkpoints()[0])
+    store.add_run("sess-1:train:0", "sess-1", "tiny", None, None)
+    store.checkpoint_dir(tp).mkdir(parents=True)
+    store.add_checkpoint(tp, ttl_seconds=0.01)
+    time.sleep(0.05)
+    assert store.delete_expired() == 1 and not store.checkpoint_dir(tp).exists()
+    assert store.list_checkpoints()[1] == 0
+
+
+def test_sequencer_orders_and_skips_a_lost_seq_only_when_idle():
+    import asyncio
+
+    from skyrl_sdk.server.futures import Job, Result, Sequencer, Worker
+
+    ran: list[tuple[int, float]] = []
+
+    def job(i, sleep=0.0):
+        def run():
+            time.sleep(sleep)
+            ran.append((i, time.monotonic()))
+            return Result.json({})
+        return Job(run=run, done=lambda r: None)
+
+    async def main():
+        worker = Worker("t")
+        seq = Sequencer(worker, next_seq=1, gap_timeout_s=0.3)
+        seq.submit(3, job(3))
+        seq.submit(1, job(1, sleep=0.6))  # seq 2 never comes; 1 runs long
+        await asyncio.sleep(1.5)
+        worker.close()
+        return seq
+
+    t0 = time.monotonic()
+    seq = asyncio.run(main())
+    assert [i for i, _ in ran] == [1, 3]
+    assert ran[1][1] - ran[0][1] >= 0.29  # waited a full idle gap after 1 finished
+    assert ran[1][1] - t0 < 1.4 and seq.next_seq == 4
+
+
+def test_cli_serve_env_api_key_and_ctrl_c(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from _server_harness import free_port
+
+    port = free_port()
+    env = {**os.environ, "SKYRL_SDK_API_KEY": "tml-from-env", "TINKER_TELEMETRY": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "skyrl_sdk.cli", "serve", "--port", str(port),
+                             "--state-dir", str(tmp_path / "state")], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        assert httpx.post(f"{url}/api/v1/create_session", json={}).status_code == 401
+        sc = tinker.ServiceClient(base_url=url, api_key="tml-from-env")
+        tc = sc.create_lora_training_client(base_model="tiny", rank=2).result()
+        tc.forward(to_tinker_list(make_sft_data([4], seed=1)), "cross_entropy").result()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert "Traceback" not in err
+
+
+def to_tinker_list(data):
+    return [to_tinker(d) for d in data]
