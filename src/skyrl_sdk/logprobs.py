@@ -1,9 +1,20 @@
-"""Target log-probabilities (and entropy) from hidden states, memory-lean for long inputs.
+"""Target log-probabilities (and entropy) from hidden states, fast and memory-lean.
 
-Scoring T tokens against a V-word vocabulary materialises (T x V) float32 logits. When that
-exceeds ``chunk_elements`` the lm_head and log-softmax run chunk by chunk under activation
-checkpointing, so only one chunk's logits live at a time (the lm_head is recomputed in
-backward: a little compute for a lot of memory).
+Scoring T tokens against a V-word vocabulary materialises (T x V) float32 logits. For a
+plain linear output layer (the usual case) a fused autograd function does it:
+
+- forward computes ``logits -> logsumexp -> log-probs`` in place, gathers the targets and
+  (if asked) the entropy from the same buffer, and keeps only the probabilities for backward;
+- backward turns the kept probabilities into the logits gradient in place
+  (``g * (onehot - p)``) and runs the two lm_head matmuls: no zero-filled (T x V) buffer, no
+  separate log-softmax backward;
+- above ``chunk_elements`` (tokens x vocab) nothing of size (T x V) is kept: forward runs
+  chunk by chunk (chunks of at most :data:`CHUNK_ELEMENTS` elements) and backward
+  recomputes each chunk's logits (one more lm_head matmul: a little compute for a lot of
+  memory).
+
+Heads with logit scaling or soft-capping, LoRA-wrapped or hooked heads take the generic
+path (autograd through the head, chunks under activation checkpointing).
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ from torch.utils.checkpoint import checkpoint
 
 #: Logit elements (tokens x vocab) above which scoring is chunked. 2**27 fp32 = 512 MiB.
 DEFAULT_CHUNK_ELEMENTS = 2**27
+#: Largest chunk (tokens x vocab) once chunking: 2**24 fp32 = 64 MiB per live buffer.
+CHUNK_ELEMENTS = 2**24
 
 
 def _score(logits: torch.Tensor, targets: torch.Tensor, want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +46,117 @@ def _score(logits: torch.Tensor, targets: torch.Tensor, want_entropy: bool) -> t
     return lp, entropy
 
 
+def _plain_linear(head) -> torch.nn.Linear | None:
+    """The head's nn.Linear when the fused path applies (no scale, softcap, wrapper or hook)."""
+    proj = getattr(head, "proj", None)
+    if type(proj) is not torch.nn.Linear or getattr(head, "scale", None) is not None or getattr(head, "softcap", None):
+        return None
+    if proj._forward_hooks or proj._forward_pre_hooks or torch.nn.modules.module._global_forward_hooks:
+        return None
+    return proj
+
+
+def _logprobs_inplace(
+    logits: torch.Tensor, targets: torch.Tensor, want_entropy: bool, keep_probs: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """From a float32 logits buffer we own: (lp, entropy, logsumexp, probs or None).
+
+    ``logits`` is overwritten (it becomes the log-probabilities, then is dropped).
+    """
+    # logsumexp by hand, in place: one (T x V) allocation (the probabilities) in all
+    lse = logits.amax(dim=-1)
+    lse.masked_fill_(~torch.isfinite(lse), 0.0)  # rows of -inf stay -inf, not nan
+    shifted = logits.sub_(lse.unsqueeze(-1))
+    probs = torch.exp(shifted)
+    total = probs.sum(dim=-1)
+    log_total = total.log()
+    logp = shifted.sub_(log_total.unsqueeze(-1))
+    lse.add_(log_total)
+    idx = targets.unsqueeze(-1) if targets.dim() == 1 else targets
+    lp = logp.gather(1, idx)
+    lp = lp.squeeze(-1) if targets.dim() == 1 else lp
+    entropy = None
+    if keep_probs or want_entropy:
+        probs.div_(total.unsqueeze(-1))
+        if want_entropy:  # -sum p log p, in place in the log-prob buffer (dropped next)
+            entropy = logp.mul_(probs).sum(-1).neg_()
+    return lp, entropy, lse, (probs if keep_probs else None)
+
+
+def _grad_logits_(probs: torch.Tensor, targets: torch.Tensor, grad_lp: torch.Tensor) -> torch.Tensor:
+    """In place: ``probs`` becomes d(sum grad_lp * lp)/d logits = grad_lp * (onehot - p)."""
+    if targets.dim() == 1:
+        probs.mul_(grad_lp.neg().unsqueeze(-1))
+        probs.scatter_add_(1, targets.unsqueeze(-1), grad_lp.unsqueeze(-1).to(probs.dtype))
+    else:  # top-K: sum over k of g_k * (onehot_k - p)
+        probs.mul_(grad_lp.sum(-1, keepdim=True).neg())
+        probs.scatter_add_(1, targets, grad_lp.to(probs.dtype))
+    return probs
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """``lp = log_softmax(hidden @ weight.T + bias)[targets]`` with the entropy as a side output.
+
+    Backward consumes the kept probabilities in place: the graph supports one backward
+    (the engines never pass ``retain_graph``).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, want_entropy: bool):
+        num_tokens = hidden.shape[0]
+        keep = num_tokens <= chunk  # one chunk: keep the probabilities, no recompute
+        lps, ents, lses, probs = [], [], [], None
+        for start in range(0, num_tokens, chunk):
+            h, t = hidden[start : start + chunk], targets[start : start + chunk]
+            logits = F.linear(h, weight, bias).float()
+            lp, ent, lse, probs = _logprobs_inplace(logits, t, want_entropy, keep)
+            del logits
+            lps.append(lp)
+            lses.append(lse)
+            if want_entropy:
+                ents.append(ent)
+        lp = lps[0] if len(lps) == 1 else torch.cat(lps)
+        ctx.chunk = chunk
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(hidden, weight, bias, targets, probs if keep else torch.cat(lses))
+        ctx.keep = keep
+        if want_entropy:
+            entropy = ents[0] if len(ents) == 1 else torch.cat(ents)
+            ctx.mark_non_differentiable(entropy)
+            return lp, entropy
+        return lp, lp.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx, grad_lp, _grad_entropy):
+        hidden, weight, bias, targets, saved = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = grad_b = None
+        chunk = ctx.chunk
+        for start in range(0, hidden.shape[0], chunk):
+            h, t, g = hidden[start : start + chunk], targets[start : start + chunk], grad_lp[start : start + chunk]
+            if ctx.keep:
+                probs = saved
+            else:  # recompute this chunk's probabilities from the saved logsumexp
+                probs = F.linear(h, weight, bias).float()
+                probs.sub_(saved[start : start + chunk].unsqueeze(-1)).exp_()
+            dlogits = _grad_logits_(probs, t, g.float())
+            del probs
+            if dlogits.dtype != weight.dtype:
+                dlogits = dlogits.to(weight.dtype)
+            if need_h:
+                torch.mm(dlogits, weight, out=grad_h[start : start + chunk])
+            if need_w:
+                part = dlogits.t() @ h.to(weight.dtype)
+                grad_w = part if grad_w is None else grad_w.add_(part)
+            if need_b:
+                part = dlogits.sum(0)
+                grad_b = part if grad_b is None else grad_b.add_(part)
+            del dlogits
+        return grad_h, grad_w, grad_b, None, None, None
+
+
 def target_logprobs(
     hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
@@ -47,8 +171,25 @@ def target_logprobs(
     Returns ``(lp, entropy)``; ``entropy`` is detached (a metric) or ``None``.
     """
     num_tokens = hidden.shape[0]
-    chunk = max(1, chunk_elements // max(1, vocab_size))
-    if num_tokens <= chunk:
+    vocab = max(1, vocab_size)
+    chunked = num_tokens * vocab > chunk_elements
+    chunk = max(1, min(chunk_elements, CHUNK_ELEMENTS) // vocab) if chunked else max(1, num_tokens)
+    proj = _plain_linear(head)
+    if proj is not None and num_tokens > 0:
+        grad = torch.is_grad_enabled() and (hidden.requires_grad or proj.weight.requires_grad
+                                            or (proj.bias is not None and proj.bias.requires_grad))
+        if grad:
+            lp, ent = _LinearLogprobs.apply(hidden, proj.weight, proj.bias, targets, chunk, want_entropy)
+            return lp, (ent if want_entropy else None)
+        with torch.no_grad():
+            lps, ents = [], []
+            for start in range(0, num_tokens, chunk):
+                logits = F.linear(hidden[start : start + chunk], proj.weight, proj.bias).float()
+                lp, ent, _, _ = _logprobs_inplace(logits, targets[start : start + chunk], want_entropy, False)
+                lps.append(lp)
+                ents.append(ent)
+            return torch.cat(lps), (torch.cat(ents) if want_entropy else None)
+    if not chunked:
         lp, ent = _score(head(hidden), targets, want_entropy)
         return lp, (ent if want_entropy else None)
 

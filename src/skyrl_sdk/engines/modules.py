@@ -57,6 +57,10 @@ class ScoringModel(nn.Module):
         proj = inner.score if role == "critic" else inner.get_output_embeddings()
         self.__dict__["head"] = _Head(proj, inner.config)  # not a submodule (see _Head)
         self.chunk_elements = DEFAULT_CHUNK_ELEMENTS
+        #: A causal LM never lets a token see later positions, so right padding cannot reach
+        #: the real tokens and the padding mask can be dropped (attention then takes its
+        #: causal fast path). Critics may be bidirectional encoders: they keep the mask.
+        self.drop_right_padding_mask = role == "policy"
 
     def forward(
         self,
@@ -67,11 +71,15 @@ class ScoringModel(nn.Module):
         targets: torch.Tensor | None,
         want_entropy: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if attention_mask is not None and position_ids is None and self.drop_right_padding_mask:
+            attention_mask = None  # rows are right-padded (batching.py); outputs at padding are dropped
         out = _backbone(self.model)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
         hidden = out.last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        if flat_index.shape[0] != hidden.shape[0]:  # equal: no padding, flat_index is arange
+            hidden = hidden.index_select(0, flat_index)
         if self.role == "critic":
             return self.head.proj(hidden).squeeze(-1).float(), None
         return target_logprobs(

@@ -134,7 +134,8 @@ class ModelRunner:
     def _ensure_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
             params = [p for _, p in self.named_trainable()]
-            self.optimizer = torch.optim.AdamW(params, lr=0.0, foreach=None)
+            fused = _can_fuse_adamw(params)
+            self.optimizer = torch.optim.AdamW(params, lr=0.0, foreach=None, fused=fused or None)
         return self.optimizer
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -196,9 +197,27 @@ class ModelRunner:
             if f"{name}::exp_avg" not in tensors:
                 continue
             conv = from_full or (lambda full, like: full.to(device=like.device, dtype=like.dtype))
+            fused = optimizer.defaults.get("fused")
             optimizer.state[p] = {
-                "step": tensors[f"{name}::step"].reshape(()).clone().float(),
+                # the fused kernel wants its step counter beside the parameter
+                "step": tensors[f"{name}::step"].reshape(()).clone().float().to(p.device if fused else "cpu"),
                 "exp_avg": conv(tensors[f"{name}::exp_avg"], p.detach()),
                 "exp_avg_sq": conv(tensors[f"{name}::exp_avg_sq"], p.detach()),
             }
 
+
+def _can_fuse_adamw(params: Sequence[torch.Tensor]) -> bool:
+    """Plain (non-sharded) floating tensors on CPU or CUDA: torch's fused AdamW kernel applies.
+
+    It computes the same update as the default implementation (to float rounding, ~1e-8
+    relative) about 5x faster on CPU, where the for-loop AdamW is a visible part of a step.
+    Sharded (DTensor) parameters keep the default implementation.
+    """
+    if not params:
+        return False
+    for p in params:
+        if type(p) is not torch.nn.Parameter or type(p.data) is not torch.Tensor:
+            return False
+        if p.device.type not in ("cpu", "cuda") or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+    return len({p.device for p in params}) == 1

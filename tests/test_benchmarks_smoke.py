@@ -1,0 +1,56 @@
+"""The benchmark suite runs end to end (smoke mode: toy sizes, one repetition) and prints
+one valid JSON document with every benchmark and the target table. Not a timing test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "scaling"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")
+def test_smoke_mode_emits_valid_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "scaling.png"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--json", "--quiet", "--plot", str(plot)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)  # exactly one JSON document on stdout
+    assert doc["smoke"] is True
+    assert set(doc["benchmarks"]) == set(BENCHMARKS)
+    for name, result in doc["benchmarks"].items():
+        assert result["status"] == "ok" or result["status"].startswith("not available"), (name, result)
+        assert result["seconds"] >= 0
+
+    step = doc["benchmarks"]["step_time"]
+    for case in ("variable", "uniform"):
+        c = step["cases"][case]
+        assert {"sdk_s", "hand_s", "ratio", "cpu_ratio", "target", "verdict"} <= set(c)
+        assert c["ratio"]["median"] > 0 and c["ratio"]["min"] <= c["ratio"]["median"] <= c["ratio"]["max"]
+        assert c["real_tokens"] <= c["padded_tokens"]
+    mem = doc["benchmarks"]["peak_memory"]
+    assert mem["sdk_peak_mib"]["median"] >= 0 and mem["hand_peak_mib"]["median"] > 0
+    assert 0 <= doc["benchmarks"]["input_path"]["fraction_of_step"]["median"] < 1
+    scaling = doc["benchmarks"]["scaling"]
+    assert scaling["tokens"] and scaling["seq_len"]
+    assert all(r["step_s"]["median"] > 0 for r in scaling["tokens"] + scaling["seq_len"])
+    assert doc["plot"] == str(plot) and plot.stat().st_size > 1000
+
+    metrics = {(t["benchmark"], t["metric"]) for t in doc["targets"]}
+    assert ("step_time", "variable step-time ratio (SDK / hand loop)") in metrics
+    assert ("step_time", "uniform step-time ratio (SDK / hand loop)") in metrics
+    assert ("peak_memory", "peak-memory ratio (SDK / hand loop)") in metrics
+    assert ("input_path", "input path / step time") in metrics
+    assert {"server_round_trip", "fsdp"} <= {t["benchmark"] for t in doc["targets"]}
+    for t in doc["targets"]:
+        assert {"benchmark", "metric", "target", "verdict"} <= set(t)
