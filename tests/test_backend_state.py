@@ -181,3 +181,18 @@ def test_critic_value_loss_falls_and_forward_returns_values():
         assert fwd.loss_fn_outputs[0]["values"].shape == (6,)
     assert losses[-1] < 0.5 * losses[0]
 
+
+
+def test_load_state_with_a_missing_optimizer_file_changes_nothing(tmp_path):
+    with skyrl_sdk.Backend(seed=0) as a:
+        _train(a, [make_sft_data([5, 9], seed=0)])
+        a.save_state(tmp_path / "s")
+    (tmp_path / "s" / "optimizer.safetensors").unlink()
+    with skyrl_sdk.Backend(seed=1) as b:
+        before = weights_of(b)
+        b.forward_backward(make_sft_data([4], seed=2))
+        with pytest.raises(errors.CheckpointError, match="optimizer.safetensors"):
+            b.load_state(tmp_path / "s", optimizer=True)
+        assert_tensors_close(weights_of(b), before, atol=0.0)
+        assert b.engine.runner.has_pending_grads()
+        b.load_state(tmp_path / "s", optimizer=False)  # weights alone still load

@@ -337,7 +337,6 @@ def test_adam_params_error_is_a_value_error_and_edges_are_allowed():
         ({"rank": 0}, "LoraConfig.rank"), ({"rank": -4}, "LoraConfig.rank"), ({"rank": 2.5}, "LoraConfig.rank"),
         ({"rank": True}, "LoraConfig.rank"),
         ({"alpha": 0}, "LoraConfig.alpha"), ({"alpha": math.nan}, "LoraConfig.alpha"),
-        ({"dropout": 1.0}, "LoraConfig.dropout"), ({"dropout": -0.1}, "LoraConfig.dropout"),
         ({"train_mlp": False, "train_attn": False, "train_unembed": False}, "at least one of"),
     ],
 )
@@ -348,8 +347,42 @@ def test_lora_config_validation(kwargs, match):
 
 def test_lora_config_defaults():
     c = types.LoraConfig()
-    assert (c.rank, c.alpha, c.dropout, c.train_mlp, c.train_attn, c.train_unembed) == (8, 32.0, 0.0, True, True, True)
-    assert types.LoraConfig(rank=4, alpha=16, dropout=0.1, train_unembed=False).alpha == 16
+    assert (c.rank, c.alpha, c.train_mlp, c.train_attn, c.train_unembed) == (8, 32.0, True, True, True)
+    assert types.LoraConfig(rank=4, alpha=16, train_unembed=False).alpha == 16
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"rank": 0}, "LoraConfig.rank"),
+    ({"rank": 4, "dropout": 0.1}, "unknown keys \\['dropout'\\]"),
+])
+def test_lora_config_from_dict_errors_name_the_field(raw, match):
+    from skyrl_sdk.serde import lora_config_from_any
+
+    with pytest.raises(InputError, match=match):
+        lora_config_from_any(raw)
+    assert lora_config_from_any({"rank": 4, "seed": None}).rank == 4
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"learning_rate": -1.0}, "AdamParams.learning_rate"),
+    ({"lr": 1e-3}, "unknown keys \\['lr'\\]"),
+    ({"beta1": "0.5"}, "AdamParams.beta1"),
+])
+def test_adam_params_from_dict_errors_name_the_field(raw, match):
+    from skyrl_sdk.errors import AdamParamsError
+    from skyrl_sdk.serde import adam_params_from_any
+
+    with pytest.raises(AdamParamsError, match=match):
+        adam_params_from_any(raw)
+
+
+def test_tinker_json_tensor_with_fractional_token_ids_is_rejected():
+    from skyrl_sdk.serde import datum_from_json
+
+    raw = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+           "loss_fn_inputs": {"target_tokens": {"data": [2.7, 3.2], "dtype": "int64", "shape": [2]}}}
+    with pytest.raises(InputError, match="fractional"):
+        datum_from_json(raw)
 
 
 # ---- validate_data -------------------------------------------------------------------------

@@ -174,7 +174,11 @@ class Backend:
             self._check_open()
             datums, resolved = self._prepare(data, loss_fn, loss_fn_config)
             t0 = time.perf_counter()
-            result = self.engine.run(datums, resolved, backward=True)
+            try:
+                result = self.engine.run(datums, resolved, backward=True)
+            except BaseException:
+                self._calls_since_step = 0  # the engine dropped the pending gradients
+                raise
             self._calls_since_step += 1
             logger.info("forward_backward(%s): %d datums, %.3fs", resolved.name, len(datums), time.perf_counter() - t0)
             return self._outputs(result)
@@ -204,6 +208,7 @@ class Backend:
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last optim_step."""
         with self._lock:
+            self._check_open()
             self.engine.zero_grad()
             self._calls_since_step = 0
 

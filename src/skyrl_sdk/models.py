@@ -180,7 +180,7 @@ def apply_lora(model, lora: LoraConfig, seed: int):
     config = peft.LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
+        lora_dropout=0.0,  # the model runs in eval mode: trainer and sampler must agree
         target_modules=targets,
         bias="none",
     )

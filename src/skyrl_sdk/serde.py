@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import cattrs
 import numpy as np
 
-from .errors import InputError
+from .errors import AdamParamsError, InputError
 from .types import (
     AdamParams,
     Datum,
@@ -22,6 +23,7 @@ from .types import (
     LoraConfig,
     ModelInput,
     TensorData,
+    _as_numpy,
     densify_csr,
     dtype_for_key,
 )
@@ -50,7 +52,7 @@ def tensor_from_json(obj: Any, dtype: str | None = None) -> TensorData:
         if shape is None or obj.get("sparse_col_indices") is None:
             raise InputError("sparse CSR tensor needs 'shape' and 'sparse_col_indices'")
         return TensorData(densify_csr(obj["data"], obj["sparse_crow_indices"], obj["sparse_col_indices"], shape, dtype))
-    array = np.asarray(obj["data"], dtype=np.int64 if dtype == "int64" else np.float32)
+    array = _as_numpy(obj["data"], dtype, "tensor data")
     if shape is not None:
         if int(np.prod(shape)) != array.size:
             raise InputError(f"tensor: shape {list(shape)} does not match {array.size} data values")
@@ -136,23 +138,36 @@ converter.register_unstructure_hook(ForwardBackwardOutput, _unstructure_fwdbwd)
 converter.register_structure_hook(ForwardBackwardOutput, _structure_fwdbwd)
 
 
+def _from_mapping(cls: type, obj: dict[str, Any], what: str, error_cls: type[InputError]) -> Any:
+    """``cls(**obj)`` with unknown keys and wrong types reported by name (None = default)."""
+    accepted = [f.name for f in attrs.fields(cls)]
+    unknown = sorted(set(obj) - set(accepted))
+    if unknown:
+        raise error_cls(f"{what}: unknown keys {unknown}; accepted keys: {accepted}")
+    try:
+        return cls(**{k: v for k, v in obj.items() if v is not None})
+    except InputError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise error_cls(f"{what}: {exc}") from None
+
+
 def adam_params_from_any(obj: Any) -> AdamParams:
     """AdamParams from ours, a dict, or a duck-typed ``tinker.types.AdamParams``."""
     if isinstance(obj, AdamParams):
         return obj
-    if isinstance(obj, dict):
-        return converter.structure(obj, AdamParams)
-    fields = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
-    return AdamParams(**{f: getattr(obj, f) for f in fields if getattr(obj, f, None) is not None})
+    if not isinstance(obj, dict):
+        obj = {f.name: getattr(obj, f.name, None) for f in attrs.fields(AdamParams)}
+    return _from_mapping(AdamParams, obj, "AdamParams", AdamParamsError)
 
 
 def lora_config_from_any(obj: Any) -> LoraConfig | None:
+    """LoraConfig from ours, a dict, or a duck-typed ``tinker.types.LoraConfig`` (None = full fine-tuning)."""
     if obj is None or isinstance(obj, LoraConfig):
         return obj
-    if isinstance(obj, dict):
-        return converter.structure(obj, LoraConfig)
-    names = ("rank", "alpha", "seed", "train_mlp", "train_attn", "train_unembed")
-    return LoraConfig(**{n: getattr(obj, n) for n in names if getattr(obj, n, None) is not None})
+    if not isinstance(obj, dict):
+        obj = {f.name: getattr(obj, f.name, None) for f in attrs.fields(LoraConfig)}
+    return _from_mapping(LoraConfig, obj, "LoraConfig", InputError)
 
 
 def unstructure(obj: Any) -> Any:

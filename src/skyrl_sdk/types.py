@@ -280,11 +280,6 @@ def _positive_number(instance, attribute, value):
         raise InputError(f"LoraConfig.{attribute.name}: expected a finite number > 0, got {value!r}")
 
 
-def _probability(instance, attribute, value):
-    if not _is_finite_number(value) or not 0 <= value < 1:
-        raise InputError(f"LoraConfig.{attribute.name}: expected 0 <= value < 1, got {value!r}")
-
-
 def _is_finite_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -296,7 +291,6 @@ class LoraConfig:
     rank: int = attrs.field(default=8, validator=_positive_int)
     alpha: float = attrs.field(default=32.0, validator=_positive_number)
     seed: int | None = None
-    dropout: float = attrs.field(default=0.0, validator=_probability)
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -70,9 +71,15 @@ def test_torchrun_two_ranks_match_local(tmp_path, style):
     helper_dir = str(fsdp_testutil.__file__).rsplit("/", 1)[0]
     proc = subprocess.run(
         ["torchrun", "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path), style, helper_dir],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if proc.returncode != 0:
+        # Known upstream teardown race (docs/engines.md): now and then gloo aborts a rank
+        # after the interpreter has finalised ("<no Python frame>"), when all work is done.
+        # Tolerated only in exactly that form and only with a complete result file.
+        after_finalisation = "terminate called without an active exception" in proc.stderr and \
+            "<no Python frame>" in proc.stderr and "Traceback (most recent call last):\n  File \"" + str(script) not in proc.stderr
+        assert after_finalisation and (tmp_path / "result.json").is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads((tmp_path / "result.json").read_text())
     assert results[-1] == {"world_size": 2, "launcher": "torchrun"}
     with torch_threads(1):

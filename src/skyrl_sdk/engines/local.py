@@ -86,18 +86,24 @@ class LocalEngine:
         return {"tied_aliases": aliases, "step": self.runner.step_count}
 
     def load_state(self, directory: Path, metadata: dict[str, Any], optimizer: bool) -> None:
+        # Read and check everything before touching the model: a bad checkpoint changes nothing.
         weights = load_tensors(directory / WEIGHTS_FILE)
+        moments = load_tensors(directory / OPTIMIZER_FILE) if optimizer else None
         module = self.loaded.module
-        result = module.load_state_dict(weights, strict=False)
+        expected = module.state_dict()
         aliases = set(metadata.get("tied_aliases", {}))
-        missing = [k for k in result.missing_keys if k not in aliases]
-        if missing or result.unexpected_keys:
+        missing = [k for k in expected if k not in weights and k not in aliases]
+        unexpected = [k for k in weights if k not in expected]
+        wrong = [k for k in weights if k in expected and tuple(weights[k].shape) != tuple(expected[k].shape)]
+        if missing or unexpected or wrong:
             raise CheckpointError(
-                f"checkpoint weights do not fit this model: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+                f"checkpoint weights do not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+                f"wrong shape {wrong[:5]}"
             )
+        module.load_state_dict(weights, strict=False)
         self.runner.zero_grad()
-        if optimizer:
-            self.runner.load_optimizer_tensors(load_tensors(directory / OPTIMIZER_FILE))
+        if moments is not None:
+            self.runner.load_optimizer_tensors(moments)
             self.runner.step_count = int(metadata.get("step", 0))
         else:
             self.runner.optimizer = None

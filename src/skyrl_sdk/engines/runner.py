@@ -76,10 +76,10 @@ class ModelRunner:
             for mb in progress:
                 self._run_micro_batch(data, mb, loss, backward, outputs, acc)
         except BaseException:
-            if backward and not had_grads:
-                self.zero_grad()  # nothing pending before this call: restore exactly
-            elif backward:
-                logger.error("forward_backward failed mid-call; pending gradients were discarded")
+            if backward:  # no partial gradient of this call may survive it
+                if had_grads:
+                    logger.error("forward_backward failed mid-call: the pending gradients of earlier calls "
+                                 "were discarded too")
                 self.zero_grad()
             raise
         acc.add({"num_tokens:sum": Metric(float(sum(d.model_input.length for d in data)))})

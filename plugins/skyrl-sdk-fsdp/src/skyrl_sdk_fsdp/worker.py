@@ -144,6 +144,12 @@ def _release_workers() -> None:
                                  group=session.control_group)
     except Exception:  # peers already gone: torchrun tears the job down anyway
         pass
+    # Shut the process groups down now, in order: left to interpreter teardown, gloo's
+    # threads were now and then destroyed while joinable, aborting rank 0 (SIGABRT).
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 def worker_main() -> None:
@@ -170,8 +176,9 @@ def worker_main() -> None:
             break
         reply = executor.handle(engine_id, op, payload)
         dist.gather_object(reply, None, dst=0, group=session.control_group)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
-    sys.exit(0)
+    # Leave without tearing down the process group or the interpreter: rank 0 is exiting at
+    # the same moment, and gloo's teardown racing it aborted this rank now and then
+    # ("terminate called without an active exception", SIGABRT), failing the whole job.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
