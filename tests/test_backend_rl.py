@@ -51,3 +51,29 @@ def test_rl_metrics_are_reported():
         assert key in out.metrics, key
     assert out.metrics["num_tokens:sum"] == 23
     assert all(k.count(":") == 1 for k in out.metrics)
+
+
+@pytest.mark.parametrize("low, high, match", [
+    (1.2, 1.5, "clip_low_threshold.*0 <= value <= 1.*got 1.2"),
+    (0.8, 0.9, "clip_high_threshold.*value >= 1.*got 0.9"),
+])
+def test_per_token_clip_bounds_are_validated(low, high, match):
+    from skyrl_sdk import errors, types
+
+    data = make_rl_data([6, 4], seed=5)
+    d = data[1]
+    n = d.model_input.length
+    low_t = np.full(n, 0.8, np.float32)
+    high_t = np.full(n, 1.2, np.float32)
+    low_t[2], high_t[2] = low, high
+    bad = types.Datum(model_input=d.model_input, loss_fn_inputs={
+        **{k: v.array for k, v in d.loss_fn_inputs.items()},
+        "clip_low_threshold": low_t, "clip_high_threshold": high_t})
+    good = types.Datum(model_input=data[0].model_input, loss_fn_inputs={
+        **{k: v.array for k, v in data[0].loss_fn_inputs.items()},
+        "clip_low_threshold": np.full(6, 0.8, np.float32), "clip_high_threshold": np.full(6, 1.2, np.float32)})
+    with skyrl_sdk.Backend(seed=0) as backend:
+        with pytest.raises(errors.DatumError, match="datum 1.*" + match):
+            backend.forward_backward([good, bad], "ppo")
+        assert grads_of(backend) == {}
+        backend.forward_backward([good], "ppo")  # valid per-token bounds are accepted

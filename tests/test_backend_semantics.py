@@ -211,3 +211,14 @@ def test_tiny_weights_are_bit_identical_for_a_seed():
     c = load_model("tiny", seed=8).module.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_shipped_tiny_assets_match_their_generator(tmp_path):
+    """The files in assets/tiny are exactly what scripts/make_tiny_assets.py writes."""
+    import json
+
+    from skyrl_sdk.models import TINY_DIR, build_tiny_tokenizer, tiny_config
+
+    build_tiny_tokenizer().save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads((TINY_DIR / "tokenizer.json").read_text())
+    assert json.loads((TINY_DIR / "config.json").read_text()) == json.loads(json.dumps(tiny_config().to_dict()))

@@ -736,5 +736,7 @@ def test_cov_losses_prepare_whole_call_then_split(name, cfg, weights):
     assert_close(whole_grad, torch.cat(grads))
     assert _merged(metrics)[f"{name}_fraction:mean"] == pytest.approx(whole_metrics[f"{name}_fraction:mean"].value / whole_metrics[f"{name}_fraction:mean"].weight)
     # and the prepared selection equals what evaluate_loss-style prepare on the whole call gives
-    loss_direct, _, _ = run_packed(name, cfg, lp, inputs, seg)
+    # (clip_cov's selection only detaches tokens, so the gradient is what tells selections apart)
+    loss_direct, grad_direct, _ = run_packed(name, cfg, lp, inputs, seg)
     assert_close(loss_direct, whole_loss)
+    assert_close(grad_direct, whole_grad)

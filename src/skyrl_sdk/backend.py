@@ -38,7 +38,7 @@ from .types import (
     SaveWeightsForSamplerOutput,
     TensorData,
 )
-from .validation import coerce_data, validate_data
+from .validation import coerce_data, token_range_problem, validate_data
 from .metrics import MetricAccumulator
 
 logger = logging.getLogger(__name__)
@@ -229,8 +229,9 @@ class Backend:
                 p.to_ints() if hasattr(p, "to_ints") else p, dtype=np.int64)
             if arr.ndim != 1 or arr.size == 0:
                 raise InputError(f"prompt {i}: expected a non-empty 1-D list of token ids")
-            if arr.min() < 0 or arr.max() >= self.vocab_size:
-                raise InputError(f"prompt {i}: token ids must be in [0, {self.vocab_size})")
+            problem = token_range_problem(arr, self.vocab_size)
+            if problem:
+                raise InputError(f"prompt {i}: {problem}")
             arrays.append(arr.astype(np.int64))
         if not arrays:
             raise InputError("prompts is empty")

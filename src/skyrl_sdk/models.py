@@ -7,7 +7,6 @@ so the same seed gives bit-identical initial weights on every machine.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -230,6 +229,3 @@ def load_model(
     tokenizer = load_tokenizer(tok_dir)
     return LoadedModel(module=model, tokenizer=tokenizer, tokenizer_dir=tok_dir, name=name, role=role, lora=lora)
 
-
-def tiny_config_json() -> dict:
-    return json.loads((TINY_DIR / "config.json").read_text())

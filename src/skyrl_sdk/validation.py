@@ -83,30 +83,63 @@ def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None)
         if n == 0:
             raise DatumError("model_input is empty; expected at least one token", index=i, key="model_input")
         if vocab_size is not None:
-            _check_token_range(tokens, vocab_size, i, "model_input")
+            check_token_range(tokens, vocab_size, i, "model_input")
         shapes = {k: v.shape for k, v in datum.loss_fn_inputs.items()}
         check_loss_inputs(spec, shapes, n, index=i)
         for key, tensor in datum.loss_fn_inputs.items():
             array = tensor.array
             if key == "target_tokens":
                 if vocab_size is not None:
-                    _check_token_range(array, vocab_size, i, key)
+                    check_token_range(array, vocab_size, i, key)
             elif array.size and not np.isfinite(array).all():
                 bad = int(np.flatnonzero(~np.isfinite(array.reshape(-1)))[0])
                 raise DatumError(
                     f"expected finite values, got {array.reshape(-1)[bad]} at flat position {bad}", index=i, key=key
                 )
+            elif key in _RATIO_BOUNDS:
+                _check_ratio_bound(array, key, i)
+        _check_bound_order(datum, i)
 
 
-def _check_token_range(tokens: np.ndarray, vocab_size: int, index: int, key: str) -> None:
-    if tokens.size == 0:
-        return
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= vocab_size:
-        bad = int(np.flatnonzero((tokens.reshape(-1) < 0) | (tokens.reshape(-1) >= vocab_size))[0])
+def token_range_problem(tokens: np.ndarray, vocab_size: int) -> str | None:
+    """Why ``tokens`` are not valid ids of a ``vocab_size`` vocabulary (first offender), or None."""
+    flat = tokens.reshape(-1)
+    if flat.size == 0 or (int(flat.min()) >= 0 and int(flat.max()) < vocab_size):
+        return None
+    bad = int(np.flatnonzero((flat < 0) | (flat >= vocab_size))[0])
+    return f"token ids must be in [0, {vocab_size}) (the vocabulary size), got {int(flat[bad])} at flat position {bad}"
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, index: int, key: str) -> None:
+    problem = token_range_problem(tokens, vocab_size)
+    if problem:
+        raise DatumError(problem, index=index, key=key)
+
+
+#: Per-token absolute ratio bounds (Tinker): 0 <= clip_low_threshold <= 1 <= clip_high_threshold.
+_RATIO_BOUNDS = {"clip_low_threshold": (0.0, 1.0), "clip_high_threshold": (1.0, np.inf)}
+
+
+def _check_ratio_bound(array: np.ndarray, key: str, index: int) -> None:
+    lo, hi = _RATIO_BOUNDS[key]
+    bad = np.flatnonzero((array < lo) | (array > hi))
+    if bad.size:
+        pos = int(bad[0])
+        expected = "0 <= value <= 1" if key == "clip_low_threshold" else "value >= 1"
         raise DatumError(
-            f"token ids must be in [0, {vocab_size}) (the vocabulary size), got {int(tokens.reshape(-1)[bad])} "
-            f"at flat position {bad}",
-            index=index,
-            key=key,
+            f"expected an absolute ratio bound with {expected}, got {float(array[pos]):.6g} at position {pos}", index=index, key=key
         )
+
+
+def _check_bound_order(datum: Datum, index: int) -> None:
+    low = datum.loss_fn_inputs.get("clip_low_threshold")
+    high = datum.loss_fn_inputs.get("clip_high_threshold")
+    if low is not None and high is not None:
+        bad = np.flatnonzero(low.array > high.array)
+        if bad.size:
+            pos = int(bad[0])
+            raise DatumError(
+                f"clip_low_threshold ({float(low.array[pos]):.6g}) exceeds clip_high_threshold "
+                f"({float(high.array[pos]):.6g}) at position {pos}",
+                index=index, key="clip_low_threshold",
+            )
