@@ -98,7 +98,6 @@ def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None)
                 )
             elif key in _RATIO_BOUNDS:
                 _check_ratio_bound(array, key, i)
-        _check_bound_order(datum, i)
 
 
 def token_range_problem(tokens: np.ndarray, vocab_size: int) -> str | None:
@@ -116,7 +115,8 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, index: int, key: str)
         raise DatumError(problem, index=index, key=key)
 
 
-#: Per-token absolute ratio bounds (Tinker): 0 <= clip_low_threshold <= 1 <= clip_high_threshold.
+#: Per-token absolute ratio bounds (Tinker): 0 <= clip_low_threshold <= 1 <= clip_high_threshold
+#: (which also orders them, so no separate low <= high check is needed).
 _RATIO_BOUNDS = {"clip_low_threshold": (0.0, 1.0), "clip_high_threshold": (1.0, np.inf)}
 
 
@@ -130,16 +130,3 @@ def _check_ratio_bound(array: np.ndarray, key: str, index: int) -> None:
             f"expected an absolute ratio bound with {expected}, got {float(array[pos]):.6g} at position {pos}", index=index, key=key
         )
 
-
-def _check_bound_order(datum: Datum, index: int) -> None:
-    low = datum.loss_fn_inputs.get("clip_low_threshold")
-    high = datum.loss_fn_inputs.get("clip_high_threshold")
-    if low is not None and high is not None:
-        bad = np.flatnonzero(low.array > high.array)
-        if bad.size:
-            pos = int(bad[0])
-            raise DatumError(
-                f"clip_low_threshold ({float(low.array[pos]):.6g}) exceeds clip_high_threshold "
-                f"({float(high.array[pos]):.6g}) at position {pos}",
-                index=index, key="clip_low_threshold",
-            )
