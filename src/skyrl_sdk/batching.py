@@ -44,14 +44,6 @@ class MicroBatch:
     segment_ids: torch.Tensor
     offsets: np.ndarray
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.flat_index.shape[0])
-
-    @property
-    def padded_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
 
 #: Cost of one more micro-batch, in padded tokens, when ``bucket`` chooses its cuts: the
 #: fixed per-forward/backward cost (Python, kernel launches) measured on CPU is about this.

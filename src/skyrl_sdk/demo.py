@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -80,7 +81,7 @@ def run_rl(backend: Backend, task: ReverseTask, steps: int, groups: int, group_s
     for step in bar:
         problems = [task.problem() for _ in range(groups)]
         prompts = [task.prompt_tokens(p) for p, _ in problems]
-        samples = backend.sample(prompts, attrs_evolve(params, seed=1000 + step), num_samples=group_size)
+        samples = backend.sample(prompts, attrs.evolve(params, seed=1000 + step), num_samples=group_size)
         data, step_rewards = [], []
         for prompt, (_, answer), out in zip(prompts, problems, samples):
             group = [task.reward(s.tokens, answer) for s in out.sequences]
@@ -106,12 +107,6 @@ def run_rl(backend: Backend, task: ReverseTask, steps: int, groups: int, group_s
             backend.optim_step(RL_ADAM)
         bar.set_postfix(reward=f"{rewards[-1]:.3f}")
     return rewards
-
-
-def attrs_evolve(params: types.SamplingParams, **changes: Any) -> types.SamplingParams:
-    import attrs
-
-    return attrs.evolve(params, **changes)
 
 
 def greedy_eval(backend: Backend, task: ReverseTask, problems: list[tuple[str, str]]) -> tuple[float, float]:

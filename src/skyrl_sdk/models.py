@@ -101,6 +101,21 @@ class LoadedModel:
         return int(self.config.vocab_size)
 
     @property
+    def pad_token_id(self) -> int:
+        """Padding id for batched rows (the tokenizer's, else 0; padding is never scored)."""
+        pad = getattr(self.tokenizer, "pad_token_id", None) if self.tokenizer is not None else None
+        return int(pad) if pad is not None else 0
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """End-of-sequence id: the tokenizer's, else the model config's first one."""
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        if eos is None:
+            eos = getattr(self.config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        return eos
+
+    @property
     def architecture(self) -> str:
         return type(hf_model(self.module)).__name__
 

@@ -20,20 +20,26 @@ def full_state_dict(module) -> dict[str, torch.Tensor]:
     return dict(hf_model(module).state_dict())
 
 
-def merged_lora_state_dict(peft_module) -> dict[str, torch.Tensor]:
-    """Base weights with every LoRA delta merged in, without touching the live model."""
+def merged_lora_state_dict(peft_module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Base weights with every LoRA delta merged in, without touching the live model.
+
+    ``state`` is a full state dict of ``hf_model(peft_module)`` (the FSDP engine passes the
+    gathered one; by default the module's own). The delta is peft's
+    ``transpose(B @ A, fan_in_fan_out) * scaling``, computed from ``state`` itself.
+    """
     from peft.tuners.lora import LoraLayer
 
-    inner = hf_model(peft_module)
-    state = dict(inner.state_dict())
-    for name, layer in inner.named_modules():
+    state = dict(hf_model(peft_module).state_dict() if state is None else state)
+    for name, layer in hf_model(peft_module).named_modules():
         if not isinstance(layer, LoraLayer):
             continue
-        base_key = f"{name}.base_layer.weight"
-        weight = state.pop(base_key)
+        weight = state.pop(f"{name}.base_layer.weight")
         with torch.no_grad():
             for adapter in layer.active_adapters:
-                weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+                delta = state[f"{name}.lora_B.{adapter}.weight"] @ state[f"{name}.lora_A.{adapter}.weight"]
+                if getattr(layer, "fan_in_fan_out", False):
+                    delta = delta.T
+                weight = weight + (delta * layer.scaling[adapter]).to(weight.dtype)
         state[f"{name}.weight"] = weight
         if f"{name}.base_layer.bias" in state:
             state[f"{name}.bias"] = state.pop(f"{name}.base_layer.bias")

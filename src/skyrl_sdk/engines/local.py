@@ -43,20 +43,15 @@ class LocalEngine:
         )
         scoring = ScoringModel(self.loaded.module, role)
         scoring.chunk_elements = self.config.logprob_chunk_elements
-        tok = self.loaded.tokenizer
-        pad = getattr(tok, "pad_token_id", None) if tok is not None else None
         self.runner = ModelRunner(
             scoring,
             device=self.device,
             micro_batch_tokens=self.config.micro_batch_tokens,
             batching=self.config.batching,
-            pad_id=int(pad) if pad is not None else 0,
+            pad_id=self.loaded.pad_token_id,
         )
         total, trainable = count_parameters(self.loaded.module)
-        eos = getattr(tok, "eos_token_id", None) if tok is not None else None
-        if eos is None:
-            eos = getattr(self.loaded.config, "eos_token_id", None)
-            eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        eos = self.loaded.eos_token_id
         self.info = EngineInfo(
             model_name=self.loaded.name,
             architecture=self.loaded.architecture,
@@ -66,7 +61,7 @@ class LocalEngine:
             num_trainable_parameters=trainable,
             eos_token_id=eos,
         )
-        self.tokenizer = tok
+        self.tokenizer = self.loaded.tokenizer
 
     # ---- compute ----------------------------------------------------------------------
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:

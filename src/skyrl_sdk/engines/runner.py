@@ -62,9 +62,14 @@ class ModelRunner:
             p.grad = None
 
     # ---- forward / backward -----------------------------------------------------------
-    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
+    def plan(self, data: Sequence[Datum]) -> list:
+        """The micro-batches this runner will use for ``data``."""
+        return make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)
+
+    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None) -> EngineResult:
+        """Score ``data``; ``batches`` is a precomputed :meth:`plan` (sharded engines count it first)."""
         spec = loss.spec
-        batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)
+        batches = self.plan(data) if batches is None else batches
         outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
         acc = MetricAccumulator()
         had_grads = self.has_pending_grads()

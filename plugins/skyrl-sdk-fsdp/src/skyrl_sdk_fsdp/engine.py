@@ -99,7 +99,6 @@ class FSDPEngine:
         first = infos[0]
         self._state_shapes: dict[str, list[int]] = first["state_shapes"]
         self._trainable_shapes: dict[str, list[int]] = first["trainable_shapes"]
-        self.rank_devices = [i["device"] for i in infos]
         self.info = EngineInfo(**first["engine_info"])
         tok_dir = self.info.tokenizer_dir
         self.tokenizer = load_tokenizer(tok_dir) if tok_dir else None

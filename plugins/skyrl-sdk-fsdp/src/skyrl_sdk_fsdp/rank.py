@@ -24,11 +24,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from skyrl_sdk import errors
-from skyrl_sdk.batching import make_micro_batches
 from skyrl_sdk.checkpoint import WEIGHTS_FILE, dedupe_shared, load_tensors, save_tensors
 from skyrl_sdk.engines.base import EngineResult
 from skyrl_sdk.engines.config import EngineConfig
-from skyrl_sdk.engines.export import export_hf_directory
+from skyrl_sdk.engines.export import export_hf_directory, merged_lora_state_dict
 from skyrl_sdk.engines.local import OPTIMIZER_FILE
 from skyrl_sdk.engines.modules import ScoringModel, count_parameters
 from skyrl_sdk.engines.runner import ModelRunner
@@ -152,10 +151,11 @@ class ShardedRunner(ModelRunner):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
-        mine = len(make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)) if data else 0
+        batches = self.plan(data) if data else []
+        mine = len(batches)
         count = torch.tensor([mine], dtype=torch.int64, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        result = super().run(data, loss, backward=backward)
+        result = super().run(data, loss, backward=backward, batches=batches)
         for _ in range(int(count.item()) - mine):
             self._dummy_pass(backward)
         # A no-grad forward leaves the root (and, with reshard_after_forward=False, the
@@ -182,32 +182,6 @@ def full_state_on_rank0(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def merge_lora_full_state(peft_module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Fold LoRA deltas into a gathered state dict of ``hf_model(peft_module)`` (rank 0).
-
-    Same formula as peft's ``get_delta_weight`` (and the local engine's export):
-    ``W + transpose(B @ A, fan_in_fan_out) * scaling``.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    state = dict(state)
-    for name, layer in hf_model(peft_module).named_modules():
-        if not isinstance(layer, LoraLayer):
-            continue
-        weight = state.pop(f"{name}.base_layer.weight")
-        for adapter in layer.active_adapters:
-            a = state[f"{name}.lora_A.{adapter}.weight"]
-            b = state[f"{name}.lora_B.{adapter}.weight"]
-            delta = b @ a
-            if getattr(layer, "fan_in_fan_out", False):
-                delta = delta.T
-            weight = weight + (delta * layer.scaling[adapter]).to(weight.dtype)
-        state[f"{name}.weight"] = weight
-        if f"{name}.base_layer.bias" in state:
-            state[f"{name}.bias"] = state.pop(f"{name}.base_layer.bias")
-    return {k: v for k, v in state.items() if "lora_" not in k}
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -246,17 +220,12 @@ class RankWorker:
         scoring = ShardedScoringModel(module, role)
         scoring.chunk_elements = self.config.logprob_chunk_elements
         loss_scale = shard_scoring_model(scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward)
-        tok = self.loaded.tokenizer
-        pad = getattr(tok, "pad_token_id", None) if tok is not None else None
         self.runner = ShardedRunner(
             scoring, group=self.mesh.get_group(), device=self.device,
             micro_batch_tokens=self.config.micro_batch_tokens, batching=self.config.batching,
-            pad_id=int(pad) if pad is not None else 0, loss_scale=float(loss_scale),
+            pad_id=self.loaded.pad_token_id, loss_scale=float(loss_scale),
         )
-        eos = getattr(tok, "eos_token_id", None) if tok is not None else None
-        if eos is None:
-            eos = getattr(self.loaded.config, "eos_token_id", None)
-            eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        eos = self.loaded.eos_token_id
         self.engine_info = dict(
             model_name=self.loaded.name, architecture=self.loaded.architecture, vocab_size=self.loaded.vocab_size,
             tokenizer_dir=self.loaded.tokenizer_dir, num_parameters=total, num_trainable_parameters=trainable,
@@ -413,7 +382,7 @@ class RankWorker:
         if self.rank != 0:
             return {}
         if self.loaded.lora is not None:
-            state = merge_lora_full_state(self.loaded.module, state)
+            state = merged_lora_state_dict(self.loaded.module, state)
         return {k: v for k, v in state.items() if k not in self.hf_aliases}
 
     def op_export_weights(self, directory: str, merge_lora: bool):
