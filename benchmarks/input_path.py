@@ -19,7 +19,8 @@ TARGET = 0.02
 
 def input_path(backend, data) -> int:
     from skyrl_sdk.batching import make_micro_batches, pack_inputs
-    from skyrl_sdk.validation import coerce_data, validate_data
+    from skyrl_sdk.coerce import data_from_any as coerce_data
+from skyrl_sdk.validation import validate_data
 
     runner = backend.engine.runner
     spec = backend.resolve("cross_entropy").spec

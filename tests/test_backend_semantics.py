@@ -189,7 +189,7 @@ def test_chunked_logprobs_equal_unchunked(sft_data):
         for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs):
             np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-6)
         assert a.metrics["entropy_loss:sum"] == pytest.approx(b.metrics["entropy_loss:sum"], rel=1e-6)
-        assert_tensors_close(grads_of(full), grads_of(chunked), atol=1e-6, rtol=1e-5)
+        assert_tensors_close(grads_of(full), grads_of(chunked), atol=5e-6, rtol=1e-5)
 
 
 def test_engine_config_and_names_are_validated():

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from skyrl_sdk.converters.tinker import convert_tinker_loss_config
-from skyrl_sdk.losses import LossInput, evaluate_loss, resolve_loss, run_loss
+from skyrl_sdk.losses import LossInput, evaluate_loss
+from skyrl_sdk.losses.resolve import resolve_loss
+from skyrl_sdk.losses.run import run_loss
 from skyrl_sdk.metrics import MetricAccumulator
 from skyrl_sdk.plugins import get_registry
 

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from skyrl_sdk import plugins, serde, types
+from skyrl_sdk import coerce, plugins, serde, types
 from skyrl_sdk.errors import AdamParamsError, DatumError, InputError
-from skyrl_sdk.validation import coerce_data, validate_data
+from skyrl_sdk.coerce import data_from_any
+from skyrl_sdk.validation import validate_data
 
 
 
@@ -203,7 +204,7 @@ def test_datum_from_official_tinker_datum():
         model_input=tk.types.ModelInput.from_ints([1, 2, 3, 4]),
         loss_fn_inputs={"target_tokens": dense, "weights": torch.ones(4, 8), "advantages": [0.5, 1, 2, 3]},
     )
-    for ours in (serde.datum_from_any(theirs), coerce_data([theirs])[0]):
+    for ours in (coerce.datum_from_any(theirs), data_from_any([theirs])[0]):
         assert ours.model_input.to_ints() == [1, 2, 3, 4]
         assert ours.loss_fn_inputs["target_tokens"].tolist() == dense.tolist()
         assert ours.loss_fn_inputs["weights"].shape == (4, 8)
@@ -288,15 +289,15 @@ def test_forward_backward_output_round_trips():
 
 
 def test_adam_params_and_lora_from_dicts_and_official_objects():
-    assert serde.adam_params_from_any({"learning_rate": 3e-4, "beta2": 0.99}) == types.AdamParams(3e-4, beta2=0.99)
+    assert coerce.adam_params_from_any({"learning_rate": 3e-4, "beta2": 0.99}) == types.AdamParams(3e-4, beta2=0.99)
     assert serde.structure(serde.unstructure(types.AdamParams(eps=1e-8)), types.AdamParams).eps == 1e-8
-    assert serde.lora_config_from_any({"rank": 4}).rank == 4
-    assert serde.lora_config_from_any(None) is None
+    assert coerce.lora_config_from_any({"rank": 4}).rank == 4
+    assert coerce.lora_config_from_any(None) is None
     tk = _tinker()
-    assert serde.adam_params_from_any(tk.AdamParams(learning_rate=2e-5, grad_clip_norm=1.0)) == types.AdamParams(
+    assert coerce.adam_params_from_any(tk.AdamParams(learning_rate=2e-5, grad_clip_norm=1.0)) == types.AdamParams(
         learning_rate=2e-5, grad_clip_norm=1.0
     )
-    lora = serde.lora_config_from_any(tk.types.LoraConfig(rank=16, train_unembed=False))
+    lora = coerce.lora_config_from_any(tk.types.LoraConfig(rank=16, train_unembed=False))
     assert (lora.rank, lora.train_unembed, lora.alpha) == (16, False, 32.0)
 
 
@@ -356,7 +357,7 @@ def test_lora_config_defaults():
     ({"rank": 4, "dropout": 0.1}, "unknown keys \\['dropout'\\]"),
 ])
 def test_lora_config_from_dict_errors_name_the_field(raw, match):
-    from skyrl_sdk.serde import lora_config_from_any
+    from skyrl_sdk.coerce import lora_config_from_any
 
     with pytest.raises(InputError, match=match):
         lora_config_from_any(raw)
@@ -370,7 +371,7 @@ def test_lora_config_from_dict_errors_name_the_field(raw, match):
 ])
 def test_adam_params_from_dict_errors_name_the_field(raw, match):
     from skyrl_sdk.errors import AdamParamsError
-    from skyrl_sdk.serde import adam_params_from_any
+    from skyrl_sdk.coerce import adam_params_from_any
 
     with pytest.raises(AdamParamsError, match=match):
         adam_params_from_any(raw)
@@ -459,9 +460,9 @@ def test_topk_shapes(ce_spec):
 )
 def test_coerce_data_errors(data, match):
     with pytest.raises(InputError, match=match):
-        coerce_data(data)
+        data_from_any(data)
 
 
 def test_coerce_data_accepts_mixed_forms():
-    out = coerce_data([_datum(2), serde.unstructure(_datum(3)), (_datum(1))])
+    out = data_from_any([_datum(2), serde.unstructure(_datum(3)), (_datum(1))])
     assert [d.model_input.length for d in out] == [2, 3, 1]

@@ -1,20 +1,68 @@
-"""skyrl-sdk: turn any Hugging Face causal LM into a Tinker-compatible training backend."""
+"""skyrl-sdk: turn any Hugging Face causal LM into a Tinker-compatible training backend.
+
+Everything a loss-plugin author needs is importable from here::
+
+    from skyrl_sdk import LossInput, LossOutput, hookimpl, metric_sum, segment_mean
+
+Engine authors use :mod:`skyrl_sdk.engines`; callers use :class:`Backend` and
+:mod:`skyrl_sdk.types`.
+"""
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
 from . import errors, types  # noqa: E402
+from .checks import number_validator  # noqa: E402
 from .hookspecs import hookimpl  # noqa: E402
+#: Names that pull in torch, resolved on first use so ``import skyrl_sdk`` stays cheap.
+_LAZY = {
+    "Backend": "backend",
+    "LossInput": "losses",
+    "LossOutput": "losses",
+    "LossSpec": "losses",
+    "evaluate_loss": "losses",
+    "safe_ratio": "losses",
+    "segment_mean": "losses",
+    "segment_sum": "losses",
+    "Metric": "metrics",
+    "metric_max": "metrics",
+    "metric_mean": "metrics",
+    "metric_min": "metrics",
+    "metric_sum": "metrics",
+}
 
 
 def __getattr__(name: str):
-    # Backend pulls in torch + transformers; import it lazily so `import skyrl_sdk` stays cheap.
-    if name == "Backend":
-        from .backend import Backend
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'skyrl_sdk' has no attribute {name!r}")
+    import importlib
 
-        return Backend
-    raise AttributeError(name)
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
-__all__ = ["Backend", "errors", "hookimpl", "types", "__version__"]
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+__all__ = [
+    "Backend",
+    "LossInput",
+    "LossOutput",
+    "LossSpec",
+    "Metric",
+    "__version__",
+    "errors",
+    "evaluate_loss",
+    "hookimpl",
+    "metric_max",
+    "metric_mean",
+    "metric_min",
+    "metric_sum",
+    "number_validator",
+    "safe_ratio",
+    "segment_mean",
+    "segment_sum",
+    "types",
+]

@@ -21,10 +21,10 @@ import torch
 from . import __version__
 from .checkpoint import atomic_directory, read_json, write_json
 from .errors import CheckpointError, InputError, UnknownNameError
-from .losses import LossInput
+from .coerce import adam_params_from_any, data_from_any, lora_config_from_any, prompts_from_any, sampling_params_from_any
+from .losses.prepare import add_prepared_inputs
 from .losses.resolve import ResolvedLoss, resolve_loss
 from .plugins import get_registry
-from .serde import adam_params_from_any, lora_config_from_any
 from .types import (
     AdamParams,
     Datum,
@@ -38,7 +38,7 @@ from .types import (
     SaveWeightsForSamplerOutput,
     TensorData,
 )
-from .validation import coerce_data, token_range_problem, validate_data
+from .validation import check_same_keys, token_range_problem, validate_data
 from .metrics import MetricAccumulator
 
 logger = logging.getLogger(__name__)
@@ -128,34 +128,12 @@ class Backend:
 
     def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config) -> tuple[list[Datum], ResolvedLoss]:
         resolved = self.resolve(loss_fn, loss_fn_config)
-        datums = coerce_data(data)
+        datums = data_from_any(data)
         validate_data(datums, resolved.spec, self.vocab_size)
-        _check_same_keys(datums)
+        check_same_keys(datums)
         if resolved.spec.prepare is not None:
-            datums = self._add_prepared_inputs(datums, resolved)
+            datums = add_prepared_inputs(datums, resolved, self.engine.run(datums, resolved, backward=False).outputs)
         return datums, resolved
-
-    def _add_prepared_inputs(self, datums: list[Datum], resolved: ResolvedLoss) -> list[Datum]:
-        """Whole-call statistics (e.g. clip_cov's token selection) from a no-grad pass."""
-        result = self.engine.run(datums, resolved, backward=False)
-        key = "values" if resolved.spec.role == "critic" else "logprobs"
-        lengths = [d.model_input.length for d in datums]
-        main = torch.from_numpy(np.concatenate([o[key] for o in result.outputs]))
-        inputs = {
-            k: torch.from_numpy(np.concatenate([d.loss_fn_inputs[k].array for d in datums]))
-            for k in datums[0].loss_fn_inputs
-        }
-        segment_ids = torch.from_numpy(np.repeat(np.arange(len(datums)), lengths))
-        kwargs = {"values" if key == "values" else "target_logprobs": main}
-        extra = resolved.spec.prepare(
-            LossInput(inputs=inputs, segment_ids=segment_ids, num_segments=len(datums), **kwargs), resolved.config
-        )
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        out = []
-        for i, d in enumerate(datums):
-            added = {k: v.detach().cpu().numpy()[bounds[i]:bounds[i + 1]] for k, v in extra.items()}
-            out.append(Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, **added}))
-        return out
 
     @staticmethod
     def _outputs(result) -> ForwardBackwardOutput:
@@ -194,7 +172,7 @@ class Backend:
 
     def optim_step(self, adam_params: Any = None) -> OptimStepOutput:
         """Apply AdamW with exactly ``adam_params`` to the accumulated gradients, then clear them."""
-        params = adam_params_from_any(adam_params if adam_params is not None else AdamParams())
+        params = AdamParams() if adam_params is None else adam_params_from_any(adam_params)
         with self._lock:
             self._check_open()
             scale = 1.0
@@ -215,26 +193,21 @@ class Backend:
     def sample(
         self,
         prompts: Sequence[Any],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         num_samples: int = 1,
         prompt_logprobs: bool = False,
     ) -> list[SampleOutput]:
         """Sample continuations of each prompt (token lists or ModelInputs) from the current weights."""
-        params = sampling_params or SamplingParams()
-        if not isinstance(num_samples, int) or num_samples < 1:
+        params = sampling_params_from_any(sampling_params)
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise InputError(f"num_samples: expected an integer >= 1, got {num_samples!r}")
-        arrays = []
-        for i, p in enumerate(prompts):
-            arr = p.to_numpy() if hasattr(p, "to_numpy") else np.asarray(
-                p.to_ints() if hasattr(p, "to_ints") else p, dtype=np.int64)
-            if arr.ndim != 1 or arr.size == 0:
-                raise InputError(f"prompt {i}: expected a non-empty 1-D list of token ids")
-            problem = token_range_problem(arr, self.vocab_size)
+        if not isinstance(prompt_logprobs, bool):
+            raise InputError(f"prompt_logprobs: expected true or false, got {prompt_logprobs!r}")
+        arrays = prompts_from_any(prompts)
+        for i, tokens in enumerate(arrays):
+            problem = token_range_problem(tokens, self.vocab_size)
             if problem:
                 raise InputError(f"prompt {i}: {problem}")
-            arrays.append(arr.astype(np.int64))
-        if not arrays:
-            raise InputError("prompts is empty")
         with self._lock:
             self._check_open()
             return self.engine.sample(arrays, params, num_samples, prompt_logprobs)
@@ -309,18 +282,3 @@ class Backend:
             num_parameters=info.num_parameters,
             num_trainable_parameters=info.num_trainable_parameters,
         )
-
-
-def _check_same_keys(datums: Sequence[Datum]) -> None:
-    """All datums of a call carry the same loss_fn_inputs keys (they are packed together)."""
-    first = set(datums[0].loss_fn_inputs)
-    for i, d in enumerate(datums[1:], start=1):
-        keys = set(d.loss_fn_inputs)
-        if keys != first:
-            from .errors import DatumError
-
-            raise DatumError(
-                f"loss_fn_inputs keys {sorted(keys)} differ from datum 0's {sorted(first)}; "
-                f"every datum of a call must carry the same keys",
-                index=i,
-            )

@@ -39,12 +39,12 @@ def _f(x: torch.Tensor | float) -> float:
     return float(x.detach().item()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def total(x: torch.Tensor, mask: torch.Tensor | None = None) -> Metric:
+def metric_sum(x: torch.Tensor, mask: torch.Tensor | None = None) -> Metric:
     """A ``:sum`` contribution: the (masked) sum of ``x``."""
     return Metric(_f((x * mask).sum() if mask is not None else x.sum()))
 
 
-def mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> Metric:
+def metric_mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> Metric:
     """A ``:mean`` contribution over the (masked) elements of ``x``."""
     if mask is None:
         return Metric(_f(x.sum()), float(x.numel()))
@@ -52,18 +52,22 @@ def mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> Metric:
     return Metric(_f((x * mask).sum()), _f(mask.sum()))
 
 
-def maximum(x: torch.Tensor, mask: torch.Tensor | None = None) -> Metric:
+def metric_max(x: torch.Tensor, mask: torch.Tensor | None = None) -> Metric:
     """A ``:max`` contribution over the elements where ``mask`` is true."""
     if mask is not None:
         x = x[mask.bool()]
     return Metric(_f(x.max()) if x.numel() else -math.inf, float(x.numel()))
 
 
-def minimum(x: torch.Tensor, mask: torch.Tensor | None = None) -> Metric:
+def metric_min(x: torch.Tensor, mask: torch.Tensor | None = None) -> Metric:
     """A ``:min`` contribution over the elements where ``mask`` is true."""
     if mask is not None:
         x = x[mask.bool()]
     return Metric(_f(x.min()) if x.numel() else math.inf, float(x.numel()))
+
+
+# TODO(lead): remove these old names once every caller uses the metric_* names.
+total, mean, maximum, minimum = metric_sum, metric_mean, metric_max, metric_min
 
 
 class MetricAccumulator:

@@ -10,21 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import cattrs
 import numpy as np
 
-from .errors import AdamParamsError, InputError
+from .arrays import as_numpy, densify_csr
+from .coerce import datum_from_any
+from .errors import InputError
+from .types.model_input import model_input_from_any
 from .types import (
-    AdamParams,
     Datum,
     EncodedTextChunk,
     ForwardBackwardOutput,
-    LoraConfig,
     ModelInput,
     TensorData,
-    _as_numpy,
-    densify_csr,
     dtype_for_key,
 )
 
@@ -52,8 +50,11 @@ def tensor_from_json(obj: Any, dtype: str | None = None) -> TensorData:
         if shape is None or obj.get("sparse_col_indices") is None:
             raise InputError("sparse CSR tensor needs 'shape' and 'sparse_col_indices'")
         return TensorData(densify_csr(obj["data"], obj["sparse_crow_indices"], obj["sparse_col_indices"], shape, dtype))
-    array = _as_numpy(obj["data"], dtype, "tensor data")
+    array = as_numpy(obj["data"], dtype, "tensor data")
     if shape is not None:
+        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                  for s in shape):
+            raise InputError(f"tensor: shape must be a list of non-negative integers, got {shape!r}")
         if int(np.prod(shape)) != array.size:
             raise InputError(f"tensor: shape {list(shape)} does not match {array.size} data values")
         array = array.reshape(tuple(shape))
@@ -73,14 +74,21 @@ def model_input_from_json(obj: Any) -> ModelInput:
     if isinstance(obj, ModelInput):
         return obj
     if isinstance(obj, dict):
+        raw = obj.get("chunks", [])
+        if not isinstance(raw, list):
+            raise InputError(f"model_input.chunks: expected a list, got {type(raw).__name__}")
         chunks = []
-        for j, chunk in enumerate(obj.get("chunks", [])):
+        for j, chunk in enumerate(raw):
+            if not isinstance(chunk, dict):
+                raise InputError(f"model_input.chunks[{j}]: expected an object, got {type(chunk).__name__}")
             kind = chunk.get("type", "encoded_text")
             if kind != "encoded_text":
                 raise InputError(f"model_input.chunks[{j}]: only 'encoded_text' chunks are supported, got {kind!r}")
+            if "tokens" not in chunk:
+                raise InputError(f"model_input.chunks[{j}]: expected a 'tokens' field")
             chunks.append(EncodedTextChunk(chunk["tokens"]))
         return ModelInput(chunks)
-    return ModelInput.from_ints(obj)
+    return model_input_from_any(obj)
 
 
 converter.register_unstructure_hook(ModelInput, _unstructure_model_input)
@@ -98,19 +106,11 @@ def _unstructure_datum(d: Datum) -> dict[str, Any]:
 def datum_from_json(obj: dict[str, Any]) -> Datum:
     if "model_input" not in obj:
         raise InputError(f"datum: expected a 'model_input' field, got keys {sorted(obj)}")
-    inputs = {k: tensor_from_json(v, dtype_for_key(k)) for k, v in (obj.get("loss_fn_inputs") or {}).items()}
+    raw = obj.get("loss_fn_inputs") or {}
+    if not isinstance(raw, dict):
+        raise InputError(f"datum.loss_fn_inputs: expected an object, got {type(raw).__name__}")
+    inputs = {k: tensor_from_json(v, dtype_for_key(k)) for k, v in raw.items()}
     return Datum(model_input=model_input_from_json(obj["model_input"]), loss_fn_inputs=inputs)
-
-
-def datum_from_any(obj: Any) -> Datum:
-    """A skyrl Datum, a Tinker-JSON dict, or a duck-typed ``tinker.types.Datum``."""
-    if isinstance(obj, Datum):
-        return obj
-    if isinstance(obj, dict):
-        return datum_from_json(obj)
-    if hasattr(obj, "model_input") and hasattr(obj, "loss_fn_inputs"):
-        return Datum(model_input=obj.model_input, loss_fn_inputs=dict(obj.loss_fn_inputs))
-    raise InputError(f"expected a Datum, got {type(obj).__name__}")
 
 
 converter.register_unstructure_hook(Datum, _unstructure_datum)
@@ -136,38 +136,6 @@ def _structure_fwdbwd(obj: dict[str, Any], _: Any) -> ForwardBackwardOutput:
 
 converter.register_unstructure_hook(ForwardBackwardOutput, _unstructure_fwdbwd)
 converter.register_structure_hook(ForwardBackwardOutput, _structure_fwdbwd)
-
-
-def _from_mapping(cls: type, obj: dict[str, Any], what: str, error_cls: type[InputError]) -> Any:
-    """``cls(**obj)`` with unknown keys and wrong types reported by name (None = default)."""
-    accepted = [f.name for f in attrs.fields(cls)]
-    unknown = sorted(set(obj) - set(accepted))
-    if unknown:
-        raise error_cls(f"{what}: unknown keys {unknown}; accepted keys: {accepted}")
-    try:
-        return cls(**{k: v for k, v in obj.items() if v is not None})
-    except InputError:
-        raise
-    except (TypeError, ValueError) as exc:
-        raise error_cls(f"{what}: {exc}") from None
-
-
-def adam_params_from_any(obj: Any) -> AdamParams:
-    """AdamParams from ours, a dict, or a duck-typed ``tinker.types.AdamParams``."""
-    if isinstance(obj, AdamParams):
-        return obj
-    if not isinstance(obj, dict):
-        obj = {f.name: getattr(obj, f.name, None) for f in attrs.fields(AdamParams)}
-    return _from_mapping(AdamParams, obj, "AdamParams", AdamParamsError)
-
-
-def lora_config_from_any(obj: Any) -> LoraConfig | None:
-    """LoraConfig from ours, a dict, or a duck-typed ``tinker.types.LoraConfig`` (None = full fine-tuning)."""
-    if obj is None or isinstance(obj, LoraConfig):
-        return obj
-    if not isinstance(obj, dict):
-        obj = {f.name: getattr(obj, f.name, None) for f in attrs.fields(LoraConfig)}
-    return _from_mapping(LoraConfig, obj, "LoraConfig", InputError)
 
 
 def unstructure(obj: Any) -> Any:

@@ -5,74 +5,14 @@ Messages name the datum index, the key, what was expected and what came.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from .errors import DatumError, InputError
+from .errors import DatumError
 from .losses.base import LossSpec
+from .losses.inputs import check_loss_inputs
 from .types import Datum
-
-
-def check_loss_inputs(
-    spec: LossSpec, shapes: Mapping[str, tuple[int, ...]], n: int, *, index: int, need_targets: bool = True
-) -> None:
-    """Required keys present, no unknown keys, first dimension equal to the datum length."""
-    accepted = set(spec.required_inputs) | set(spec.optional_inputs)
-    for key in spec.required_inputs:
-        if key == "target_tokens" and not need_targets:
-            continue
-        if key not in shapes:
-            raise DatumError(
-                f"loss {spec.name!r} requires input {key!r} (required: {list(spec.required_inputs)}), "
-                f"got keys {sorted(shapes)}",
-                index=index,
-            )
-    for key, shape in shapes.items():
-        if key not in accepted:
-            raise DatumError(
-                f"loss {spec.name!r} does not take this input; accepted inputs: "
-                f"{sorted(accepted)}",
-                index=index,
-                key=key,
-            )
-        if len(shape) == 0 or shape[0] != n:
-            raise DatumError(
-                f"expected first dimension {n} (the model_input length), got shape {list(shape)}",
-                index=index,
-                key=key,
-            )
-        topk_ok = spec.accepts_topk_targets and key in ("target_tokens", "weights")
-        if len(shape) != 1 and not (topk_ok and len(shape) == 2):
-            expected = "(N,) or (N, K)" if topk_ok else "(N,)"
-            raise DatumError(f"expected shape {expected} with N={n}, got {list(shape)}", index=index, key=key)
-    if spec.accepts_topk_targets and "target_tokens" in shapes and "weights" in shapes:
-        if shapes["target_tokens"] != shapes["weights"]:
-            raise DatumError(
-                f"weights shape {list(shapes['weights'])} must equal target_tokens shape "
-                f"{list(shapes['target_tokens'])}",
-                index=index,
-                key="weights",
-            )
-
-
-def coerce_data(data: Any) -> list[Datum]:
-    """Accept a list of Datum, tinker Datum (duck-typed) or Tinker-JSON dicts."""
-    from .serde import datum_from_any
-
-    if isinstance(data, (Datum, dict)) or not isinstance(data, Sequence) or isinstance(data, (str, bytes)):
-        raise InputError(f"data must be a list of Datum, got {type(data).__name__}")
-    if len(data) == 0:
-        raise InputError("data is empty: forward_backward needs at least one Datum")
-    out = []
-    for i, d in enumerate(data):
-        try:
-            out.append(datum_from_any(d))
-        except DatumError:
-            raise
-        except (InputError, TypeError, ValueError, KeyError) as exc:
-            raise DatumError(f"not a valid Datum: {exc}", index=i) from None
-    return out
 
 
 def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None) -> None:
@@ -130,3 +70,15 @@ def _check_ratio_bound(array: np.ndarray, key: str, index: int) -> None:
             f"expected an absolute ratio bound with {expected}, got {float(array[pos]):.6g} at position {pos}", index=index, key=key
         )
 
+
+def check_same_keys(datums: Sequence[Datum]) -> None:
+    """All datums of a call carry the same loss_fn_inputs keys (they are packed together)."""
+    first = set(datums[0].loss_fn_inputs)
+    for i, d in enumerate(datums[1:], start=1):
+        keys = set(d.loss_fn_inputs)
+        if keys != first:
+            raise DatumError(
+                f"loss_fn_inputs keys {sorted(keys)} differ from datum 0's {sorted(first)}; "
+                f"every datum of a call must carry the same keys",
+                index=i,
+            )

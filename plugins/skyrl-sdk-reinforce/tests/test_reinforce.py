@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("skyrl_sdk_reinforce", reason="pip install -e plugins/skyrl-sdk-reinforce")
 
 from skyrl_sdk import errors, plugins  # noqa: E402
-from skyrl_sdk.losses import evaluate_loss  # noqa: E402
+from skyrl_sdk import evaluate_loss  # noqa: E402
 
 
 def _case(n: int = 7, seed: int = 0):

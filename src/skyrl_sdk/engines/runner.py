@@ -14,7 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..batching import make_micro_batches, pack_inputs
-from ..losses import LossInput, run_loss
+from ..losses import LossInput
+from ..losses.run import run_loss
 from ..losses.resolve import ResolvedLoss
 from ..metrics import Metric, MetricAccumulator
 from ..types import AdamParams, Datum

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 
@@ -23,6 +21,8 @@ class ResolvedLoss:
     config: Any
     requested_name: str
     dialect: str
+    #: The plugin that registered the loss (named when its output is malformed).
+    plugin: str | None = None
 
     @property
     def name(self) -> str:
@@ -78,4 +78,5 @@ def resolve_loss(
         raise UnknownLossError(
             f"loss_fn {loss_fn!r} resolves to {spec.name!r}, a {spec.role} loss, but this model's role is {role!r}"
         )
-    return ResolvedLoss(spec=spec, config=build_config(spec, config), requested_name=loss_fn, dialect=dialect)
+    return ResolvedLoss(spec=spec, config=build_config(spec, config), requested_name=loss_fn, dialect=dialect,
+                        plugin=registry.owners.get(("loss", spec.name)))

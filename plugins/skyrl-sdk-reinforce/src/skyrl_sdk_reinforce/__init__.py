@@ -7,9 +7,7 @@ hook the built-in losses use, so every engine and both dialects can call it by n
 
 from __future__ import annotations
 
-import skyrl_sdk
-from skyrl_sdk import metrics
-from skyrl_sdk.losses import LossInput, LossOutput
+from skyrl_sdk import LossInput, LossOutput, hookimpl, metric_sum
 
 __version__ = "0.1.0"
 
@@ -29,13 +27,13 @@ def reinforce(batch: LossInput, config: None) -> LossOutput:
         elementwise_loss=per_token.detach(),
         scored=scored,
         metrics={
-            "pg_loss:sum": metrics.total(per_token),
-            "num_loss_tokens:sum": metrics.total(scored.float()),
+            "pg_loss:sum": metric_sum(per_token),
+            "num_loss_tokens:sum": metric_sum(scored.float()),
         },
     )
 
 
-@skyrl_sdk.hookimpl
+@hookimpl
 def skyrl_sdk_register_losses(register):
     register(
         "reinforce",

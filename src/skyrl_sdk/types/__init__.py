@@ -1,0 +1,48 @@
+"""Typed, frozen objects that every skyrl-sdk call takes or returns.
+
+They mirror the official ``tinker.types`` (same field names and defaults) so code written
+against Tinker reads the same here: one small module per kind of type, every field
+documented. Tensors are numpy-backed (:class:`TensorData`): no per-element Python loops.
+"""
+
+from __future__ import annotations
+
+from ..arrays import TensorDtype, densify_csr
+from .datum import Datum
+from .model_input import EncodedTextChunk, ModelInput
+from .outputs import (
+    ForwardBackwardOutput,
+    LoadStateOutput,
+    ModelInfo,
+    OptimStepOutput,
+    SampledSequence,
+    SampleOutput,
+    SaveStateOutput,
+    SaveWeightsForSamplerOutput,
+)
+from .params import MIN_ADAM_EPS, AdamParams, LoraConfig, SamplingParams
+from .tensor import INTEGER_KEYS, TensorData, dtype_for_key, to_tensor_data
+
+__all__ = [
+    "INTEGER_KEYS",
+    "MIN_ADAM_EPS",
+    "AdamParams",
+    "Datum",
+    "EncodedTextChunk",
+    "ForwardBackwardOutput",
+    "LoadStateOutput",
+    "LoraConfig",
+    "ModelInfo",
+    "ModelInput",
+    "OptimStepOutput",
+    "SampleOutput",
+    "SampledSequence",
+    "SamplingParams",
+    "SaveStateOutput",
+    "SaveWeightsForSamplerOutput",
+    "TensorData",
+    "TensorDtype",
+    "densify_csr",
+    "dtype_for_key",
+    "to_tensor_data",
+]

@@ -1,0 +1,103 @@
+"""What calls return: typed, frozen results that carry metrics."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from .tensor import TensorData
+
+
+@attrs.frozen(eq=False)
+class SampledSequence:
+    """One generated continuation."""
+
+    #: The generated token ids (the prompt excluded).
+    tokens: list[int]
+    #: Log-probability of each generated token under the sampling distribution.
+    logprobs: list[float]
+    #: ``"stop"`` (a stop token or string ended it) or ``"length"`` (max_tokens reached).
+    stop_reason: Literal["stop", "length"]
+
+
+@attrs.frozen(eq=False)
+class SampleOutput:
+    """The samples of one prompt."""
+
+    #: ``num_samples`` continuations.
+    sequences: list[SampledSequence]
+    #: Log-probability of each prompt token given the ones before (None for the first), if asked.
+    prompt_logprobs: list[float | None] | None = None
+
+
+@attrs.frozen(eq=False)
+class ForwardBackwardOutput:
+    """Result of forward / forward_backward."""
+
+    #: Tinker's output type tag (``"ArrayRecord"``).
+    loss_fn_output_type: str
+    #: Per datum, in the caller's order: output name (``logprobs``, ``elementwise_loss``, ...) -> tensor.
+    loss_fn_outputs: list[dict[str, TensorData]]
+    #: ``name:reduction`` -> value, reduced over the whole call (see docs/losses.md).
+    metrics: dict[str, float]
+
+
+@attrs.frozen
+class OptimStepOutput:
+    """Result of optim_step."""
+
+    #: ``grad_norm``, ``learning_rate``, ``skipped``, ``step``, ... (see docs/backend.md).
+    metrics: dict[str, float]
+
+
+@attrs.frozen
+class SaveWeightsForSamplerOutput:
+    """Result of save_weights_for_sampler."""
+
+    #: Absolute path of the Hugging Face model directory written.
+    path: str
+
+
+@attrs.frozen
+class SaveStateOutput:
+    """Result of save_state."""
+
+    #: Absolute path of the checkpoint directory written.
+    path: str
+
+
+@attrs.frozen
+class LoadStateOutput:
+    """Result of load_state."""
+
+    #: Absolute path of the checkpoint directory read.
+    path: str
+    #: Whether the optimizer moments and step counts were loaded too.
+    optimizer_loaded: bool
+
+
+@attrs.frozen
+class ModelInfo:
+    """What get_info reports about a Backend's model."""
+
+    #: The ``model`` the Backend was created with (``tiny`` or a directory).
+    model_name: str
+    #: The transformers architecture class name.
+    architecture: str
+    #: Size of the model's output vocabulary.
+    vocab_size: int
+    #: Directory of the tokenizer, or None.
+    tokenizer_dir: str | None
+    #: Whether LoRA adapters are trained.
+    is_lora: bool
+    #: The LoRA rank, or None.
+    lora_rank: int | None
+    #: ``"policy"`` or ``"critic"``.
+    role: str
+    #: The engine's registry name.
+    engine: str
+    #: Parameters of the whole model.
+    num_parameters: int
+    #: Parameters that receive gradients.
+    num_trainable_parameters: int
