@@ -9,7 +9,7 @@ import skyrl_sdk
 from skyrl_sdk import types
 from skyrl_sdk.models import load_model
 
-from conftest import assert_tensors_close, grads_of, make_sft_data, weights_of
+from skyrl_sdk.testing import assert_tensors_close, grads_of, make_sft_data, weights_of
 
 
 def hand_loss(model, data):

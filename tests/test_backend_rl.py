@@ -7,7 +7,7 @@ import pytest
 
 import skyrl_sdk
 
-from conftest import assert_tensors_close, grads_of, make_rl_data
+from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data
 
 
 @pytest.mark.parametrize("loss_fn,config,dialect", [

@@ -11,7 +11,7 @@ import skyrl_sdk
 from skyrl_sdk import errors, types
 from skyrl_sdk.models import load_model
 
-from conftest import assert_tensors_close, grads_of, make_sft_data, weights_of
+from skyrl_sdk.testing import assert_tensors_close, grads_of, make_sft_data, weights_of
 
 
 def hf_reference_logprobs(data, seed=0):

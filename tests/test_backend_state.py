@@ -12,7 +12,7 @@ import torch
 import skyrl_sdk
 from skyrl_sdk import errors, types
 
-from conftest import assert_tensors_close, make_rl_data, make_sft_data, weights_of
+from skyrl_sdk.testing import assert_tensors_close, make_rl_data, make_sft_data, weights_of
 
 ADAM = types.AdamParams(learning_rate=5e-3, beta1=0.85, beta2=0.98, weight_decay=0.01, grad_clip_norm=1.0)
 

@@ -10,7 +10,7 @@ import skyrl_sdk
 from skyrl_sdk import types
 from skyrl_sdk.models import TINY_DIR, load_tokenizer, tiny_config
 
-from conftest import assert_tensors_close, make_sft_data, weights_of
+from skyrl_sdk.testing import assert_tensors_close, make_sft_data, weights_of
 
 
 @pytest.fixture(scope="module")

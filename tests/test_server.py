@@ -22,7 +22,7 @@ from tinker import types as tt  # noqa: E402
 from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
 
 from _server_harness import API_KEY, ServerThread  # noqa: E402
-from conftest import make_rl_data, make_sft_data  # noqa: E402
+from skyrl_sdk.testing import make_rl_data, make_sft_data  # noqa: E402
 from skyrl_sdk import Backend, types  # noqa: E402
 
 RANK, LORA_SEED = 4, 7

@@ -21,6 +21,7 @@ from ..metrics import Metric, MetricAccumulator
 from ..types import AdamParams, Datum
 from .base import EngineResult
 from .modules import ScoringModel
+from .step_guard import guarded_step
 
 logger = logging.getLogger(__name__)
 
@@ -154,11 +155,14 @@ class ModelRunner:
         optimizer = self._ensure_optimizer()
         with_grads = [p for _, p in self.named_trainable() if p.grad is not None]
         grads = [p.grad for p in with_grads]
+        if not with_grads:
+            logger.warning("optim_step without accumulated gradients (no forward_backward since the last step)")
         if grad_scale != 1.0 and grads:
             torch._foreach_mul_(grads, grad_scale)
         norm = self.grad_norm(grads)
         norm_value = float(norm)
-        metrics = {"grad_norm": norm_value, "learning_rate": float(params.learning_rate)}
+        metrics = {"grad_norm": norm_value, "learning_rate": float(params.learning_rate),
+                   "no_gradient": float(not with_grads)}
         if not math.isfinite(norm_value):
             logger.warning("non-finite gradient norm (%s): skipping this optim_step", norm_value)
             self.zero_grad()
@@ -174,11 +178,19 @@ class ModelRunner:
             group["betas"] = (params.beta1, params.beta2)
             group["eps"] = params.eps
             group["weight_decay"] = params.weight_decay
-        optimizer.step()
+        if not guarded_step(optimizer, with_grads, params, self.any_rank):
+            logger.warning("optim_step would make weights non-finite with %s: rolled back, skipped", params)
+            self.zero_grad()
+            metrics.update(skipped=1.0, nonfinite_update=1.0, step=float(self.step_count))
+            return metrics
         self.zero_grad()
         self.step_count += 1
         metrics.update(skipped=0.0, step=float(self.step_count))
         return metrics
+
+    def any_rank(self, flag: bool) -> bool:
+        """OR a flag over ranks (overridden by sharded engines)."""
+        return flag
 
     # ---- optimizer state as flat tensors (for safetensors checkpoints) -----------------
     def optimizer_tensors(self, to_full: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, torch.Tensor]:

@@ -1,0 +1,113 @@
+"""Test helpers for skyrl-sdk, its engine plugins and third-party loss plugins.
+
+Data builders give the same datums for the same seed everywhere, so a plugin's tests can
+compare against ours. The comparison helpers accept torch tensors or numpy arrays. The
+pytest fixtures are plain functions: import them into a ``conftest.py``::
+
+    from skyrl_sdk.testing import sft_data, tiny_backend  # noqa: F401
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from . import types
+
+
+def make_sft_data(lengths: Sequence[int], seed: int = 0, vocab: int = 256, shifted: bool = False) -> list[types.Datum]:
+    """Datums with random tokens and weights; targets are random unless ``shifted`` (next token)."""
+    rng = np.random.default_rng(seed)
+    data = []
+    for n in lengths:
+        seq = rng.integers(0, vocab, n + 1)
+        targets = seq[1:] if shifted else rng.integers(0, vocab, n)
+        weights = (rng.random(n) > 0.3).astype(np.float32)
+        data.append(types.Datum(
+            model_input=types.ModelInput.from_ints(seq[:-1]),
+            loss_fn_inputs={"target_tokens": targets, "weights": weights},
+        ))
+    return data
+
+
+def make_rl_data(lengths: Sequence[int], seed: int = 0, vocab: int = 256, with_logprobs: bool = True) -> list[types.Datum]:
+    """RL datums: the first third of each sequence is "prompt" (advantage 0), sampler logprobs near -5.8."""
+    rng = np.random.default_rng(seed)
+    data = []
+    for n in lengths:
+        seq = rng.integers(0, vocab, n + 1)
+        adv = rng.normal(size=n).astype(np.float32)
+        adv[: n // 3] = 0.0
+        inputs: dict[str, Any] = {"target_tokens": seq[1:], "advantages": adv}
+        if with_logprobs:
+            inputs["logprobs"] = (-5.8 + 0.3 * rng.normal(size=n)).astype(np.float32)
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs=inputs))
+    return data
+
+
+def grads_of(backend: Any) -> dict[str, torch.Tensor]:
+    """Accumulated gradients of an in-process (local-engine) Backend's trainable parameters."""
+    return {n: p.grad.detach().clone() for n, p in backend.engine.runner.named_trainable() if p.grad is not None}
+
+
+def weights_of(backend: Any) -> dict[str, torch.Tensor]:
+    """Trainable parameters of an in-process (local-engine) Backend."""
+    return {n: p.detach().clone() for n, p in backend.engine.runner.named_trainable()}
+
+
+def assert_tensors_close(a: Mapping[str, Any], b: Mapping[str, Any], atol: float, rtol: float = 0.0, what: str = "") -> None:
+    """Same keys, and every pair of tensors (torch or numpy) close; the message names the key."""
+    assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(set(a) ^ set(b))[:5]}"
+    for k in a:
+        torch.testing.assert_close(
+            torch.as_tensor(np.asarray(a[k]) if not isinstance(a[k], torch.Tensor) else a[k]),
+            torch.as_tensor(np.asarray(b[k]) if not isinstance(b[k], torch.Tensor) else b[k]),
+            atol=atol, rtol=rtol, msg=lambda m, k=k: f"{what} {k}: {m}".strip(),
+        )
+
+
+def assert_outputs_close(out_a: types.ForwardBackwardOutput, out_b: types.ForwardBackwardOutput, atol: float) -> None:
+    """Per-datum outputs of two forward/forward_backward results agree."""
+    assert len(out_a.loss_fn_outputs) == len(out_b.loss_fn_outputs)
+    for i, (x, y) in enumerate(zip(out_a.loss_fn_outputs, out_b.loss_fn_outputs, strict=True)):
+        assert x.keys() == y.keys(), i
+        for k in x:
+            np.testing.assert_allclose(x[k].to_numpy(), y[k].to_numpy(), atol=atol, rtol=0, err_msg=f"datum {i} {k}")
+
+
+def assert_metrics_close(a: Mapping[str, float], b: Mapping[str, float], rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """Same metric keys, values close."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in a:
+        assert abs(a[k] - b[k]) <= atol + rtol * abs(b[k]), (k, a[k], b[k])
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` intra-op threads: CPU kernels round differently with another thread
+    count (~3e-6 on gradients), which an engine comparison should not measure."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def sft_data() -> list[types.Datum]:
+    """Five SFT datums of uneven lengths (51 tokens) for the tiny model."""
+    return make_sft_data([7, 12, 3, 20, 9], seed=1)
+
+
+@pytest.fixture
+def tiny_backend() -> Iterator[Any]:
+    """A policy Backend on the built-in tiny model (seed 0), closed after the test."""
+    from .backend import Backend
+
+    with Backend(model="tiny", seed=0) as backend:
+        yield backend
