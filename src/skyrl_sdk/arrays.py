@@ -47,7 +47,8 @@ def as_numpy(value: Any, dtype: TensorDtype, what: str) -> np.ndarray:
         raise InputError(f"{what}: expected integer token ids, got values beyond int64")
     np_dtype = NUMPY_DTYPES[dtype]
     if array.dtype != np_dtype:
-        array = array.astype(np_dtype)
+        with np.errstate(over="ignore"):  # float64 beyond float32 becomes inf; finiteness checks name it
+            array = array.astype(np_dtype)
     return array
 
 

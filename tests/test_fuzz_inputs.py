@@ -1,0 +1,248 @@
+"""Property-based fuzzing of everything a caller can hand the Backend (issue 9).
+
+Every generated input is either accepted and gives a correct-looking result, or rejected
+with ``ValueError``/``TypeError`` (our ``InputError`` is a ``ValueError``) while the
+backend stays bit-identical. The default profile is short (CI); ``HYPOTHESIS_PROFILE=long``
+runs the long one (``-m fuzz`` selects just these tests).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import skyrl_sdk
+from skyrl_sdk import serde, types
+from skyrl_sdk.coerce import adam_params_from_any, sampling_params_from_any
+from skyrl_sdk.testing import make_sft_data, weights_of
+
+pytestmark = pytest.mark.fuzz
+
+settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.register_profile("long", max_examples=2000, deadline=None,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+VOCAB = 320  # the tiny model's
+#: group -> [tried, accepted, rejected]; written to $SKYRL_FUZZ_REPORT at the end (closing notes)
+COUNTS: dict[str, list[int]] = {}
+
+
+def _count(group: str, accepted: bool) -> None:
+    slot = COUNTS.setdefault(group, [0, 0, 0])
+    slot[0] += 1
+    slot[1 if accepted else 2] += 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    path = os.environ.get("SKYRL_FUZZ_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump({k: dict(zip(("tried", "accepted", "rejected"), v, strict=True)) for k, v in COUNTS.items()}, f,
+                      indent=1)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    with skyrl_sdk.Backend(model="tiny", seed=0) as b:
+        yield b
+
+
+def _snapshot(backend):
+    runner = backend.engine.runner
+    grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in runner.named_trainable()}
+    return weights_of(backend), grads, runner.step_count
+
+
+def _assert_same(before, backend):
+    weights, grads, step = before
+    now_w, now_g, now_step = _snapshot(backend)
+    assert step == now_step
+    for k in weights:
+        assert torch.equal(weights[k], now_w[k]), k
+        assert (grads[k] is None) == (now_g[k] is None), k
+        if grads[k] is not None:
+            assert torch.equal(grads[k], now_g[k]), k
+
+
+# ---- strategies -----------------------------------------------------------------------------
+numbers = st.one_of(
+    st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+    st.just(None), st.text(max_size=3),
+)
+token = st.one_of(st.integers(0, VOCAB - 1), st.integers(-5, 5), st.integers(VOCAB - 2, VOCAB + 2),
+                  st.integers(2**62, 2**64), st.floats(allow_nan=True), st.just("7"))
+flat_tokens = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
+token_lists = st.one_of(flat_tokens, st.lists(token, max_size=8), st.lists(st.lists(token, max_size=3), max_size=3),
+                        st.text(max_size=4), st.just({}), st.just(None))
+
+
+@st.composite
+def sparse_tensor(draw):
+    rows, cols = draw(st.integers(-1, 5)), draw(st.integers(-1, 5))
+    nnz = draw(st.integers(0, 6))
+    return {
+        "data": draw(st.lists(st.floats(-3, 3), min_size=nnz, max_size=nnz)),
+        "dtype": draw(st.sampled_from(["float32", "int64", "bfloat16"])),
+        "shape": [rows, cols] if draw(st.booleans()) else draw(st.lists(st.integers(-2, 6), max_size=3)),
+        "sparse_crow_indices": draw(st.lists(st.integers(-1, nnz + 1), max_size=7)),
+        "sparse_col_indices": draw(st.lists(st.integers(-1, 6), min_size=nnz, max_size=nnz)),
+    }
+
+
+def tensor_for(n: int):
+    values = st.lists(st.one_of(st.floats(-4, 4), st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 400)),
+                      min_size=max(0, n - 1), max_size=n + 1)
+    dense_json = st.builds(lambda d, shape: {"data": d, "dtype": "float32", **({"shape": shape} if shape else {})},
+                           values, st.one_of(st.none(), st.lists(st.integers(-1, 13), max_size=2)))
+    return st.one_of(values, dense_json, sparse_tensor(), st.just("x"), st.just(None), st.just({"shape": [2]}))
+
+
+@st.composite
+def valid_datum(draw):
+    tokens = draw(flat_tokens)
+    n = len(tokens)
+    floats = st.lists(st.floats(-3, 3, width=32), min_size=n, max_size=n)
+    inputs = {"target_tokens": draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n)),
+              "logprobs": draw(st.lists(st.floats(-8, 0, width=32), min_size=n, max_size=n)),
+              "advantages": draw(floats)}
+    if draw(st.booleans()):
+        inputs["weights"] = draw(st.lists(st.sampled_from([0.0, 1.0, 0.5]), min_size=n, max_size=n))
+    return ("datum", tokens, inputs)
+
+
+@st.composite
+def hostile_datum(draw):
+    tokens = draw(token_lists)
+    n = len(tokens) if isinstance(tokens, list) else 3
+    keys = draw(st.lists(st.sampled_from(["target_tokens", "weights", "advantages", "logprobs", "bogus", ""]),
+                         max_size=4, unique=True))
+    inputs = {}
+    for key in keys:
+        if key == "target_tokens" and draw(st.booleans()):
+            inputs[key] = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
+        else:
+            inputs[key] = draw(tensor_for(n))
+    form = draw(st.sampled_from(["json", "datum"]))
+    if form == "json":
+        return {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens}]}, "loss_fn_inputs": inputs}
+    return ("datum", tokens, inputs)
+
+
+def _materialize(obj):
+    if isinstance(obj, tuple):
+        _, tokens, inputs = obj
+        return types.Datum(model_input=tokens, loss_fn_inputs=inputs)
+    return obj
+
+
+# ---- properties -----------------------------------------------------------------------------
+@given(obj=tensor_for(4))
+def test_tensor_json_is_parsed_or_refused(obj):
+    try:
+        t = serde.tensor_from_json(obj, "float32")
+    except (ValueError, TypeError):
+        _count("TensorData (dense and sparse JSON)", False)
+        return
+    _count("TensorData (dense and sparse JSON)", True)
+    assert t.dtype in ("float32", "int64") and t.array.dtype in (np.float32, np.int64)
+
+
+@given(raw=st.one_of(valid_datum(), hostile_datum()), loss=st.sampled_from(["cross_entropy", "importance_sampling", "ppo"]))
+def test_forward_backward_accepts_or_refuses_without_a_trace(backend, raw, loss):
+    before = _snapshot(backend)
+    try:
+        datum = _materialize(raw)
+        out = backend.forward_backward([datum], loss)
+    except (ValueError, TypeError):
+        _count("Datum / ModelInput through forward_backward", False)
+        _assert_same(before, backend)
+        return
+    _count("Datum / ModelInput through forward_backward", True)
+    n = datum.model_input.length if isinstance(datum, types.Datum) else len(raw["model_input"]["chunks"][0]["tokens"])
+    assert out.loss_fn_outputs[0]["logprobs"].shape == (n,)
+    assert all(math.isfinite(v) for v in out.metrics.values())
+    backend.zero_grad()
+
+
+@given(name=st.sampled_from(["ppo", "cispo", "dro", "gspo", "importance_sampling", "regular", "dual_clip", "sapo",
+                             "clip_cov", "kl_cov", "cross_entropy"]),
+       config=st.dictionaries(st.sampled_from(["clip_low_threshold", "clip_high_threshold", "beta", "eps_clip_low",
+                                               "eps_clip_high", "clip_ratio_c", "tau_pos", "tau_neg", "bogus"]),
+                              numbers, max_size=3))
+def test_loss_configs_are_validated(backend, name, config):
+    try:
+        resolved = backend.resolve(name, config)
+    except (ValueError, TypeError):
+        _count("loss configs", False)
+        return
+    _count("loss configs", True)
+    if resolved.config is not None:
+        import attrs
+
+        for value in attrs.asdict(resolved.config).values():
+            if isinstance(value, float):
+                assert math.isfinite(value)
+
+
+sane_adam = st.fixed_dictionaries({"learning_rate": st.floats(0, 1e38)}, optional={
+    "beta1": st.floats(0, 0.999), "beta2": st.floats(0, 0.999), "eps": st.floats(1e-38, 1.0),
+    "weight_decay": st.floats(0, 10.0), "grad_clip_norm": st.floats(0, 10.0),
+})
+hostile_adam = st.fixed_dictionaries({}, optional={
+    "learning_rate": st.one_of(numbers, st.floats(0, 1e38)), "beta1": numbers, "beta2": numbers,
+    "eps": st.one_of(numbers, st.floats(0, 1e-30)), "weight_decay": st.one_of(numbers, st.floats(0, 1e31)),
+    "grad_clip_norm": numbers, "lr": numbers,
+})
+
+
+@given(fields=st.one_of(sane_adam, hostile_adam))
+def test_adam_params_never_make_weights_non_finite(fields):
+    try:
+        params = adam_params_from_any(fields)
+    except (ValueError, TypeError):
+        _count("AdamParams", False)
+        return
+    _count("AdamParams", True)
+    with skyrl_sdk.Backend(model="tiny", seed=0) as b:
+        b.forward_backward(make_sft_data([5, 7], seed=1))
+        b.optim_step(params)
+        assert all(torch.isfinite(w).all() for w in weights_of(b).values())
+
+
+sane_sampling = st.fixed_dictionaries({"max_tokens": st.integers(1, 3)}, optional={
+    "temperature": st.floats(0, 2), "top_k": st.integers(1, 50), "top_p": st.floats(0.01, 1.0),
+    "seed": st.integers(0, 2**31), "stop": st.lists(st.one_of(st.text(min_size=1, max_size=2), st.integers(0, 319)),
+                                                     max_size=2),
+})
+hostile_sampling = st.fixed_dictionaries({}, optional={
+    "max_tokens": st.one_of(numbers, st.integers(1, 3)), "temperature": numbers, "top_k": numbers, "top_p": numbers,
+    "seed": numbers, "stop": st.one_of(numbers, st.lists(st.one_of(st.text(max_size=2), st.integers(-2, 400)),
+                                                         max_size=2)),
+})
+
+
+@given(fields=st.one_of(sane_sampling, hostile_sampling), prompt=st.one_of(flat_tokens, token_lists))
+def test_sampling_params_and_prompts_are_validated(backend, fields, prompt):
+    try:
+        params = sampling_params_from_any(fields)
+        if params.max_tokens > 3:
+            params = types.SamplingParams(**{**fields, "max_tokens": 3})
+        out = backend.sample([prompt], params)
+    except (ValueError, TypeError):
+        _count("SamplingParams and prompts", False)
+        return
+    _count("SamplingParams and prompts", True)
+    seq = out[0].sequences[0]
+    assert 1 <= len(seq.tokens) <= 3 and all(0 <= t < VOCAB for t in seq.tokens)
+    assert len(seq.logprobs) == len(seq.tokens) and all(lp <= 0 or math.isnan(lp) is False for lp in seq.logprobs)
