@@ -19,12 +19,12 @@ TARGET = 0.02
 
 def input_path(backend, data) -> int:
     from skyrl_sdk.batching import make_micro_batches, pack_inputs
-    from skyrl_sdk.coerce import data_from_any as coerce_data
-from skyrl_sdk.validation import validate_data
+    from skyrl_sdk.coerce import data_from_any
+    from skyrl_sdk.validation import validate_data
 
     runner = backend.engine.runner
     spec = backend.resolve("cross_entropy").spec
-    datums = coerce_data(data)
+    datums = data_from_any(data)
     validate_data(datums, spec, backend.vocab_size)
     batches = make_micro_batches(datums, runner.micro_batch_tokens, runner.batching, runner.pad_id)
     for mb in batches:
