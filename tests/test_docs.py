@@ -22,7 +22,8 @@ DOCS = ROOT / "docs"
 #: hook -> the Registry method its ``register`` callback is bound to (see plugins.py)
 REGISTER_METHODS = {
     "skyrl_sdk_register_losses": Registry.register_loss,
-    "skyrl_sdk_register_converters": Registry.register_dialect,
+    "skyrl_sdk_register_dialects": Registry.register_dialect,
+    "skyrl_sdk_register_converters": Registry.register_dialect,  # deprecated name, one release
     "skyrl_sdk_register_engines": Registry.register_engine,
 }
 
@@ -56,6 +57,16 @@ def test_register_callback_documented_with_exact_signature(name):
     text = (DOCS / "hooks.md").read_text()
     signature = "register" + bare_signature(REGISTER_METHODS[name], drop=("self", "plugin"))
     assert signature in text, f"docs/hooks.md should show {signature}"
+
+
+@pytest.mark.parametrize("name", sorted(REGISTER_METHODS))
+def test_hookspec_docstring_shows_the_register_signature(name):
+    """The ``register(...)`` call in each hookspec's docstring is the real callback's signature."""
+    doc = " ".join(hookspec_functions()[name].__doc__.split())
+    match = re.search(r"``register(\(.*?\))``", doc)
+    assert match, f"hookspec {name}'s docstring should show ``register(...)``"
+    expected = bare_signature(REGISTER_METHODS[name], drop=("self", "plugin"))
+    assert match.group(1).replace('"', "'") == expected
 
 
 # ---- the loss catalogue --------------------------------------------------------------------

@@ -17,7 +17,7 @@ from skyrl_sdk import plugins
 from skyrl_sdk.errors import DuplicateRegistrationError, PluginError
 from skyrl_sdk.registry import Registry
 
-HOOKS = ("skyrl_sdk_register_losses", "skyrl_sdk_register_converters", "skyrl_sdk_register_engines")
+HOOKS = ("skyrl_sdk_register_losses", "skyrl_sdk_register_dialects", "skyrl_sdk_register_engines")
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +126,7 @@ def test_installed_plugin_registers_all_three_kinds(site):
             return ("fake_all_loss", {}) if loss_fn == "alias" else None
 
         @skyrl_sdk.hookimpl
-        def skyrl_sdk_register_converters(register):
+        def skyrl_sdk_register_dialects(register):
             register("fake_dialect", convert, description="test dialect")
 
         @skyrl_sdk.hookimpl
@@ -143,6 +143,24 @@ def test_installed_plugin_registers_all_three_kinds(site):
     registry = plugins.get_registry()
     assert registry.dialects["fake_dialect"].convert("alias", None, "policy") == ("fake_all_loss", {})
     assert registry.engines["fake_engine"].factory(model="m") == {"model": "m"}
+
+
+def test_the_old_converters_hook_still_registers_a_dialect_with_a_deprecation_warning(site):
+    site(
+        "skyrl-fake-old",
+        {"skyrl_fake_old": """
+        import skyrl_sdk
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_converters(register):
+            register("old_dialect", lambda loss_fn, cfg, role: None, description="old hook name")
+        """},
+        {"fake_old": "skyrl_fake_old"},
+    )
+    with pytest.warns(DeprecationWarning, match="skyrl_sdk_register_dialects"):
+        registry = plugins.get_registry()
+    assert info_of("fake_old").registered == ("dialect:old_dialect",)
+    assert registry.owners[("dialect", "old_dialect")] == "fake_old"
 
 
 def test_entry_point_may_name_an_object(site):

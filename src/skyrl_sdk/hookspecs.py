@@ -1,4 +1,4 @@
-"""Hook specifications: the three ways a plugin extends skyrl-sdk.
+"""Hook specifications: the ways a plugin extends skyrl-sdk (losses, dialects, engines).
 
 Each hook receives a ``register`` callback, so a plugin never touches registry internals.
 The built-in losses, dialects and the local engine are registered through these very hooks.
@@ -28,13 +28,24 @@ def skyrl_sdk_register_losses(register):
 
 
 @hookspec
-def skyrl_sdk_register_converters(register):
-    """Register config dialects (converters from a client's loss names and configs).
+def skyrl_sdk_register_dialects(register):
+    """Register config dialects: how a client's loss names and configs map onto canonical losses.
 
     Call ``register(name, convert, *, description='')`` where
     ``convert(loss_fn, loss_fn_config, role) -> (canonical_name, config_dict) | None``.
     Returning ``None`` means "not one of my names": the name then falls through to the
     canonical loss registry with the config unchanged.
+    """
+
+
+@hookspec(warn_on_impl=DeprecationWarning(
+    "skyrl_sdk_register_converters is deprecated and will be removed in skyrl-sdk 0.3: "
+    "rename the hook to skyrl_sdk_register_dialects (same register callback)"
+))
+def skyrl_sdk_register_converters(register):
+    """Deprecated name of :func:`skyrl_sdk_register_dialects` (same ``register`` callback).
+
+    Call ``register(name, convert, *, description='')``; kept working for one release.
     """
 
 

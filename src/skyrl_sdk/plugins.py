@@ -88,6 +88,7 @@ def _call_plugin_hooks(manager: pluggy.PluginManager, plugin_obj: Any, plugin_na
     """Run this plugin's own hook implementations, each with a register bound to it."""
     callbacks = {
         "skyrl_sdk_register_losses": lambda *a, **k: registry.register_loss(plugin_name, *a, **k),
+        "skyrl_sdk_register_dialects": lambda *a, **k: registry.register_dialect(plugin_name, *a, **k),
         "skyrl_sdk_register_converters": lambda *a, **k: registry.register_dialect(plugin_name, *a, **k),
         "skyrl_sdk_register_engines": lambda *a, **k: registry.register_engine(plugin_name, *a, **k),
     }

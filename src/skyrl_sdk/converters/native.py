@@ -11,5 +11,5 @@ def convert_native(loss_fn, loss_fn_config, role):
 
 
 @hookimpl
-def skyrl_sdk_register_converters(register):
+def skyrl_sdk_register_dialects(register):
     register("native", convert_native, description="Canonical (SkyRL) loss names and config keys, unchanged.")

@@ -93,7 +93,7 @@ convert_tinker.names = tuple(_POLICY)  # type: ignore[attr-defined]
 
 
 @hookimpl
-def skyrl_sdk_register_converters(register):
+def skyrl_sdk_register_dialects(register):
     register(
         "tinker",
         convert_tinker,
