@@ -11,8 +11,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,6 +22,8 @@ from .errors import CheckpointError
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+#: AdamW state of a training checkpoint: ``<param>::exp_avg``, ``::exp_avg_sq``, ``::step``.
+OPTIMIZER_FILE = "optimizer.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
@@ -93,7 +96,9 @@ def load_tensors(file: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from None
 
 
-def write_hf_weights(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+def write_hf_weights(
+    state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> None:
     """Write HF-style safetensors weights, sharded with an index when above ``max_shard_bytes``."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

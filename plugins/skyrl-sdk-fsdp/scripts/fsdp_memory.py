@@ -103,7 +103,7 @@ def measure(model: str, world_size: int) -> dict:
         grads = [m["grad_bytes"] for m in fsdp.engine.memory()]
         fsdp.optim_step(adam)
         ranks = fsdp.engine.memory()
-        for m, g, pid in zip(ranks, grads, fsdp.engine.worker_pids):
+        for m, g, pid in zip(ranks, grads, fsdp.engine.rank_pids, strict=True):
             m["grad_bytes"] = g
             m["total_bytes"] = m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]
             m["rss_bytes"] = _rss(pid)

@@ -86,7 +86,7 @@ def assert_arrays_close(a: dict, b: dict, atol: float, rtol: float = 0.0, what: 
 
 def assert_outputs_close(out_a, out_b, atol: float) -> None:
     assert len(out_a.loss_fn_outputs) == len(out_b.loss_fn_outputs)
-    for i, (x, y) in enumerate(zip(out_a.loss_fn_outputs, out_b.loss_fn_outputs)):
+    for i, (x, y) in enumerate(zip(out_a.loss_fn_outputs, out_b.loss_fn_outputs, strict=True)):
         assert x.keys() == y.keys(), i
         for k in x:
             np.testing.assert_allclose(x[k].to_numpy(), y[k].to_numpy(), atol=atol, rtol=0, err_msg=f"datum {i} {k}")

@@ -70,7 +70,7 @@ def test_engine_is_a_plugin(fsdp):
     info = fsdp.get_info()
     assert info.engine == "fsdp"
     assert fsdp.engine.world_size == 2
-    assert len(fsdp.engine.worker_pids) == 2
+    assert len(fsdp.engine.rank_pids) == 2
     local = skyrl_sdk.Backend(model="tiny")
     assert info.num_parameters == local.get_info().num_parameters
     local.close()
@@ -199,7 +199,7 @@ def test_sample_matches_local(pair):
     prompts = [[1, 2, 3], [40, 41]]
     got = fsdp.sample(prompts, params, num_samples=2, prompt_logprobs=True)
     want = local.sample(prompts, params, num_samples=2, prompt_logprobs=True)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
         np.testing.assert_allclose(g.sequences[0].logprobs, w.sequences[0].logprobs, atol=1e-5)
         np.testing.assert_allclose(g.prompt_logprobs[1:], w.prompt_logprobs[1:], atol=1e-5)

@@ -47,7 +47,7 @@ def _backend():
 
 def test_killed_worker_gives_clear_error_and_no_orphans():
     backend = _backend()
-    pids = backend.engine.worker_pids
+    pids = backend.engine.rank_pids
     data = make_sft_data([5, 8, 3], seed=1)
     backend.forward_backward(data)
     os.kill(pids[1], signal.SIGKILL)
@@ -67,7 +67,7 @@ def test_killed_worker_gives_clear_error_and_no_orphans():
 def test_rank_failing_mid_collective(mode, cause):
     """Rank 1 fails while rank 0 waits for it inside a collective: no hang, the cause named first."""
     backend = _backend()
-    pids = backend.engine.worker_pids
+    pids = backend.engine.rank_pids
     start = time.monotonic()
     with pytest.raises(EngineError) as info:
         backend.engine.debug_fail(1, mode)
@@ -84,7 +84,7 @@ SCRIPT = textwrap.dedent(
     import os, signal, sys
     import skyrl_sdk
     backend = skyrl_sdk.Backend(model="tiny", engine="fsdp", engine_config={"world_size": 2})
-    print("PIDS", *backend.engine.worker_pids, flush=True)
+    print("PIDS", *backend.engine.rank_pids, flush=True)
     if sys.argv[1] == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)   # the controller dies without any cleanup
     # "exit": the interpreter exits without close()

@@ -10,9 +10,10 @@ import pytest
 
 pytest.importorskip("skyrl_sdk_fsdp")
 
-from skyrl_sdk.errors import InputError  # noqa: E402
 from skyrl_sdk_fsdp.options import FSDPOptions, launcher_env  # noqa: E402
 from skyrl_sdk_fsdp.split import split_by_tokens  # noqa: E402
+
+from skyrl_sdk.errors import InputError  # noqa: E402
 
 
 def _check_partition(parts, n):
@@ -79,3 +80,34 @@ def test_registered_through_the_entry_point_and_not_imported_by_the_core():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     core = Path(__import__("skyrl_sdk").__file__).parent
     assert not [f for f in core.rglob("*.py") if "skyrl_sdk_fsdp" in f.read_text()]
+
+
+PUBLIC_CORE_MODULES = {"skyrl_sdk", "skyrl_sdk.engines", "skyrl_sdk.types", "skyrl_sdk.errors"}
+
+
+def _core_imports(file: Path):
+    import ast
+
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "skyrl_sdk":
+            yield node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "skyrl_sdk":
+                    yield alias.name, []
+
+
+def test_plugin_uses_only_the_public_core_api_and_modules_stay_small():
+    import skyrl_sdk.engines
+
+    package = Path(__import__("skyrl_sdk_fsdp").__file__).parent
+    files = sorted(package.glob("*.py"))
+    assert len(files) >= 9
+    for file in files:
+        for module, names in _core_imports(file):
+            assert module in PUBLIC_CORE_MODULES, f"{file.name} imports internal module {module}"
+            if module == "skyrl_sdk.engines":
+                assert set(names) <= set(skyrl_sdk.engines.__all__), f"{file.name}: {names}"
+        assert len(file.read_text().splitlines()) <= 450, file.name
+    for name in skyrl_sdk.engines.__all__:
+        assert getattr(skyrl_sdk.engines, name) is not None

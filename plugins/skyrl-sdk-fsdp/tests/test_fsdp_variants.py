@@ -125,7 +125,7 @@ def test_critic_with_default_batching():
     local = skyrl_sdk.Backend(model="tiny", role="critic")
     try:
         data = _critic_data(LENGTHS + [14, 2], seed=23)
-        for step in range(2):
+        for _ in range(2):
             out_f = fsdp.forward_backward(data, "ppo", {"value_clip": 0.1})
             out_l = local.forward_backward(data, "ppo", {"value_clip": 0.1})
             assert "vf_clip_fraction:mean" in out_f.metrics

@@ -1,1 +1,32 @@
-"""Execution engines: run the model, compute target logprobs, backprop, step the optimizer."""
+"""Execution engines: run the model, compute target logprobs, backprop, step the optimizer.
+
+This package is the API for engine authors (see docs/engines.md): everything an engine
+plugin needs is importable from ``skyrl_sdk.engines``; the modules behind it are internal.
+"""
+
+from ..checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, load_tensors, save_tensors
+from ..losses.resolve import ResolvedLoss
+from ..metrics import MetricAccumulator
+from ..models import LoadedModel, hf_model, load_model, load_tokenizer
+from ..sampling import generate
+from .base import Engine, EngineInfo, EngineResult, scores_key
+from .config import EngineConfig
+from .export import export_hf_directory, full_state_dict, merged_lora_state_dict
+from .modules import ScoringModel, count_parameters
+from .plain import datums_from_plain, datums_to_plain, loss_from_plain, loss_to_plain
+from .runner import ModelRunner
+from .state import CheckedState, StateLayout, TensorSpec, check_engine_metadata, check_state_files
+
+__all__ = [
+    # the contract
+    "Engine", "EngineInfo", "EngineResult", "EngineConfig", "ResolvedLoss", "scores_key",
+    # building blocks
+    "LoadedModel", "load_model", "load_tokenizer", "hf_model", "ScoringModel", "ModelRunner",
+    "MetricAccumulator", "count_parameters", "generate",
+    # multi-process engines: calls as plain data
+    "loss_to_plain", "loss_from_plain", "datums_to_plain", "datums_from_plain",
+    # checkpoints and exports
+    "WEIGHTS_FILE", "OPTIMIZER_FILE", "save_tensors", "load_tensors", "dedupe_shared",
+    "StateLayout", "TensorSpec", "CheckedState", "check_state_files", "check_engine_metadata",
+    "export_hf_directory", "full_state_dict", "merged_lora_state_dict",
+]

@@ -6,14 +6,21 @@ An engine owns a model and its optimizer. The Backend validates and converts eve
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
 
 from ..losses.resolve import ResolvedLoss
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
+
+
+def scores_key(role: str) -> str:
+    """The name of the per-token scores a model of ``role`` returns: a critic's values or a
+    policy's target logprobs. The one place that maps a role to its output name."""
+    return "values" if role == "critic" else "logprobs"
 
 
 @attrs.frozen(eq=False)

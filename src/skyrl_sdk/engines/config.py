@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -61,7 +62,7 @@ class EngineConfig:
         return dev
 
     @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any] | None, extra_keys: tuple[str, ...] = ()) -> "EngineConfig":
+    def from_mapping(cls, cfg: Mapping[str, Any] | None, extra_keys: tuple[str, ...] = ()) -> EngineConfig:
         """Build from a dict; keys in ``extra_keys`` (engine-specific) go to ``extra``."""
         cfg = dict(cfg or {})
         known = {f.name for f in attrs.fields(cls)} - {"extra"}

@@ -47,7 +47,8 @@ def merged_lora_state_dict(peft_module, state: dict[str, torch.Tensor] | None = 
 
 
 def export_hf_directory(
-    config, state: dict[str, torch.Tensor], tokenizer, directory: Path, max_shard_bytes: int, architecture: str | None = None
+    config, state: dict[str, torch.Tensor], tokenizer, directory: Path, max_shard_bytes: int,
+    architecture: str | None = None,
 ) -> None:
     from transformers import GenerationConfig
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..checkpoint import WEIGHTS_FILE, dedupe_shared, load_tensors, save_tensors
-from ..errors import CheckpointError, InputError
+from ..checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, save_tensors
+from ..errors import InputError
 from ..hookspecs import hookimpl
 from ..losses.resolve import ResolvedLoss
 from ..models import LoadedModel, hf_model, load_model
@@ -20,10 +21,9 @@ from .config import EngineConfig
 from .export import export_hf_directory, full_state_dict, merged_lora_state_dict
 from .modules import ScoringModel, count_parameters
 from .runner import ModelRunner
+from .state import StateLayout, check_engine_metadata, check_state_files
 
 logger = logging.getLogger(__name__)
-
-OPTIMIZER_FILE = "optimizer.safetensors"
 
 
 class LocalEngine:
@@ -80,26 +80,20 @@ class LocalEngine:
         save_tensors(self.runner.optimizer_tensors(), directory / OPTIMIZER_FILE)
         return {"tied_aliases": aliases, "step": self.runner.step_count}
 
+    def state_layout(self) -> StateLayout:
+        state = self.loaded.module.state_dict()
+        _, aliases = dedupe_shared(dict(state))
+        return StateLayout.of(state, self.runner.named_trainable(), aliases)
+
     def load_state(self, directory: Path, metadata: dict[str, Any], optimizer: bool) -> None:
         # Read and check everything before touching the model: a bad checkpoint changes nothing.
-        weights = load_tensors(directory / WEIGHTS_FILE)
-        moments = load_tensors(directory / OPTIMIZER_FILE) if optimizer else None
-        module = self.loaded.module
-        expected = module.state_dict()
-        aliases = set(metadata.get("tied_aliases", {}))
-        missing = [k for k in expected if k not in weights and k not in aliases]
-        unexpected = [k for k in weights if k not in expected]
-        wrong = [k for k in weights if k in expected and tuple(weights[k].shape) != tuple(expected[k].shape)]
-        if missing or unexpected or wrong:
-            raise CheckpointError(
-                f"checkpoint weights do not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
-                f"wrong shape {wrong[:5]}"
-            )
-        module.load_state_dict(weights, strict=False)
+        step, _ = check_engine_metadata(metadata, str(directory))
+        checked = check_state_files(directory, self.state_layout(), optimizer=optimizer, keep=True)
+        self.loaded.module.load_state_dict(checked.weights, strict=False)
         self.runner.zero_grad()
-        if moments is not None:
-            self.runner.load_optimizer_tensors(moments)
-            self.runner.step_count = int(metadata.get("step", 0))
+        if optimizer:
+            self.runner.load_optimizer_tensors(checked.moments)
+            self.runner.step_count = step
         else:
             self.runner.optimizer = None
             self.runner.step_count = 0

@@ -44,8 +44,9 @@ class _Head:
 class ScoringModel(nn.Module):
     """Runs the backbone once and scores only the real tokens of a micro-batch.
 
-    ``forward`` returns ``(lp, entropy)`` for a policy and ``(values, None)`` for a critic,
-    each of shape (T, ...) over ``flat_index``.
+    ``forward`` returns ``(scores, entropy)``: the scores are a policy's target logprobs
+    (with their entropy) or a critic's values (entropy ``None``), of shape (T,) over
+    ``flat_index``; :func:`~skyrl_sdk.engines.base.scores_key` names them per role.
     """
 
     def __init__(self, model: nn.Module, role: str) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from ..losses.run import run_loss
 from ..losses.resolve import ResolvedLoss
 from ..metrics import Metric, MetricAccumulator
 from ..types import AdamParams, Datum
-from .base import EngineResult
+from .base import EngineResult, scores_key
 from .modules import ScoringModel
 from .step_guard import guarded_step
 
@@ -68,7 +68,9 @@ class ModelRunner:
         """The micro-batches this runner will use for ``data``."""
         return make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)
 
-    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None) -> EngineResult:
+    def run(
+        self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None
+    ) -> EngineResult:
         """Score ``data``; ``batches`` is a precomputed :meth:`plan` (sharded engines count it first)."""
         spec = loss.spec
         batches = self.plan(data) if batches is None else batches
@@ -103,7 +105,7 @@ class ModelRunner:
         targets = inputs.get("target_tokens")
         grad_ctx = torch.enable_grad() if backward else torch.no_grad()
         with grad_ctx:
-            main, entropy = self.scoring(
+            scores, entropy = self.scoring(
                 mb.input_ids.to(dev),
                 None if mb.attention_mask is None else mb.attention_mask.to(dev),
                 None if mb.position_ids is None else mb.position_ids.to(dev),
@@ -117,17 +119,15 @@ class ModelRunner:
                 entropy=entropy,
             )
             if spec.role == "critic":
-                loss_input = LossInput(values=main, **kwargs)
+                loss_input = LossInput(values=scores, **kwargs)
             else:
-                loss_input = LossInput(target_logprobs=main, **kwargs)
+                loss_input = LossInput(target_logprobs=scores, **kwargs)
             out, metrics = run_loss(loss, loss_input)
             if backward:
                 total = out.loss * self.loss_scale if self.loss_scale != 1.0 else out.loss
                 total.backward()
         acc.add(metrics)
-        per_token = {
-            ("values" if spec.role == "critic" else "logprobs"): main.detach(),
-        }
+        per_token = {scores_key(spec.role): scores.detach()}
         if out.elementwise_loss is not None:
             per_token["elementwise_loss"] = out.elementwise_loss.detach()
         for key, value in out.extra_outputs.items():
@@ -193,7 +193,9 @@ class ModelRunner:
         return flag
 
     # ---- optimizer state as flat tensors (for safetensors checkpoints) -----------------
-    def optimizer_tensors(self, to_full: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, torch.Tensor]:
+    def optimizer_tensors(
+        self, to_full: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    ) -> dict[str, torch.Tensor]:
         if self.optimizer is None:
             return {}
         out = {}
@@ -207,7 +209,8 @@ class ModelRunner:
         return out
 
     def load_optimizer_tensors(
-        self, tensors: dict[str, torch.Tensor], from_full: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self, tensors: dict[str, torch.Tensor],
+        from_full: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         optimizer = self._ensure_optimizer()
         optimizer.state.clear()

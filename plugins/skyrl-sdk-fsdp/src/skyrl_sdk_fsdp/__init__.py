@@ -4,7 +4,7 @@ Installing this package registers engine ``fsdp`` through the ``skyrl_sdk`` entr
 
     Backend(model=..., engine="fsdp", engine_config={"world_size": 2})
 
-The controller (the process that created the Backend) drives N SPMD worker ranks that
+The controller (the process that created the Backend) drives N SPMD ranks that
 each hold 1/N of the parameters, gradients and optimizer state. See docs/engines.md.
 
 Importing this module is cheap: torch.distributed is imported when an engine is built.
@@ -28,9 +28,9 @@ def _factory(**kwargs):
 def worker_main() -> None:
     """Under a launcher (torchrun): serve rank 0 on ranks != 0, then exit; return on rank 0.
 
-    Call it at the top of a script started with ``torchrun``; see :mod:`skyrl_sdk_fsdp.worker`.
+    Call it at the top of a script started with ``torchrun``; see :mod:`skyrl_sdk_fsdp.entrypoint`.
     """
-    from .worker import worker_main as _worker_main
+    from .entrypoint import worker_main as _worker_main
 
     _worker_main()
 

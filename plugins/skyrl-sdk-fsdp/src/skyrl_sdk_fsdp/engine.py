@@ -10,23 +10,30 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
-from skyrl_sdk.checkpoint import WEIGHTS_FILE
-from skyrl_sdk.engines.base import EngineInfo, EngineResult
-from skyrl_sdk.engines.config import EngineConfig
-from skyrl_sdk.engines.local import OPTIMIZER_FILE
+from skyrl_sdk.engines import (
+    EngineConfig,
+    EngineInfo,
+    EngineResult,
+    MetricAccumulator,
+    ResolvedLoss,
+    StateLayout,
+    check_engine_metadata,
+    check_state_files,
+    datums_to_plain,
+    load_tokenizer,
+    loss_to_plain,
+)
 from skyrl_sdk.errors import CheckpointError, InputError
-from skyrl_sdk.losses.resolve import ResolvedLoss
-from skyrl_sdk.metrics import MetricAccumulator
-from skyrl_sdk.models import load_tokenizer
 from skyrl_sdk.types import AdamParams, Datum, LoraConfig, SampleOutput, SamplingParams
 
-from .options import FSDP_KEYS, FSDPOptions, launcher_env
+from .options import FSDP_KEYS, SHARDED_DIR, FSDPOptions, launcher_env
 from .split import split_by_tokens
 
 logger = logging.getLogger(__name__)
@@ -97,8 +104,7 @@ class FSDPEngine:
             self.close()
             raise
         first = infos[0]
-        self._state_shapes: dict[str, list[int]] = first["state_shapes"]
-        self._trainable_shapes: dict[str, list[int]] = first["trainable_shapes"]
+        self._state_layout = StateLayout.from_plain(first["state_layout"])
         self.info = EngineInfo(**first["engine_info"])
         tok_dir = self.info.tokenizer_dir
         self.tokenizer = load_tokenizer(tok_dir) if tok_dir else None
@@ -106,16 +112,15 @@ class FSDPEngine:
 
     def _start_transport(self, env):
         if self.launcher == "torchrun":
+            from .entrypoint import worker_main
+            from .session import TorchrunJob
             from .transport import CollectiveTransport
-            from .worker import _TORCHRUN, torchrun_session, worker_main
 
             if env.rank != 0:
                 # Same script on every rank: ranks != 0 serve rank 0 from here, then exit.
                 worker_main()
-            session, executor = torchrun_session(self.options.timeout_s)
-            engine_id = _TORCHRUN["next_engine_id"]
-            _TORCHRUN["next_engine_id"] += 1
-            return CollectiveTransport(session, executor, engine_id)
+            job = TorchrunJob.get(self.options.timeout_s)
+            return CollectiveTransport(job, job.new_engine_id())
         from .transport import SpawnTransport
 
         return SpawnTransport(
@@ -125,7 +130,7 @@ class FSDPEngine:
         )
 
     @property
-    def worker_pids(self) -> list[int]:
+    def rank_pids(self) -> list[int]:
         """Process ids of the spawned ranks (empty under torchrun)."""
         return self._transport.pids
 
@@ -136,21 +141,16 @@ class FSDPEngine:
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
         lengths = [d.model_input.length for d in data]
         parts = split_by_tokens(lengths, self.world_size)
-        spec_config = attrs.asdict(loss.config, recurse=False) if loss.config is not None else None
-        loss_payload = dict(name=loss.spec.name, config=spec_config, requested_name=loss.requested_name,
-                            dialect=loss.dialect)
-        payloads = []
-        for part in parts:
-            items = [
-                (data[i].model_input.to_numpy(), {k: v.array for k, v in data[i].loss_fn_inputs.items()})
-                for i in part
-            ]
-            payloads.append(dict(items=items, loss=loss_payload, backward=backward))
+        loss_payload = loss_to_plain(loss)
+        payloads = [
+            dict(items=datums_to_plain([data[i] for i in part]), loss=loss_payload, backward=backward)
+            for part in parts
+        ]
         replies = self._transport.request("run", payloads)
         outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
         acc = MetricAccumulator()
-        for part, (rank_outputs, metric_state) in zip(parts, replies):
-            for index, out in zip(part, rank_outputs):
+        for part, (rank_outputs, metric_state) in zip(parts, replies, strict=True):
+            for index, out in zip(part, rank_outputs, strict=True):
                 outputs[index] = out
             acc.merge([metric_state])
         return EngineResult(outputs=outputs, metric_state=acc.state())  # type: ignore[arg-type]
@@ -165,63 +165,21 @@ class FSDPEngine:
     def save_state(self, directory: Path) -> dict[str, Any]:
         return self._all("save_state", directory=str(directory), state_format=self.options.state_format)[0]
 
-    def _check_full_state(self, directory: Path, optimizer: bool) -> dict[str, float]:
-        """Check the files against this model before dispatch; return {param: step} of the optimizer."""
-        from safetensors import safe_open
-
-        weights_file = directory / WEIGHTS_FILE
-        if not weights_file.is_file():
-            raise CheckpointError(f"missing checkpoint file {weights_file}")
-        try:
-            with safe_open(str(weights_file), "pt") as f:
-                shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
-        except Exception as exc:
-            raise CheckpointError(f"{weights_file} is not a readable safetensors file: {exc}") from None
-        missing = [k for k in self._state_shapes if k not in shapes]
-        unexpected = [k for k in shapes if k not in self._state_shapes]
-        if missing or unexpected:
-            raise CheckpointError(
-                f"checkpoint weights do not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
-        wrong = [f"{k}: {shapes[k]} != {v}" for k, v in self._state_shapes.items() if shapes[k] != v]
-        if wrong:
-            raise CheckpointError(f"checkpoint weights do not fit this model: shape mismatch {wrong[:5]}")
-        if not optimizer:
-            return {}
-        optim_file = directory / OPTIMIZER_FILE
-        if not optim_file.is_file():
-            raise CheckpointError(f"missing checkpoint file {optim_file}")
-        steps: dict[str, float] = {}
-        try:
-            with safe_open(str(optim_file), "pt") as f:
-                keys = set(f.keys())
-                for name, shape in self._trainable_shapes.items():
-                    if f"{name}::exp_avg" not in keys:
-                        continue
-                    for kind in ("exp_avg", "exp_avg_sq"):
-                        got = list(f.get_slice(f"{name}::{kind}").get_shape())
-                        if got != shape:
-                            raise CheckpointError(f"{optim_file}: {name}::{kind} has shape {got}, expected {shape}")
-                    steps[name] = float(f.get_tensor(f"{name}::step").reshape(-1)[0])
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"{optim_file} is not a usable optimizer state: {exc!r}") from None
-        return steps
-
     def load_state(self, directory: Path, metadata: dict[str, Any], optimizer: bool) -> None:
+        # Every file is checked here, before anything is dispatched: a bad checkpoint changes nothing.
         directory = Path(directory)
+        step, _ = check_engine_metadata(metadata, str(directory))
         state_format = metadata.get("state_format", "full")
         if state_format == "sharded":
-            if not (directory / "sharded").is_dir():
-                raise CheckpointError(f"{directory}: missing the sharded checkpoint folder 'sharded'")
+            if not (directory / SHARDED_DIR).is_dir():
+                raise CheckpointError(f"{directory}: missing the sharded checkpoint folder {SHARDED_DIR!r}")
             steps: dict[str, float] = {}
         elif state_format == "full":
-            steps = self._check_full_state(directory, optimizer)
+            steps = check_state_files(directory, self._state_layout, optimizer=optimizer).steps
         else:
             raise CheckpointError(f"{directory}: unknown state_format {state_format!r}")
         self._all("load_state", directory=str(directory), optimizer=bool(optimizer),
-                  step=int(metadata.get("step", 0)), state_format=state_format, optimizer_steps=steps)
+                  step=step, state_format=state_format, optimizer_steps=steps)
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         self._all("export_weights", directory=str(directory), merge_lora=bool(merge_lora))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -21,6 +22,8 @@ FSDP_KEYS = (
 
 LAUNCHERS = ("auto", "spawn", "torchrun")
 STATE_FORMATS = ("full", "sharded")
+#: The torch.distributed.checkpoint folder of ``state_format="sharded"``.
+SHARDED_DIR = "sharded"
 
 
 def _number(name: str, value: Any, *, allow_none: bool = False) -> float | None:
@@ -57,7 +60,7 @@ class FSDPOptions:
     threads_per_rank: int | None = None
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> "FSDPOptions":
+    def from_extra(cls, extra: Mapping[str, Any]) -> FSDPOptions:
         launcher = extra.get("launcher", "auto")
         if launcher not in LAUNCHERS:
             raise InputError(f"engine_config['launcher']: expected one of {list(LAUNCHERS)}, got {launcher!r}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def split_by_tokens(lengths: Sequence[int], world_size: int) -> list[list[int]]:

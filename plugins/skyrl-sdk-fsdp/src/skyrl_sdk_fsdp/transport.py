@@ -28,18 +28,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any, Sequence
+from typing import Any
 
 from skyrl_sdk import errors
 
-from .worker import ENV_PREFIX
+from .entrypoint import ENV_PREFIX
 
 logger = logging.getLogger(__name__)
 
 #: After the first failure, how long to wait for the other ranks' answers (to name the cause).
 GRACE_S = 2.0
-#: How long close() waits for workers to exit before terminating / killing them.
+#: How long close() waits for the ranks to exit before terminating / killing them.
 SHUTDOWN_S = 10.0
 
 RESTART_HINT = "the fsdp engine's ranks were stopped; create a new Backend (and load_state) to continue"
@@ -91,8 +92,43 @@ def _raise_from_replies(op: str, replies: dict[int, Any], deaths: dict[int, str]
     return [], errors.EngineError(message), True
 
 
-class SpawnTransport:
-    """Worker processes started and owned by this (controller) process."""
+class _Transport:
+    """What both transports share: one request at a time, and no request after a failure."""
+
+    world_size: int
+    broken: str | None = None
+    closed: bool = False
+    _lock: Any
+
+    def request(self, op: str, payloads: Sequence[Any]) -> list:
+        """Send ``payloads[r]`` to rank r; return every rank's result, or raise the failure."""
+        with self._lock:
+            if self.closed:
+                raise errors.EngineError("fsdp engine is closed")
+            if self.broken:
+                raise errors.EngineError(f"fsdp engine is unusable after an earlier failure: {self.broken}")
+            try:
+                replies, deaths, timed_out = self._exchange(op, payloads)
+            except BaseException as exc:  # KeyboardInterrupt mid-call: ranks are out of step
+                self._fail(f"{op} interrupted by {type(exc).__name__}")
+                raise
+            results, error, fatal = _raise_from_replies(op, replies, deaths, self.world_size, timed_out)
+            if error is not None:
+                if fatal:
+                    self._fail(str(error).split("\n", 1)[0])
+                raise error
+            return results
+
+    def _exchange(self, op: str, payloads: Sequence[Any]) -> tuple[dict[int, Any], dict[int, str], bool]:
+        """Send, then collect ``(replies by rank, deaths by rank, timed out)``."""
+        raise NotImplementedError
+
+    def _fail(self, reason: str) -> None:
+        self.broken = reason
+
+
+class SpawnTransport(_Transport):
+    """Rank processes started and owned by this (controller) process."""
 
     def __init__(self, *, world_size: int, device_type: str, timeout_s: float, threads: int,
                  call_timeout_s: float | None = None) -> None:
@@ -123,7 +159,7 @@ class SpawnTransport:
             ENV_PREFIX + "TIMEOUT_S": str(timeout_s),
             ENV_PREFIX + "THREADS": str(threads),
         })
-        code = "from skyrl_sdk_fsdp.worker import spawned_main; spawned_main()"
+        code = "from skyrl_sdk_fsdp.entrypoint import spawned_main; spawned_main()"
         try:
             for rank in range(world_size):
                 mine, theirs = socket.socketpair()
@@ -140,23 +176,6 @@ class SpawnTransport:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
-
-    def request(self, op: str, payloads: Sequence[Any]) -> list:
-        with self._lock:
-            if self.closed:
-                raise errors.EngineError("fsdp engine is closed")
-            if self.broken:
-                raise errors.EngineError(f"fsdp engine is unusable after an earlier failure: {self.broken}")
-            try:
-                results, error, fatal = self._exchange(op, payloads)
-            except BaseException as exc:  # KeyboardInterrupt mid-call: ranks are out of step
-                self._fail(f"{op} interrupted by {type(exc).__name__}")
-                raise
-            if error is not None:
-                if fatal:
-                    self._fail(str(error).split("\n", 1)[0])
-                raise error
-            return results
 
     def _exchange(self, op: str, payloads: Sequence[Any]):
         deaths: dict[int, str] = {}
@@ -193,7 +212,7 @@ class SpawnTransport:
             if self.call_timeout_s is not None and now - start > self.call_timeout_s:
                 timed_out = True
                 break
-        return _raise_from_replies(op, replies, deaths, self.world_size, timed_out)
+        return replies, deaths, timed_out
 
     def _wait_exit(self, rank: int, timeout: float) -> int | None:
         try:
@@ -235,7 +254,7 @@ class SpawnTransport:
         self.conns = []
 
     def close(self) -> None:
-        """Stop the workers (gracefully, then by force); idempotent; called at exit too."""
+        """Stop the ranks (gracefully, then by force); idempotent; called at exit too."""
         if self.closed:
             return
         self.closed = True
@@ -243,51 +262,35 @@ class SpawnTransport:
         self._store = None
 
 
-class CollectiveTransport:
+class CollectiveTransport(_Transport):
     """This process is rank 0 of a launcher-started (torchrun) job."""
 
     _lock = threading.RLock()  # one request at a time per process (engines share the group)
 
-    def __init__(self, session, executor, engine_id: int) -> None:
-        self.session = session
-        self.executor = executor
+    def __init__(self, job, engine_id: int) -> None:
+        self.job = job
         self.engine_id = engine_id
-        self.world_size = session.world_size
-        self.broken: str | None = None
-        self.closed = False
+        self.world_size = job.session.world_size
 
     @property
     def pids(self) -> list[int]:
         return []
 
-    def request(self, op: str, payloads: Sequence[Any]) -> list:
+    def _exchange(self, op: str, payloads: Sequence[Any]):
         import torch.distributed as dist
 
-        with self._lock:
-            if self.closed:
-                raise errors.EngineError("fsdp engine is closed")
-            if self.broken:
-                raise errors.EngineError(f"fsdp engine is unusable after an earlier failure: {self.broken}")
-            group = self.session.control_group
-            out = [None]
-            dist.scatter_object_list(out, [(self.engine_id, op, p) for p in payloads], src=0, group=group)
-            local = self.executor.handle(*out[0])
-            gathered: list = [None] * self.world_size
-            dist.gather_object(local, gathered, dst=0, group=group)
-            replies = dict(enumerate(gathered))
-            results, error, fatal = _raise_from_replies(op, replies, {}, self.world_size)
-            if error is not None:
-                if fatal:
-                    self.broken = str(error).split("\n", 1)[0]
-                raise error
-            return results
+        group = self.job.session.control_group
+        out = [None]
+        dist.scatter_object_list(out, [(self.engine_id, op, p) for p in payloads], src=0, group=group)
+        local = self.job.dispatcher.handle(*out[0])
+        gathered: list = [None] * self.world_size
+        dist.gather_object(local, gathered, dst=0, group=group)
+        return dict(enumerate(gathered)), {}, False
 
     def close(self) -> None:
         if self.closed:
             return
-        from .worker import _TORCHRUN
-
-        if self.broken is None and not _TORCHRUN.get("closed"):
+        if self.broken is None and not self.job.closed:
             try:
                 self.request("close", [None] * self.world_size)
             except Exception:  # pragma: no cover - best effort at exit

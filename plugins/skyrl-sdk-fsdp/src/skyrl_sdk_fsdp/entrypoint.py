@@ -1,6 +1,6 @@
-"""Process entry points of the ranks.
+"""Process entry points of the ranks (what a rank process runs from start to exit).
 
-- :func:`spawned_main`: a worker process started by the controller (``launcher="spawn"``).
+- :func:`spawned_main`: a rank process started by the controller (``launcher="spawn"``).
   It joins a private process group through the controller's TCP store, then serves
   requests read from a socket inherited from the controller until told to stop. It exits
   on its own when the controller goes away (socket closed or parent pid changed).
@@ -11,13 +11,13 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import sys
 import threading
 import time
 
+#: Environment variables the controller passes to spawned ranks (this module imports no torch).
 ENV_PREFIX = "SKYRL_FSDP_"
 
 
@@ -57,7 +57,8 @@ def spawned_main() -> None:
         hf_logging.disable_progress_bar()
     except Exception:  # pragma: no cover
         pass
-    from .rank import Executor, describe_error, init_session
+    from .dispatch import Dispatcher, describe_error
+    from .session import init_session
 
     code = 0
     try:
@@ -76,7 +77,7 @@ def spawned_main() -> None:
             conn.send(("error", describe_error(exc, rank, clean=True)))
             code = 1
             return
-        executor = Executor(session)
+        dispatcher = Dispatcher(session)
         while True:
             try:
                 message = conn.recv()
@@ -85,7 +86,7 @@ def spawned_main() -> None:
             op, payload = message
             if op == "shutdown":
                 break
-            conn.send(executor.handle(0, op, payload))
+            conn.send(dispatcher.handle(0, op, payload))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -93,65 +94,6 @@ def spawned_main() -> None:
 
 
 # ---- torchrun -----------------------------------------------------------------------------
-_TORCHRUN: dict = {}
-_TORCHRUN_LOCK = threading.Lock()
-
-
-def torchrun_session(timeout_s: float | None = None):
-    """This process's torchrun session (created on first use, identically on every rank)."""
-    from .options import launcher_env
-    from .rank import Executor, init_session
-
-    with _TORCHRUN_LOCK:
-        if "session" in _TORCHRUN:
-            return _TORCHRUN["session"], _TORCHRUN["executor"]
-        env = launcher_env()
-        if env is None:
-            from skyrl_sdk.errors import InputError
-
-            raise InputError(
-                "engine_config['launcher']='torchrun' but RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are not set: "
-                "start the script with torchrun"
-            )
-        import torch
-
-        if timeout_s is None:
-            timeout_s = float(os.environ.get(ENV_PREFIX + "TIMEOUT_S", "1800"))
-        device_type = os.environ.get(ENV_PREFIX + "DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-        session = init_session(
-            rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device_type=device_type,
-            timeout_s=timeout_s, control_group=True,
-        )
-        executor = Executor(session)
-        _TORCHRUN.update(session=session, executor=executor, next_engine_id=0, closed=False)
-        if env.rank == 0:
-            atexit.register(_release_workers)
-        return session, executor
-
-
-def _release_workers() -> None:
-    """Rank 0 at exit: tell ranks 1..N-1 to leave their loop."""
-    import torch.distributed as dist
-
-    with _TORCHRUN_LOCK:
-        if not _TORCHRUN or _TORCHRUN.get("closed"):
-            return
-        _TORCHRUN["closed"] = True
-        session = _TORCHRUN["session"]
-    try:
-        out = [None]
-        dist.scatter_object_list(out, [(None, "exit", None)] * session.world_size, src=0,
-                                 group=session.control_group)
-    except Exception:  # peers already gone: torchrun tears the job down anyway
-        pass
-    # Shut the process groups down now, in order: left to interpreter teardown, gloo's
-    # threads were now and then destroyed while joinable, aborting rank 0 (SIGABRT).
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
-
-
 def worker_main() -> None:
     """Serve rank 0 on ranks != 0 of a torchrun job, then exit; return at once elsewhere.
 
@@ -167,15 +109,18 @@ def worker_main() -> None:
         return
     import torch.distributed as dist
 
-    session, executor = torchrun_session()
+    from .session import TorchrunJob
+
+    job = TorchrunJob.get()
+    group = job.session.control_group
     while True:
         out = [None]
-        dist.scatter_object_list(out, None, src=0, group=session.control_group)
+        dist.scatter_object_list(out, None, src=0, group=group)
         engine_id, op, payload = out[0]
         if op == "exit":
             break
-        reply = executor.handle(engine_id, op, payload)
-        dist.gather_object(reply, None, dst=0, group=session.control_group)
+        reply = job.dispatcher.handle(engine_id, op, payload)
+        dist.gather_object(reply, None, dst=0, group=group)
     # Leave without tearing down the process group or the interpreter: rank 0 is exiting at
     # the same moment, and gloo's teardown racing it aborted this rank now and then
     # ("terminate called without an active exception", SIGABRT), failing the whole job.

@@ -1,182 +1,51 @@
-"""What runs on every rank: the process group, the sharded model, and one method per engine call.
+"""One fsdp engine on one rank: its model shard, optimizer shard and one method per call.
 
-The controller sends ``(op, payload)`` requests; :class:`Executor` runs ``RankWorker.op_<op>``
-on every rank in lockstep (SPMD) and answers ``("ok", result)`` or ``("error", details)``.
-Payloads and results are plain Python / numpy data: no torch tensors cross processes.
+The controller's requests reach :meth:`RankEngine.op_<op>` through the dispatcher, on every
+rank in lockstep (SPMD). Payloads and results are plain Python / numpy data: no torch
+tensors cross processes.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import shutil
 import tempfile
-import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-import attrs
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from skyrl_sdk import errors
-from skyrl_sdk.checkpoint import WEIGHTS_FILE, dedupe_shared, load_tensors, save_tensors
-from skyrl_sdk.engines.base import EngineResult
-from skyrl_sdk.engines.config import EngineConfig
-from skyrl_sdk.engines.export import export_hf_directory, merged_lora_state_dict
-from skyrl_sdk.engines.local import OPTIMIZER_FILE
-from skyrl_sdk.engines.modules import ScoringModel, count_parameters
-from skyrl_sdk.engines.runner import ModelRunner
-from skyrl_sdk.losses.resolve import ResolvedLoss
-from skyrl_sdk.models import hf_model, load_model
-from skyrl_sdk.plugins import get_registry
-from skyrl_sdk.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams, TensorData
+from skyrl_sdk.engines import (
+    OPTIMIZER_FILE,
+    WEIGHTS_FILE,
+    EngineConfig,
+    StateLayout,
+    count_parameters,
+    datums_from_plain,
+    dedupe_shared,
+    export_hf_directory,
+    generate,
+    hf_model,
+    load_model,
+    load_tensors,
+    loss_from_plain,
+    merged_lora_state_dict,
+    save_tensors,
+)
+from skyrl_sdk.types import AdamParams, LoraConfig, SamplingParams
 
-from .options import FSDP_KEYS, FSDPOptions
+from .options import FSDP_KEYS, SHARDED_DIR, FSDPOptions
+from .parallelize import ShardedScoringModel, parallelize
+from .session import DistSession
+from .sharded_runner import ShardedRunner
 
 logger = logging.getLogger(__name__)
 
-SHARDED_DIR = "sharded"  # torch.distributed.checkpoint folder of state_format="sharded"
-
-
-# ---- the process group --------------------------------------------------------------------
-@attrs.define
-class DistSession:
-    """This process's place in the process group (one per process, shared by its engines)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    #: "cuda" or "cpu": the device type of the ranks
-    device_type: str
-    #: gloo group for controller requests (torchrun launcher only)
-    control_group: Any = None
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank) if self.device_type == "cuda" else torch.device("cpu")
-
-
-def init_session(
-    *, rank: int, world_size: int, local_rank: int, device_type: str, timeout_s: float,
-    store: Any = None, control_group: bool = False,
-) -> DistSession:
-    """Join the process group (from ``store``, or from the launcher's env variables)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-        kwargs: dict[str, Any] = dict(backend=backend, timeout=timeout, rank=rank, world_size=world_size)
-        if store is not None:
-            kwargs["store"] = store
-        else:
-            kwargs["init_method"] = "env://"
-        dist.init_process_group(**kwargs)
-    session = DistSession(rank=rank, world_size=world_size, local_rank=local_rank, device_type=device_type)
-    if control_group:
-        # Idle ranks wait here for the next request for as long as the user's script runs.
-        session.control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
-    return session
-
-
-# ---- sharding -----------------------------------------------------------------------------
-def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of an HF model (its ``_no_split_modules`` classes)."""
-    inner = hf_model(module)
-    names = set(getattr(inner, "_no_split_modules", None) or ())
-    blocks = [m for m in module.modules() if type(m).__name__ in names]
-    if blocks:
-        return blocks
-    for m in module.modules():  # fallback: the longest ModuleList is the block stack
-        if isinstance(m, torch.nn.ModuleList) and len(m) > len(blocks):
-            blocks = list(m)
-    return blocks
-
-
-def shard_scoring_model(scoring: ScoringModel, mesh, *, reshard_after_forward: bool = True) -> int:
-    """``fully_shard`` every transformer block, then the root; gradients reduce by SUM.
-
-    Returns the loss scale the runner must apply (1, or world size on a torch without
-    ``set_force_sum_reduction_for_comms``, whose reduce-scatter averages).
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    for block in transformer_blocks(scoring.model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(scoring, mesh=mesh)
-    loss_scale = 1
-    for m in scoring.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        if hasattr(m, "set_force_sum_reduction_for_comms"):
-            # SUM semantics: the reduce-scatter adds the ranks' gradients (FSDP2 averages by
-            # default; gloo has no PREMUL_SUM, hence the forced SUM with a divide factor of 1).
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
-        else:  # pragma: no cover - older torch: undo the mean with a loss scale
-            loss_scale = mesh.size()
-    return loss_scale
-
-
-class ShardedScoringModel(ScoringModel):
-    """The FSDP root: never returns a view (an in-place op on a view output would drop
-    FSDP2's pre-backward hook and skip an all-gather; the critic's ``squeeze`` is one)."""
-
-    def forward(self, *args, **kwargs):
-        main, entropy = super().forward(*args, **kwargs)
-        if main._base is not None:
-            main = main.clone()
-        return main, entropy
-
-
-class ShardedRunner(ModelRunner):
-    """:class:`ModelRunner` on an FSDP2 module: equal micro-batch counts on every rank.
-
-    Every rank must run the same number of forward (and backward) passes, because each one
-    all-gathers (and reduce-scatters) the shards. A rank with fewer micro-batches than the
-    busiest one runs zero-weight dummy passes (one pad token, loss multiplied by 0).
-    """
-
-    def __init__(self, scoring: ScoringModel, *, group=None, **kwargs) -> None:
-        super().__init__(scoring, **kwargs)
-        self.group = group
-
-    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        norm = super().grad_norm(grads)  # DTensor grads: a replicated global norm
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
-        batches = self.plan(data) if data else []
-        mine = len(batches)
-        count = torch.tensor([mine], dtype=torch.int64, device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        result = super().run(data, loss, backward=backward, batches=batches)
-        for _ in range(int(count.item()) - mine):
-            self._dummy_pass(backward)
-        # A no-grad forward leaves the root (and, with reshard_after_forward=False, the
-        # blocks) gathered; the optimizer updates the shards, so drop the gathered copies.
-        for module in self.scoring.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        return result
-
-    def _dummy_pass(self, backward: bool) -> None:
-        dev = self.device
-        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=dev)
-        index = torch.zeros(1, dtype=torch.long, device=dev)
-        targets = index if self.scoring.role == "policy" else None
-        with torch.enable_grad() if backward else torch.no_grad():
-            main, _ = self.scoring(ids, None, None, index, targets, want_entropy=False)
-            if backward:
-                (main.sum() * 0.0).backward()
-
-
-# ---- gather / scatter helpers -------------------------------------------------------------
 def full_state_on_rank0(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's full (unsharded) state dict on CPU on rank 0; ``{}`` on other ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -189,8 +58,7 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-# ---- one engine on one rank ---------------------------------------------------------------
-class RankWorker:
+class RankEngine:
     """One engine's model shard, optimizer shard and call handlers on one rank."""
 
     def __init__(self, session: DistSession, *, model: str, role: str, lora: dict | None, seed: int,
@@ -213,13 +81,13 @@ class RankWorker:
         # names that alias an earlier tensor (tied embeddings), found before sharding
         _, self.aliases = dedupe_shared(dict(module.state_dict()))
         _, self.hf_aliases = dedupe_shared(dict(hf_model(module).state_dict()))
-        self.state_shapes = {
-            k: list(v.shape) for k, v in module.state_dict().items() if k not in self.aliases
-        }
+        # what a saved state must hold (full shapes: taken before sharding)
+        trainable_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.state_layout = StateLayout.of(module.state_dict(), trainable_params, self.aliases)
         self.mesh = init_device_mesh(self.device.type, (session.world_size,))
         scoring = ShardedScoringModel(module, role)
         scoring.chunk_elements = self.config.logprob_chunk_elements
-        loss_scale = shard_scoring_model(scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward)
+        loss_scale = parallelize(scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward)
         self.runner = ShardedRunner(
             scoring, group=self.mesh.get_group(), device=self.device,
             micro_batch_tokens=self.config.micro_batch_tokens, batching=self.config.batching,
@@ -238,8 +106,7 @@ class RankWorker:
     def info(self) -> dict:
         return dict(
             engine_info=self.engine_info,
-            state_shapes=self.state_shapes,
-            trainable_shapes={n: list(p.shape) for n, p in self.runner.named_trainable()},
+            state_layout=self.state_layout.to_plain(),
             aliases=self.aliases,
             world_size=self.session.world_size,
             device=str(self.device),
@@ -252,19 +119,8 @@ class RankWorker:
 
     # ---- compute ----------------------------------------------------------------------
     def op_run(self, items: list, loss: dict, backward: bool):
-        spec = get_registry().losses.get(loss["name"])
-        if spec is None:
-            raise errors.PluginError(
-                f"loss {loss['name']!r} is not registered on rank {self.rank}: install the plugin that "
-                f"provides it where the ranks run (plugins load from entry points on every rank)"
-            )
-        config = spec.config_cls(**loss["config"]) if spec.config_cls is not None else None
-        resolved = ResolvedLoss(spec=spec, config=config, requested_name=loss["requested_name"],
-                                dialect=loss["dialect"])
-        data = [
-            Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs={k: TensorData(v) for k, v in inputs.items()})
-            for tokens, inputs in items
-        ]
+        resolved = loss_from_plain(loss, where=f"rank {self.rank}")
+        data = datums_from_plain(items)
         self._collectives()
         result = self.runner.run(data, resolved, backward=backward)
         return result.outputs, result.metric_state
@@ -427,8 +283,6 @@ class RankWorker:
         return model
 
     def op_sample(self, prompts: list, params: dict, num_samples: int, prompt_logprobs: bool):
-        from skyrl_sdk.sampling import generate
-
         self._collectives()
         model = self._sampler_model()
         if self.rank != 0:
@@ -483,50 +337,3 @@ class RankWorker:
         self.runner.optimizer = None
         self.runner.scoring = None
         self.loaded = None
-
-
-# ---- request dispatch ---------------------------------------------------------------------
-def describe_error(exc: BaseException, rank: int, clean: bool) -> dict:
-    """A picklable description of an exception raised on a rank."""
-    kind = type(exc).__name__
-    message = str(exc)
-    comm = kind in ("DistBackendError", "DistNetworkError", "DistStoreError") or any(
-        s in message for s in ("[gloo", "Connection closed by peer", "Connection reset", "NCCL", "Broken pipe")
-    )
-    return {
-        "rank": rank,
-        "type": kind,
-        "message": message,
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "clean": clean,
-        "comm": comm,
-    }
-
-
-class Executor:
-    """Runs requests on one rank; holds this process's engines (several under torchrun)."""
-
-    def __init__(self, session: DistSession) -> None:
-        self.session = session
-        self.engines: dict[int, RankWorker] = {}
-
-    def handle(self, engine_id: int, op: str, payload: dict) -> tuple[str, Any]:
-        worker = self.engines.get(engine_id)
-        if worker is not None:
-            worker.in_collectives = False
-        try:
-            if op == "init":
-                self.engines[engine_id] = RankWorker(self.session, **payload)
-                return "ok", self.engines[engine_id].info()
-            if op == "close":
-                closing = self.engines.pop(engine_id, None)
-                if closing is not None:
-                    closing.close()
-                return "ok", None
-            if worker is None:
-                raise errors.EngineError(f"no fsdp engine {engine_id} on rank {self.session.rank}")
-            return "ok", getattr(worker, f"op_{op}")(**payload)
-        except Exception as exc:
-            clean = op == "init" or (worker is not None and not worker.in_collectives)
-            logger.debug("rank %d: %s failed", self.session.rank, op, exc_info=True)
-            return "error", describe_error(exc, self.session.rank, clean)

@@ -1,0 +1,127 @@
+"""This process's place in the process group, and the torchrun job every engine shares.
+
+A spawned rank joins a private group through the controller's TCP store; under torchrun,
+one :class:`TorchrunJob` per process holds the group, the control group and the request
+dispatcher, shared by every fsdp engine the script creates (each gets its own engine id).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import threading
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from skyrl_sdk.errors import InputError
+
+from .entrypoint import ENV_PREFIX
+
+
+@attrs.define
+class DistSession:
+    """This process's place in the process group (one per process, shared by its engines)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    #: "cuda" or "cpu": the device type of the ranks
+    device_type: str
+    #: gloo group for controller requests (torchrun launcher only)
+    control_group: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank) if self.device_type == "cuda" else torch.device("cpu")
+
+
+def init_session(
+    *, rank: int, world_size: int, local_rank: int, device_type: str, timeout_s: float,
+    store: Any = None, control_group: bool = False,
+) -> DistSession:
+    """Join the process group (from ``store``, or from the launcher's env variables)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = dict(backend=backend, timeout=timeout, rank=rank, world_size=world_size)
+        if store is not None:
+            kwargs["store"] = store
+        else:
+            kwargs["init_method"] = "env://"
+        dist.init_process_group(**kwargs)
+    session = DistSession(rank=rank, world_size=world_size, local_rank=local_rank, device_type=device_type)
+    if control_group:
+        # Idle ranks wait here for the next request for as long as the user's script runs.
+        session.control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    return session
+
+
+class TorchrunJob:
+    """The torchrun job of this process: created on first use, identically on every rank."""
+
+    _lock = threading.Lock()
+    _current: TorchrunJob | None = None
+
+    def __init__(self, session: DistSession, dispatcher) -> None:
+        self.session = session
+        self.dispatcher = dispatcher
+        self.closed = False
+        self._next_engine_id = 0
+
+    @classmethod
+    def get(cls, timeout_s: float | None = None) -> TorchrunJob:
+        from .dispatch import Dispatcher
+        from .options import launcher_env
+
+        with cls._lock:
+            if cls._current is not None:
+                return cls._current
+            env = launcher_env()
+            if env is None:
+                raise InputError(
+                    "engine_config['launcher']='torchrun' but RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are not set: "
+                    "start the script with torchrun"
+                )
+            if timeout_s is None:
+                timeout_s = float(os.environ.get(ENV_PREFIX + "TIMEOUT_S", "1800"))
+            device_type = os.environ.get(ENV_PREFIX + "DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+            session = init_session(
+                rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device_type=device_type,
+                timeout_s=timeout_s, control_group=True,
+            )
+            job = cls._current = cls(session, Dispatcher(session))
+            if env.rank == 0:
+                atexit.register(job.release_ranks)
+            return job
+
+    def new_engine_id(self) -> int:
+        """Engines are numbered in creation order, the same on every rank (SPMD)."""
+        with self._lock:
+            engine_id = self._next_engine_id
+            self._next_engine_id += 1
+            return engine_id
+
+    def release_ranks(self) -> None:
+        """Rank 0 at exit: tell ranks 1..N-1 to leave their loop."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            out = [None]
+            dist.scatter_object_list(out, [(None, "exit", None)] * self.session.world_size, src=0,
+                                     group=self.session.control_group)
+        except Exception:  # peers already gone: torchrun tears the job down anyway
+            pass
+        # Shut the process groups down now, in order: left to interpreter teardown, gloo's
+        # threads were now and then destroyed while joinable, aborting rank 0 (SIGABRT).
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass

@@ -1,0 +1,49 @@
+"""Plain-data forms of an engine call, for engines whose ranks run in other processes.
+
+Only numpy arrays and Python builtins cross the process boundary (nothing that needs pickle
+of torch objects or of plugin classes): the receiving side rebuilds the typed objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..errors import PluginError
+from ..losses.resolve import ResolvedLoss
+from ..types import Datum, ModelInput, TensorData
+
+
+def loss_to_plain(loss: ResolvedLoss) -> dict[str, Any]:
+    """A resolved loss as its name, config fields and the names the caller used."""
+    config = attrs.asdict(loss.config, recurse=False) if loss.config is not None else None
+    return dict(name=loss.spec.name, config=config, requested_name=loss.requested_name, dialect=loss.dialect)
+
+
+def loss_from_plain(plain: dict[str, Any], where: str = "this process") -> ResolvedLoss:
+    """Rebuild a :func:`loss_to_plain` loss from this process's plugin registry."""
+    from ..plugins import get_registry
+
+    spec = get_registry().losses.get(plain["name"])
+    if spec is None:
+        raise PluginError(
+            f"loss {plain['name']!r} is not registered on {where}: install the plugin that provides it "
+            f"where the ranks run (plugins load from entry points in every process)"
+        )
+    config = spec.config_cls(**plain["config"]) if spec.config_cls is not None else None
+    return ResolvedLoss(spec=spec, config=config, requested_name=plain["requested_name"], dialect=plain["dialect"])
+
+
+def datums_to_plain(data: Sequence[Datum]) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+    """Each datum as ``(token ids, {loss input name: array})``."""
+    return [(d.model_input.to_numpy(), {k: v.array for k, v in d.loss_fn_inputs.items()}) for d in data]
+
+
+def datums_from_plain(items: Sequence[tuple[np.ndarray, dict[str, np.ndarray]]]) -> list[Datum]:
+    return [
+        Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs={k: TensorData(v) for k, v in inputs.items()})
+        for tokens, inputs in items
+    ]
