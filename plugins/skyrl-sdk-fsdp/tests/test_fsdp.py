@@ -117,6 +117,21 @@ def test_gradient_is_a_sum_over_datums_and_calls(pair):
     assert_arrays_close(fsdp.engine.gradients(), local_grads(local), atol=1e-6, rtol=1e-6, what="grad")
 
 
+def test_an_overflowing_step_is_rolled_back_on_every_rank(pair, tmp_path):
+    """lr=3e38 passes AdamParams' checks but would overflow the weights: both engines undo it."""
+    fsdp, local = pair
+    data = make_sft_data(LENGTHS, seed=8)
+    for backend in (fsdp, local):
+        backend.forward_backward(data)
+        backend.optim_step(ADAM)
+        before = saved_weights(backend, tmp_path / f"{backend.engine_name}-before")
+        backend.forward_backward(data)
+        out = backend.optim_step(types.AdamParams(learning_rate=3e38))
+        assert (out.metrics["skipped"], out.metrics["nonfinite_update"], out.metrics["step"]) == (1.0, 1.0, 1.0)
+        after = saved_weights(backend, tmp_path / f"{backend.engine_name}-after")
+        assert_arrays_close(after, before, atol=0.0, what=backend.engine_name)
+
+
 @pytest.mark.parametrize("lengths", [[11], [5, 30, 4]], ids=["one_datum", "three_datums"])
 def test_fewer_or_odd_datums(pair, lengths):
     """A rank with no datum (or fewer micro-batches) still joins every collective."""

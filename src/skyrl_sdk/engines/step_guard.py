@@ -9,7 +9,7 @@ AdamW's update is ``p <- p * (1 - lr*wd) - lr/bc1 * m / (sqrt(v/bc2) + eps)``, a
 and when that bound stays below half the dtype's largest value the step is provably
 finite: it runs as is (three max-reductions per tensor, no copy). Only a step the bound
 cannot clear (absurd hyper-parameters or gradients) is taken on a snapshot, checked, and
-rolled back if any weight or moment became non-finite.
+rolled back if any weight or moment became non-finite (or torch refused the step midway).
 """
 
 from __future__ import annotations
@@ -74,8 +74,12 @@ def guarded_step(
         return True
     saved_params = [_local(p).detach().clone() for p in params]
     saved_state = {p: copy.deepcopy(optimizer.state[p]) for p in params if p in optimizer.state}
-    optimizer.step()
-    if not any_rank(not all_finite(optimizer, params)):
+    try:
+        optimizer.step()
+        ok = all_finite(optimizer, params)
+    except RuntimeError:  # e.g. torch refusing a step size beyond float range, mid-step
+        ok = False
+    if not any_rank(not ok):
         return True
     with torch.no_grad():
         for p, old in zip(params, saved_params, strict=True):

@@ -30,6 +30,12 @@ class ShardedRunner(ModelRunner):
         norm = super().grad_norm(grads)  # DTensor grads: a replicated global norm
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
+    def any_rank(self, flag: bool) -> bool:
+        """OR over ranks: the AdamW step guard must roll back on every rank or on none."""
+        value = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
+
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
         batches = self.plan(data) if data else []
         mine = len(batches)
