@@ -8,6 +8,7 @@ import torch
 
 from .base import LossInput, LossOutput, LossSpec, safe_ratio, segment_mean, segment_sum
 from .resolve import ResolvedLoss, build_config, resolve_loss
+from .terms import apply_terms
 
 __all__ = [
     "LossInput",
@@ -37,6 +38,7 @@ def run_loss(resolved: ResolvedLoss, loss_input: LossInput):
         raise TypeError(f"loss {resolved.name!r} returned {type(out).__name__}, expected LossOutput")
     if out.loss.dim() != 0:
         raise ValueError(f"loss {resolved.name!r} returned a non-scalar loss of shape {tuple(out.loss.shape)}")
+    out = apply_terms(resolved.name, resolved.terms, loss_input, out)  # reduction, KL, entropy terms
     metrics = dict(out.metrics)
     for key in metrics:
         check_metric_key(key)
@@ -44,7 +46,7 @@ def run_loss(resolved: ResolvedLoss, loss_input: LossInput):
     metrics["loss:sum"] = Metric(loss_value)
     metrics["total_loss:sum"] = Metric(loss_value)
     if loss_input.entropy is not None:
-        ent = loss_input.entropy
+        ent = loss_input.entropy.detach()
         if out.scored is not None:
             ent = ent * out.scored.to(ent.dtype)
         metrics["entropy_loss:sum"] = Metric(float(ent.sum()))

@@ -138,7 +138,7 @@ class FSDPEngine:
         parts = split_by_tokens(lengths, self.world_size)
         spec_config = attrs.asdict(loss.config, recurse=False) if loss.config is not None else None
         loss_payload = dict(name=loss.spec.name, config=spec_config, requested_name=loss.requested_name,
-                            dialect=loss.dialect)
+                            dialect=loss.dialect, terms=attrs.asdict(loss.terms))
         payloads = []
         for part in parts:
             items = [

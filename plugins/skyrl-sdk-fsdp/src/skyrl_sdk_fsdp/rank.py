@@ -32,6 +32,7 @@ from skyrl_sdk.engines.local import OPTIMIZER_FILE
 from skyrl_sdk.engines.modules import ScoringModel, count_parameters
 from skyrl_sdk.engines.runner import ModelRunner
 from skyrl_sdk.losses.resolve import ResolvedLoss
+from skyrl_sdk.losses.terms import LossTerms
 from skyrl_sdk.models import hf_model, load_model
 from skyrl_sdk.plugins import get_registry
 from skyrl_sdk.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams, TensorData
@@ -260,7 +261,7 @@ class RankWorker:
             )
         config = spec.config_cls(**loss["config"]) if spec.config_cls is not None else None
         resolved = ResolvedLoss(spec=spec, config=config, requested_name=loss["requested_name"],
-                                dialect=loss["dialect"])
+                                dialect=loss["dialect"], terms=LossTerms(**loss["terms"]))
         data = [
             Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs={k: TensorData(v) for k, v in inputs.items()})
             for tokens, inputs in items
