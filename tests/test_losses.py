@@ -325,11 +325,11 @@ def test_clip_cov_random_subset(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("weights", [False, True])
-@pytest.mark.parametrize("cfg", [None, {"kl_cov_ratio": 0.2, "kl_coef": 0.5}])
+@pytest.mark.parametrize("cfg", [None, {"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.5}])
 def test_kl_cov(seed, weights, cfg):
     lp, inp = make_data(seed, weights=weights)
     q, adv, m = inp["logprobs"], inp["advantages"], mask_of(inp)
-    ratio_cfg, coef = (0.0002, 1.0) if cfg is None else (cfg["kl_cov_ratio"], cfg["kl_coef"])
+    ratio_cfg, coef = (0.0002, 1.0) if cfg is None else (cfg["kl_cov_ratio"], cfg["ppo_kl_coef"])
     loss, grad, metrics = loss_and_grad("kl_cov", lp, inp, cfg)
     cov, s = ref_cov(lp, inp)
     k = max(1, int(ratio_cfg * int(s.sum())))
@@ -563,7 +563,7 @@ def test_tinker_config_errors(name, cfg, key):
         ("clip_cov", {"clip_ratio": -0.1}, "clip_ratio"),
         ("clip_cov", {"clip_cov_lb": 6.0}, "clip_cov_lb"),
         ("clip_cov", {"seed": 1.5}, "seed"),
-        ("kl_cov", {"kl_coef": -1.0}, "kl_coef"),
+        ("kl_cov", {"ppo_kl_coef": -1.0}, "ppo_kl_coef"),
         ("kl_cov", {"kl_cov_ratio": 2.0}, "kl_cov_ratio"),
         ("value", {"value_clip": 0.0}, "value_clip"),
         ("importance_sampling", {"eps_clip_low": 0.2}, "eps_clip_low"),

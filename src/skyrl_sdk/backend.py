@@ -24,6 +24,7 @@ from .errors import CheckpointError, InputError, UnknownNameError
 from .coerce import adam_params_from_any, data_from_any, lora_config_from_any, prompts_from_any, sampling_params_from_any
 from .losses.prepare import add_prepared_inputs
 from .losses.resolve import ResolvedLoss, resolve_loss
+from .losses.terms import with_call_normalizers
 from .plugins import get_registry
 from .types import (
     AdamParams,
@@ -122,8 +123,11 @@ class Backend:
     def vocab_size(self) -> int:
         return self.engine.info.vocab_size
 
-    def resolve(self, loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None) -> ResolvedLoss:
-        """Map a loss name and config through this Backend's dialect (validates the config)."""
+    def resolve(self, loss_fn: str | None, loss_fn_config: Mapping[str, Any] | None = None) -> ResolvedLoss:
+        """Map a loss name and config through this Backend's dialect (validates the config).
+        ``None`` is the role's default loss: ``cross_entropy`` (policy) or ``value`` (critic)."""
+        if loss_fn is None:
+            loss_fn = "value" if self.role == "critic" else "cross_entropy"
         return resolve_loss(get_registry(), loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
 
     def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config) -> tuple[list[Datum], ResolvedLoss]:
@@ -131,6 +135,7 @@ class Backend:
         datums = data_from_any(data)
         validate_data(datums, resolved.spec, self.vocab_size)
         check_same_keys(datums)
+        resolved = with_call_normalizers(resolved, datums)  # one reduction normalizer per call
         if resolved.spec.prepare is not None:
             datums = add_prepared_inputs(datums, resolved, self.engine.run(datums, resolved, backward=False).outputs)
         return datums, resolved
@@ -145,7 +150,7 @@ class Backend:
         )
 
     def forward_backward(
-        self, data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, Any] | None = None
+        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
     ) -> ForwardBackwardOutput:
         """Score ``data`` with ``loss_fn`` and add the gradient of the summed loss."""
         with self._lock:
@@ -162,7 +167,7 @@ class Backend:
             return self._outputs(result)
 
     def forward(
-        self, data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, Any] | None = None
+        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
     ) -> ForwardBackwardOutput:
         """Like :meth:`forward_backward` but computes no gradient and changes no state."""
         with self._lock:

@@ -38,12 +38,38 @@ def _score(logits: torch.Tensor, targets: torch.Tensor, want_entropy: bool) -> t
     else:  # top-K targets (T, K)
         lp = (logits - torch.logsumexp(logits, dim=-1, keepdim=True)).gather(1, targets)
     if want_entropy:
-        with torch.no_grad():
-            logz = torch.logsumexp(logits, dim=-1)
-            entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        entropy = _Entropy.apply(logits) if torch.is_grad_enabled() and logits.requires_grad else _entropy(logits)
     else:
         entropy = logits.new_zeros(0)
     return lp, entropy
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        return -torch.special.xlogy(probs, probs).sum(-1)
+
+
+def _entropy_grad_(probs: torch.Tensor, entropy: torch.Tensor, grad_entropy: torch.Tensor) -> torch.Tensor:
+    """d(sum g * H)/d logits = -g * p * (log p + H), written into a new (T x V) buffer."""
+    out = torch.special.xlogy(probs, probs)
+    out.addcmul_(probs, entropy.unsqueeze(-1))
+    return out.mul_(grad_entropy.neg().unsqueeze(-1))
+
+
+class _Entropy(torch.autograd.Function):
+    """Entropy of softmax(logits) with its exact gradient; keeps only the logits for backward."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        entropy = _entropy(logits)
+        ctx.save_for_backward(logits, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_entropy):
+        logits, entropy = ctx.saved_tensors
+        return _entropy_grad_(torch.softmax(logits.float(), dim=-1), entropy, grad_entropy.float()).to(logits.dtype)
 
 
 def _plain_linear(head) -> torch.nn.Linear | None:
@@ -120,15 +146,20 @@ class _LinearLogprobs(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.save_for_backward(hidden, weight, bias, targets, probs if keep else torch.cat(lses))
         ctx.keep = keep
+        ctx.set_materialize_grads(False)  # an unused entropy sends no gradient: no extra work
         if want_entropy:
             entropy = ents[0] if len(ents) == 1 else torch.cat(ents)
-            ctx.mark_non_differentiable(entropy)
+            ctx.entropy = entropy.detach()
             return lp, entropy
-        return lp, lp.new_zeros(0)
+        empty = lp.new_zeros(0)
+        ctx.mark_non_differentiable(empty)
+        return lp, empty
 
     @staticmethod
-    def backward(ctx, grad_lp, _grad_entropy):
+    def backward(ctx, grad_lp, grad_entropy):
         hidden, weight, bias, targets, saved = ctx.saved_tensors
+        if grad_lp is None:
+            grad_lp = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = ctx.has_bias and ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -141,7 +172,14 @@ class _LinearLogprobs(torch.autograd.Function):
             else:  # recompute this chunk's probabilities from the saved logsumexp
                 probs = F.linear(h, weight, bias).float()
                 probs.sub_(saved[start : start + chunk].unsqueeze(-1)).exp_()
+            if grad_entropy is not None:  # the entropy bonus: add its exact gradient
+                ent_part = _entropy_grad_(
+                    probs, ctx.entropy[start : start + chunk], grad_entropy[start : start + chunk].float()
+                )
             dlogits = _grad_logits_(probs, t, g.float())
+            if grad_entropy is not None:
+                dlogits.add_(ent_part)
+                del ent_part
             del probs
             if dlogits.dtype != weight.dtype:
                 dlogits = dlogits.to(weight.dtype)
@@ -168,7 +206,8 @@ def target_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``lp[t] = log softmax(head(hidden[t]))[targets[t]]`` for (T, H) hidden states.
 
-    Returns ``(lp, entropy)``; ``entropy`` is detached (a metric) or ``None``.
+    Returns ``(lp, entropy)``; ``entropy`` (or ``None``) carries its exact gradient when
+    computed with gradients (it costs nothing in backward unless a loss uses it).
     """
     num_tokens = hidden.shape[0]
     vocab = max(1, vocab_size)
@@ -202,5 +241,5 @@ def target_logprobs(
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
         lp, ent = checkpoint(run, h, t, use_reentrant=False) if grad else run(h, t)
         lps.append(lp)
-        ents.append(ent.detach())
+        ents.append(ent)
     return torch.cat(lps), (torch.cat(ents) if want_entropy else None)

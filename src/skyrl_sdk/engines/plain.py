@@ -14,13 +14,15 @@ import numpy as np
 
 from ..errors import PluginError
 from ..losses.resolve import ResolvedLoss
+from ..losses.terms import LossTerms
 from ..types import Datum, ModelInput, TensorData
 
 
 def loss_to_plain(loss: ResolvedLoss) -> dict[str, Any]:
     """A resolved loss as its name, config fields and the names the caller used."""
     config = attrs.asdict(loss.config, recurse=False) if loss.config is not None else None
-    return dict(name=loss.spec.name, config=config, requested_name=loss.requested_name, dialect=loss.dialect)
+    return dict(name=loss.spec.name, config=config, requested_name=loss.requested_name, dialect=loss.dialect,
+                terms=attrs.asdict(loss.terms), plugin=loss.plugin)
 
 
 def loss_from_plain(plain: dict[str, Any], where: str = "this process") -> ResolvedLoss:
@@ -34,7 +36,8 @@ def loss_from_plain(plain: dict[str, Any], where: str = "this process") -> Resol
             f"where the ranks run (plugins load from entry points in every process)"
         )
     config = spec.config_cls(**plain["config"]) if spec.config_cls is not None else None
-    return ResolvedLoss(spec=spec, config=config, requested_name=plain["requested_name"], dialect=plain["dialect"])
+    return ResolvedLoss(spec=spec, config=config, requested_name=plain["requested_name"], dialect=plain["dialect"],
+                        terms=LossTerms(**plain["terms"]), plugin=plain["plugin"])
 
 
 def datums_to_plain(data: Sequence[Datum]) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:

@@ -29,7 +29,8 @@ class LossInput:
     - ``inputs``: every ``loss_fn_inputs`` tensor the caller sent, packed like the tokens
       (float32 except ``target_tokens``), already on the model's device.
     - ``segment_ids``: (T,) int64 in ``[0, num_segments)``: the datum each token belongs to.
-    - ``entropy``: (T,) detached entropy of the model's next-token distribution, or ``None``.
+    - ``entropy``: (T,) entropy of the model's next-token distribution, or ``None``; it carries
+      its exact gradient when the engine computes with gradients (the ``entropy_coef`` bonus).
     """
 
     inputs: Mapping[str, torch.Tensor]
@@ -60,7 +61,9 @@ class LossOutput:
     """What a loss function returns.
 
     - ``loss``: scalar, the SUM of the per-token loss over this micro-batch (differentiable).
-    - ``elementwise_loss``: (T,) per-token loss, returned per datum when listed in ``outputs``.
+    - ``elementwise_loss``: (T,) per-token loss with ``elementwise_loss.sum() == loss``, returned
+      (detached) per datum when listed in ``outputs``. Return it differentiable: the
+      ``seq_mean_token_mean`` reduction weights it per sequence (see ``losses.terms``).
     - ``scored``: (T,) bool, the positions the loss scores; ``entropy_loss:sum`` sums the
       entropy there. ``None`` means every position.
     - ``metrics``: ``{"name:reduction": Metric}`` contributions (see :mod:`skyrl_sdk.metrics`).

@@ -46,7 +46,7 @@ def value(batch: LossInput, config: ValueConfig) -> LossOutput:
         "value_mean:mean": M.mean(v.detach(), scored),
         "num_loss_tokens:sum": M.total(scored.float()),
     }
-    return LossOutput(loss=loss, elementwise_loss=weighted.detach(), scored=scored, metrics=metrics)
+    return LossOutput(loss=loss, elementwise_loss=weighted, scored=scored, metrics=metrics)
 
 
 @hookimpl

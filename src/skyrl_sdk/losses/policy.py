@@ -7,7 +7,8 @@ Conventions shared by every loss here:
 - ``ratio = exp(clamp(lp - q, -20, 20))`` (:func:`safe_ratio`); where the clamp is active the
   ratio is constant, so its gradient is zero.
 - The loss is a plain SUM over tokens of ``per_token * mask``; ``elementwise_loss`` is that
-  product (detached), so ``elementwise_loss.sum() == loss``.
+  product (differentiable, so reductions can weight it per sequence), and
+  ``elementwise_loss.sum() == loss``.
 - ``scored`` (the positions the loss scores, used for metrics and ``entropy_loss:sum``):
   ``weights != 0`` when weights are sent; otherwise ``advantages != 0``, because Tinker
   clients mark prompt positions with ``advantages = 0`` and send no weights. ``dro`` is the
@@ -123,7 +124,7 @@ class ClipCovConfig:
 @attrs.frozen
 class KLCovConfig:
     kl_cov_ratio: float = attrs.field(default=0.0002, validator=number_validator(0.0, 1.0))
-    kl_coef: float = attrs.field(default=1.0, validator=number_validator(0.0))
+    ppo_kl_coef: float = attrs.field(default=1.0, validator=number_validator(0.0))
 
 
 # ---- shared pieces ------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def _finish(per_token, mask, scored, *, ratio, lp, q, clipped=None, extra_metric
         **_ratio_metrics(ratio, lp, q, scored),
         **(extra_metrics or {}),
     }
-    return LossOutput(loss=loss, elementwise_loss=weighted.detach(), scored=scored, metrics=metrics)
+    return LossOutput(loss=loss, elementwise_loss=weighted, scored=scored, metrics=metrics)
 
 
 # ---- the losses ---------------------------------------------------------------------------
@@ -350,7 +351,7 @@ def kl_cov_prepare(batch: LossInput, config: KLCovConfig) -> dict[str, torch.Ten
 
 
 def kl_cov(batch: LossInput, config: KLCovConfig) -> LossOutput:
-    """``-r*A``, plus ``kl_coef * |lp - q|`` on the tokens marked by ``kl_cov_selected``.
+    """``-r*A``, plus ``ppo_kl_coef * |lp - q|`` on the tokens marked by ``kl_cov_selected``.
     Without the prepared input the selection is computed on this micro-batch."""
     selected = batch.inputs.get("kl_cov_selected")
     if selected is None:
@@ -358,7 +359,7 @@ def kl_cov(batch: LossInput, config: KLCovConfig) -> LossOutput:
     lp, q, adv, mask, _ = _rl_inputs(batch)
     ratio = safe_ratio(lp, q)
     sel = selected != 0
-    per_token = -ratio * adv + sel.to(lp.dtype) * config.kl_coef * (lp - q).abs()
+    per_token = -ratio * adv + sel.to(lp.dtype) * config.ppo_kl_coef * (lp - q).abs()
     scored = _scored(batch)
     return _finish(
         per_token, mask, scored, ratio=ratio, lp=lp, q=q,
@@ -421,7 +422,7 @@ def skyrl_sdk_register_losses(register):
     )
     register(
         "kl_cov", kl_cov,
-        description="KL-Cov: -ratio*A plus kl_coef*|lp - q| on the top-covariance tokens of the whole call.",
+        description="KL-Cov: -ratio*A plus ppo_kl_coef*|lp - q| on the top-covariance tokens of the whole call.",
         optional_inputs=("weights", "kl_cov_selected"), config_cls=KLCovConfig,
         prepare=kl_cov_prepare, **common,
     )

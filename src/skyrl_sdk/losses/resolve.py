@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ..errors import LossConfigError, UnknownLossError, UnknownNameError
 from .base import LossSpec
+from .terms import POLICY_TERM_KEYS, REDUCTION_KEYS, LossTerms, build_terms, required_inputs, split_terms
 
 if TYPE_CHECKING:
     from ..registry import Registry
@@ -15,12 +17,14 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class ResolvedLoss:
-    """A loss ready to run: its spec and a validated config instance (``None`` if it takes none)."""
+    """A loss ready to run: its spec, a validated config instance (``None`` if it takes none)
+    and the shared :class:`~skyrl_sdk.losses.terms.LossTerms` (reduction, KL, entropy)."""
 
     spec: LossSpec
     config: Any
     requested_name: str
     dialect: str
+    terms: LossTerms = attrs.field(factory=LossTerms)
     #: The plugin that registered the loss (named when its output is malformed).
     plugin: str | None = None
 
@@ -29,20 +33,28 @@ class ResolvedLoss:
         return self.spec.name
 
 
+def shared_keys(role: str) -> tuple[str, ...]:
+    """The loss_fn_config keys every loss of ``role`` takes besides its own (see ``terms``)."""
+    return REDUCTION_KEYS + (POLICY_TERM_KEYS if role == "policy" else ())
+
+
 def build_config(spec: LossSpec, config: Mapping[str, Any] | None) -> Any:
-    """Validate a config dict against the loss's config class; errors name the key."""
+    """Validate a config dict (without the shared keys) against the loss's config class;
+    errors name the key."""
     config = dict(config or {})
     if spec.config_cls is None:
         if config:
             raise LossConfigError(
-                f"loss {spec.name!r} takes no loss_fn_config, got keys {sorted(config)}"
+                f"loss {spec.name!r} takes no loss_fn_config of its own, got keys {sorted(config)}; "
+                f"keys every {spec.role} loss takes: {list(shared_keys(spec.role))}"
             )
         return None
     accepted = spec.config_keys()
     for key in config:
         if key not in accepted:
             raise LossConfigError(
-                f"loss {spec.name!r}: unknown loss_fn_config key {key!r}; accepted keys: {list(accepted)}"
+                f"loss {spec.name!r}: unknown loss_fn_config key {key!r}; accepted keys: "
+                f"{list(accepted) + list(shared_keys(spec.role))}"
             )
     try:
         return spec.config_cls(**config)
@@ -65,9 +77,10 @@ def resolve_loss(
     dialect_spec = registry.dialects.get(dialect)
     if dialect_spec is None:
         raise UnknownNameError(f"unknown dialect {dialect!r}; available: {sorted(registry.dialects)}")
-    converted = dialect_spec.convert(loss_fn, loss_fn_config, role)
+    own_config, shared = split_terms(loss_fn_config)
+    converted = dialect_spec.convert(loss_fn, own_config, role)
     if converted is None:
-        name, config = loss_fn, dict(loss_fn_config or {})
+        name, config = loss_fn, own_config
     else:
         name, config = converted
     spec = registry.losses.get(name)
@@ -78,5 +91,12 @@ def resolve_loss(
         raise UnknownLossError(
             f"loss_fn {loss_fn!r} resolves to {spec.name!r}, a {spec.role} loss, but this model's role is {role!r}"
         )
-    return ResolvedLoss(spec=spec, config=build_config(spec, config), requested_name=loss_fn, dialect=dialect,
-                        plugin=registry.owners.get(("loss", spec.name)))
+    terms = build_terms(shared, role, loss_fn)
+    extra = tuple(k for k in required_inputs(terms) if k not in spec.required_inputs)
+    if extra:  # validation then asks every datum for them (e.g. ref_logprobs with a KL term)
+        optional = tuple(k for k in spec.optional_inputs if k not in extra)
+        spec = attrs.evolve(spec, required_inputs=spec.required_inputs + extra, optional_inputs=optional)
+    return ResolvedLoss(
+        spec=spec, config=build_config(spec, config), requested_name=loss_fn, dialect=dialect, terms=terms,
+        plugin=registry.owners.get(("loss", spec.name)),
+    )

@@ -8,6 +8,7 @@ from ..errors import PluginError
 from ..metrics import Metric, check_metric_key
 from .base import LossInput, LossOutput
 from .resolve import ResolvedLoss
+from .terms import apply_terms
 
 
 def _malformed(resolved: ResolvedLoss, problem: str) -> PluginError:
@@ -27,6 +28,7 @@ def run_loss(resolved: ResolvedLoss, loss_input: LossInput) -> tuple[LossOutput,
     if not isinstance(out.loss, torch.Tensor) or out.loss.dim() != 0:
         shape = tuple(out.loss.shape) if isinstance(out.loss, torch.Tensor) else type(out.loss).__name__
         raise _malformed(resolved, f"returned a loss that is not a scalar tensor: {shape}")
+    out = apply_terms(resolved.name, resolved.terms, loss_input, out)  # reduction, KL, entropy terms
     metrics = dict(out.metrics)
     for key, value in metrics.items():
         try:
@@ -39,7 +41,7 @@ def run_loss(resolved: ResolvedLoss, loss_input: LossInput) -> tuple[LossOutput,
     metrics["loss:sum"] = Metric(loss_value)
     metrics["total_loss:sum"] = Metric(loss_value)
     if loss_input.entropy is not None:
-        ent = loss_input.entropy
+        ent = loss_input.entropy.detach()
         if out.scored is not None:
             ent = ent * out.scored.to(ent.dtype)
         metrics["entropy_loss:sum"] = Metric(float(ent.sum()))

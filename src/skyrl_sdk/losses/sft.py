@@ -18,7 +18,7 @@ def cross_entropy(batch: LossInput, config: None) -> LossOutput:
     scored = (w != 0) if w.dim() == 1 else (w != 0).any(dim=-1)
     return LossOutput(
         loss=per_entry.sum(),
-        elementwise_loss=elementwise.detach(),
+        elementwise_loss=elementwise,
         scored=scored,
         metrics={"num_loss_tokens:sum": M.total(scored.float())},
     )
