@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_tensors_close, grads_of, make_rl_data
+from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data
 
 import skyrl_sdk
 from skyrl_sdk import errors, types

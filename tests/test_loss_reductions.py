@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_tensors_close, grads_of, make_rl_data, make_sft_data
+from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data, make_sft_data
 
 import skyrl_sdk
 from skyrl_sdk import errors, types

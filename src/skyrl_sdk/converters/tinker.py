@@ -10,10 +10,10 @@ dialects: they are split off before this converter sees the config.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from ..checks import check_number
 from ..errors import LossConfigError
 from ..hookspecs import hookimpl
 from ..losses.terms import POLICY_TERM_KEYS, REDUCTION_KEYS
@@ -45,8 +45,8 @@ def _thresholds(cfg: Mapping[str, Any], loss: str) -> dict[str, float]:
     lo = cfg.get("clip_low_threshold")
     hi = cfg.get("clip_high_threshold")
     for key, value in (("clip_low_threshold", lo), ("clip_high_threshold", hi)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value):
-            raise LossConfigError(f"loss_fn_config[{key!r}]: expected a number, got {value!r}")
+        if value is not None:
+            check_number(f"loss_fn_config[{key!r}]", value, error=LossConfigError)
     if lo is not None and not 0.0 <= lo <= 1.0:
         raise LossConfigError(
             f"loss_fn_config['clip_low_threshold']: expected 0 <= value <= 1 (an absolute ratio bound), got {lo}"

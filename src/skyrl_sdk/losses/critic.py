@@ -14,14 +14,14 @@ import torch
 from .. import metrics as M
 from ..hookspecs import hookimpl
 from .base import LossInput, LossOutput
-from .policy import number_validator
+from ..checks import number_validator
 
 
 @attrs.frozen
 class ValueConfig:
     """``value_clip``: how far (absolute) the new value may move from ``v_old`` before clipping."""
 
-    value_clip: float = attrs.field(default=0.2, validator=number_validator(0.0, lo_open=True))
+    value_clip: float = attrs.field(default=0.2, validator=number_validator(0.0, low_open=True))
 
 
 def value(batch: LossInput, config: ValueConfig) -> LossOutput:

@@ -24,13 +24,14 @@ Conventions shared by every loss here:
 
 from __future__ import annotations
 
+
 import math
-import numbers
 
 import attrs
 import torch
 
 from .. import metrics as M
+from ..checks import number_validator
 from ..hookspecs import hookimpl
 from .base import LossInput, LossOutput, safe_ratio, segment_mean
 
@@ -40,26 +41,6 @@ OUTPUTS = ("logprobs", "elementwise_loss")
 
 
 # ---- config validation ------------------------------------------------------------------
-
-
-def number_validator(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):
-    """attrs validator: a real number (not bool/NaN) within the given bounds; names the key."""
-
-    def check(_instance, attribute, value):
-        key = attribute.name
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-            raise ValueError(f"{key}: expected a number, got {value!r}")
-        if lo is not None and (value <= lo if lo_open else value < lo):
-            raise ValueError(f"{key}: expected a value {'>' if lo_open else '>='} {lo}, got {value!r}")
-        if hi is not None and value > hi:
-            raise ValueError(f"{key}: expected a value <= {hi}, got {value!r}")
-
-    return check
-
-
-def _integer(_instance, attribute, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{attribute.name}: expected an integer, got {value!r}")
 
 
 def _eps_low(default: float):
@@ -83,7 +64,7 @@ class PPOConfig:
 class DualClipConfig:
     eps_clip_low: float = _eps_low(0.2)
     eps_clip_high: float = _eps_high(0.2)
-    clip_ratio_c: float = attrs.field(default=3.0, validator=number_validator(1.0, lo_open=True))
+    clip_ratio_c: float = attrs.field(default=3.0, validator=number_validator(1.0, low_open=True))
 
 
 @attrs.frozen
@@ -96,8 +77,8 @@ class CispoConfig:
 
 @attrs.frozen
 class SapoConfig:
-    tau_pos: float = attrs.field(default=1.0, validator=number_validator(0.0, lo_open=True))
-    tau_neg: float = attrs.field(default=1.05, validator=number_validator(0.0, lo_open=True))
+    tau_pos: float = attrs.field(default=1.0, validator=number_validator(0.0, low_open=True))
+    tau_neg: float = attrs.field(default=1.05, validator=number_validator(0.0, low_open=True))
 
 
 @attrs.frozen
@@ -112,7 +93,7 @@ class ClipCovConfig:
     clip_cov_ub: float = attrs.field(default=5.0, validator=number_validator())
     eps_clip_low: float = _eps_low(0.2)
     eps_clip_high: float = _eps_high(0.2)
-    seed: int = attrs.field(default=0, validator=_integer)
+    seed: int = attrs.field(default=0, validator=number_validator(integer=True))
 
     def __attrs_post_init__(self):
         if self.clip_cov_lb >= self.clip_cov_ub:

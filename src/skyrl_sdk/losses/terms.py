@@ -15,7 +15,6 @@ before the call is split into micro-batches or ranks.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import attrs
 import torch
 
+from ..checks import check_number
 from ..errors import DatumError, LossConfigError
 from ..metrics import Metric
 from .base import LossInput, LossOutput
@@ -36,12 +36,7 @@ PRIMARY_LOSS_METRICS = ("pg_loss:sum", "vf_loss:sum")
 
 
 def _number(key: str, value: Any, *, positive: bool = False, nonnegative: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{key}: expected a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ValueError(f"{key}: expected a value > 0, got {value!r}")
-    if nonnegative and value < 0:
-        raise ValueError(f"{key}: expected a value >= 0, got {value!r}")
+    check_number(key, value, low=0.0 if positive or nonnegative else None, low_open=positive)
 
 
 @attrs.frozen
