@@ -11,7 +11,7 @@ import types as pytypes
 import pytest
 
 from skyrl_sdk import cli, plugins
-from skyrl_sdk.converters.tinker import convert_tinker
+from skyrl_sdk.dialects.tinker import convert_tinker
 from skyrl_sdk.losses.base import LossSpec
 from skyrl_sdk.registry import DialectSpec
 

@@ -161,7 +161,7 @@ def test_bad_reduction_configs_name_the_key_and_leave_no_trace(backends, config,
 
 
 def test_shared_keys_pass_through_the_tinker_conversion():
-    from skyrl_sdk.converters.tinker import convert_tinker_loss_config
+    from skyrl_sdk.dialects.tinker import convert_tinker_loss_config
 
     out = convert_tinker_loss_config({"clip_low_threshold": 0.8, "loss_reduction": "token_mean", "kl_coef": 0.1})
     assert out == {"eps_clip_low": pytest.approx(0.2), "loss_reduction": "token_mean", "kl_coef": 0.1}
@@ -183,7 +183,7 @@ def test_plugin_loss_with_elementwise_loss_gets_reductions():
         return LossOutput(loss=per_token.sum())
 
     registry = Registry()
-    from skyrl_sdk.converters.native import convert_native
+    from skyrl_sdk.dialects.native import convert_native
 
     registry.register_dialect("test", "native", convert_native)
     registry.register_loss("test", "neg_lp", weighted_neg_lp, description="", required_inputs=(),

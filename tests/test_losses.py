@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from skyrl_sdk.converters.tinker import convert_tinker_loss_config
+from skyrl_sdk.dialects.tinker import convert_tinker_loss_config
 from skyrl_sdk.losses import LossInput, evaluate_loss
 from skyrl_sdk.losses.resolve import resolve_loss
 from skyrl_sdk.losses.run import run_loss

@@ -84,8 +84,8 @@ def test_builtins_are_registered_through_the_same_hooks():
     assert "skyrl_sdk.losses.sft" in impls
     registry = loaded.registry
     assert registry.owners[("loss", "cross_entropy")] == "skyrl_sdk.losses.sft"
-    assert registry.owners[("dialect", "tinker")] == "skyrl_sdk.converters.tinker"
-    assert registry.owners[("dialect", "native")] == "skyrl_sdk.converters.native"
+    assert registry.owners[("dialect", "tinker")] == "skyrl_sdk.dialects.tinker"
+    assert registry.owners[("dialect", "native")] == "skyrl_sdk.dialects.native"
     assert "loss:cross_entropy" in info_of("skyrl_sdk.losses.sft").registered
 
 
@@ -382,3 +382,15 @@ def test_plugin_with_a_misspelt_hook_is_reported(site):
     error = info_of("typo").error
     assert "unknown hook" in error and "skyrl_sdk_register_loss'" in error and "skyrl_sdk_register_losses" in error
     assert plugins.get_plugins().manager.get_plugin("typo") is None
+
+
+def test_the_old_converters_import_path_still_works_with_a_deprecation_warning():
+    import importlib
+    import sys
+
+    sys.modules.pop("skyrl_sdk.converters.tinker", None)
+    with pytest.warns(DeprecationWarning, match="skyrl_sdk.dialects.tinker"):
+        old = importlib.import_module("skyrl_sdk.converters.tinker")
+    from skyrl_sdk.dialects.tinker import convert_tinker_loss_config
+
+    assert old.convert_tinker_loss_config is convert_tinker_loss_config

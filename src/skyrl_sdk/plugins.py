@@ -32,8 +32,8 @@ BUILTIN_PLUGINS = (
     "skyrl_sdk.losses.sft",
     "skyrl_sdk.losses.policy",
     "skyrl_sdk.losses.critic",
-    "skyrl_sdk.converters.native",
-    "skyrl_sdk.converters.tinker",
+    "skyrl_sdk.dialects.native",
+    "skyrl_sdk.dialects.tinker",
     "skyrl_sdk.engines.local",
 )
 

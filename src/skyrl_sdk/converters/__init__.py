@@ -1,1 +1,1 @@
-"""Config dialects: how a client's loss names and configs map onto canonical losses."""
+"""Deprecated import path: config dialects live in :mod:`skyrl_sdk.dialects` (one word per concept)."""

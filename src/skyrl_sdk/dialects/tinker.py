@@ -1,0 +1,119 @@
+"""The ``tinker`` dialect: the loss names and configs that Tinker clients send.
+
+Tinker's clip thresholds are *absolute* ratio bounds (0.8, 1.2); the canonical losses take
+offsets (``eps_clip_low = 1 - clip_low_threshold``, ``eps_clip_high = clip_high_threshold - 1``).
+Names this dialect does not know fall through to the canonical registry, so a plugin's loss
+is callable from a Tinker client by its own name. The keys every loss shares
+(``loss_reduction``, ``kl_coef``, ... see :mod:`skyrl_sdk.losses.terms`) are the same in both
+dialects: they are split off before this converter sees the config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..checks import check_number
+from ..errors import LossConfigError
+from ..hookspecs import hookimpl
+from ..losses.terms import POLICY_TERM_KEYS, REDUCTION_KEYS
+
+#: Tinker loss name -> (canonical name for a policy, accepted Tinker config keys)
+_POLICY = {
+    "cross_entropy": ("cross_entropy", ()),
+    "importance_sampling": ("importance_sampling", ()),
+    "ppo": ("regular", ("clip_low_threshold", "clip_high_threshold")),
+    "cispo": ("cispo", ("clip_low_threshold", "clip_high_threshold")),
+    "dro": ("dro", ("beta",)),
+    "gspo": ("gspo", ("clip_low_threshold", "clip_high_threshold")),
+}
+#: On a critic, Tinker's ``ppo`` means the clipped value loss.
+_CRITIC = {"ppo": ("value", ("value_clip",))}
+
+#: Canonical config keys of the offset-style losses.
+_OFFSET_KEYS = {
+    "regular": ("eps_clip_low", "eps_clip_high"),
+    "gspo": ("eps_clip_low", "eps_clip_high"),
+    "cispo": ("cispo_eps_clip_low", "cispo_eps_clip_high"),
+}
+
+
+def _thresholds(cfg: Mapping[str, Any], loss: str) -> dict[str, float]:
+    """Validate absolute thresholds and convert them to canonical offsets."""
+    out: dict[str, float] = {}
+    lo_key, hi_key = _OFFSET_KEYS[loss]
+    lo = cfg.get("clip_low_threshold")
+    hi = cfg.get("clip_high_threshold")
+    for key, value in (("clip_low_threshold", lo), ("clip_high_threshold", hi)):
+        if value is not None:
+            check_number(f"loss_fn_config[{key!r}]", value, error=LossConfigError)
+    if lo is not None and not 0.0 <= lo <= 1.0:
+        raise LossConfigError(
+            f"loss_fn_config['clip_low_threshold']: expected 0 <= value <= 1 (an absolute ratio bound), got {lo}"
+        )
+    if hi is not None and hi < 1.0:
+        raise LossConfigError(
+            f"loss_fn_config['clip_high_threshold']: expected value >= 1 (an absolute ratio bound), got {hi}"
+        )
+    if lo is not None and hi is not None and lo > hi:
+        raise LossConfigError(f"loss_fn_config: clip_low_threshold ({lo}) must not exceed clip_high_threshold ({hi})")
+    if lo is not None:
+        out[lo_key] = 1.0 - float(lo)
+    if hi is not None:
+        out[hi_key] = float(hi) - 1.0
+    return out
+
+
+def convert_tinker_loss_config(cfg: Mapping[str, Any] | None, loss: str = "regular") -> dict[str, float]:
+    """Tinker's absolute clip thresholds -> canonical offsets.
+
+    ``{"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}`` ->
+    ``{"eps_clip_low": 0.2, "eps_clip_high": 0.28}``. The shared keys (``loss_reduction``,
+    ``kl_coef``, ...) are the same in both dialects and pass through unchanged. Unknown keys,
+    and bounds with ``lo > 1``, ``hi < 1`` or ``lo > hi``, raise ``ValueError``.
+    """
+    cfg = dict(cfg or {})
+    shared = REDUCTION_KEYS + POLICY_TERM_KEYS
+    accepted = ("clip_low_threshold", "clip_high_threshold") + shared
+    for key in cfg:
+        if key not in accepted:
+            raise LossConfigError(f"unknown loss_fn_config key {key!r}; accepted keys: {list(accepted)}")
+    return {**_thresholds(cfg, loss), **{k: v for k, v in cfg.items() if k in shared}}
+
+
+def _shared(role: str) -> tuple[str, ...]:
+    return REDUCTION_KEYS + (POLICY_TERM_KEYS if role == "policy" else ())
+
+
+def convert_tinker(loss_fn: str, loss_fn_config: Mapping[str, Any] | None, role: str):
+    table = _CRITIC if role == "critic" else _POLICY
+    if loss_fn not in table:
+        return None
+    canonical, accepted = table[loss_fn]
+    cfg = dict(loss_fn_config or {})
+    for key in cfg:
+        if key not in accepted:
+            if not accepted:
+                raise LossConfigError(
+                    f"loss {loss_fn!r} takes no loss_fn_config of its own, got key {key!r}; "
+                    f"shared keys: {list(_shared(role))}"
+                )
+            raise LossConfigError(
+                f"loss {loss_fn!r}: unknown loss_fn_config key {key!r}; accepted keys: "
+                f"{list(accepted) + list(_shared(role))}"
+            )
+    if canonical in _OFFSET_KEYS:
+        return canonical, _thresholds(cfg, canonical)
+    return canonical, cfg
+
+
+convert_tinker.names = tuple(_POLICY)  # type: ignore[attr-defined]
+
+
+@hookimpl
+def skyrl_sdk_register_dialects(register):
+    register(
+        "tinker",
+        convert_tinker,
+        description="Tinker client names (ppo, cispo, dro, gspo, ...) with absolute clip thresholds.",
+    )
