@@ -45,7 +45,7 @@ class ServerThread:
     def runtime(self):
         return self.app.fastapi.state.runtime
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -58,7 +58,7 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(30)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:
