@@ -215,7 +215,7 @@ def test_retry_after_its_record_expired_is_refused(srv, model):
 
 # ---- idle sessions are reaped ---------------------------------------------------------------------------
 def test_sessions_without_heartbeat_are_reaped(tmp_path):
-    with ServerThread(tmp_path / "state", session_timeout_s=0.6) as server, raw_client(server) as http:
+    with ServerThread(tmp_path / "state", session_timeout_s=1.5) as server, raw_client(server) as http:
         sid = http.post("/api/v1/create_session", json={}).json()["session_id"]
         fut = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": "tiny",
                                                        "lora_config": {"rank": 2}}).json()
@@ -235,7 +235,8 @@ def test_sessions_without_heartbeat_are_reaped(tmp_path):
                                                          "base_model": "tiny"}).json()
         assert f"session {sid} expired" in _user_error(http, again)
         assert http.get(f"/api/v1/sessions/{sid}").json()["finished_at"] is not None
-        assert http.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 400
+        ended = http.post("/api/v1/session_heartbeat", json={"session_id": sid})
+        assert ended.status_code == 410 and "expired" in ended.json()["detail"]  # the client stops heartbeating
 
 
 def test_config_from_cli_flags(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from .http import json_body, owner, runtime
 
@@ -44,8 +45,10 @@ async def create_session(request: Request) -> dict:
 
 
 @router.post("/session_heartbeat")
-async def session_heartbeat(request: Request) -> dict:
-    runtime(request).sessions.heartbeat(owner(request), await json_body(request))
+async def session_heartbeat(request: Request):
+    ended = runtime(request).sessions.heartbeat(owner(request), await json_body(request))
+    if ended is not None:
+        return JSONResponse({"detail": ended}, status_code=410)
     return {"type": "session_heartbeat"}
 
 

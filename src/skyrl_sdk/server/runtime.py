@@ -72,7 +72,7 @@ class Runtime:
         self.served = ServedModels(config)
         self.sampling = Sampling(config, self.store, self.served)
         self.catalog = Catalog(self.store)
-        self.sessions = Sessions(config, self.store, loop, self._end_session)
+        self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
         self.models: dict[str, TrainingModel] = {}
         self._path_re = re.compile(re.escape(str(self.store.root)) + r"(/[^\s'\"]*)?")
         self.started_at = time.time()
@@ -124,6 +124,8 @@ class Runtime:
         if rec is None:
             return {"error": f"unknown request_id {request_id!r}: this server has no such request (requests in "
                              f"flight are lost when the server restarts)", "category": "server"}
+        if (model := self.models.get(rec.model_id)) is not None:
+            self.sessions.seen(model.session_id)
         if result is None:
             return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
         return result
@@ -144,6 +146,11 @@ class Runtime:
             raise InputError(f"model {model.model_id} was released: {model.closed}")
         self.sessions.seen(model.session_id)
         return model
+
+    def _session_busy(self, session_id: str) -> bool:
+        """Whether a model of the session has work queued or running."""
+        return any(m.session_id == session_id and not m.closed and m.worker.idle_for() == 0.0
+                   for m in self.models.values())
 
     def _end_session(self, session_id: str, why: str) -> None:
         """(a session finished or expired) Release its models."""

@@ -1,8 +1,9 @@
 """Client sessions: who owns them, whether they are alive, and their expiry.
 
-A session is alive while its client shows signs of life (a heartbeat, or any request on
-its models or sampling sessions). One without any for ``session_timeout_s`` is finished
-as expired and ``on_end`` frees its models; later requests on it say it expired.
+A session is alive while its client shows signs of life (a heartbeat, any request on its
+models or sampling sessions, polling their futures) or one of its models is busy. One
+without either for ``session_timeout_s`` is finished as expired and ``on_end`` frees its
+models; later requests on it say it expired.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ EXPIRED = "expired"
 
 class Sessions:
     def __init__(self, config: ServerConfig, store: Store, loop: asyncio.AbstractEventLoop,
-                 on_end: Callable[[str, str], None]) -> None:
+                 on_end: Callable[[str, str], None], busy: Callable[[str], bool]) -> None:
         self.config = config
         self.store = store
         self.loop = loop
         self.on_end = on_end
+        self.busy = busy
         self._last_seen: dict[str, float] = {}  # session id -> monotonic time of its last sign of life
         self._reaper: asyncio.TimerHandle | None = None
         self._schedule_reap()
@@ -63,10 +65,18 @@ class Sessions:
         """A sign of life from ``session_id``'s client."""
         self._last_seen[session_id] = time.monotonic()
 
-    def heartbeat(self, owner: str, body: dict) -> None:
+    def heartbeat(self, owner: str, body: dict) -> str | None:
+        """Record a heartbeat; for a finished or expired session, the message saying so
+        (answered 410, on which the tinker client stops its heartbeat loop)."""
         session_id = wire.session_id(body)
-        self.open(owner, session_id)
+        try:
+            self.open(owner, session_id)
+        except UnknownError:
+            raise
+        except InputError as exc:
+            return str(exc)
         self.store.heartbeat(session_id, owner)
+        return None
 
     def finish(self, owner: str, session_id: str, reason: Any) -> None:
         if self.store.session(session_id, owner) is None:
@@ -87,7 +97,7 @@ class Sessions:
         now = time.monotonic()
         timeout = self.config.session_timeout_s
         for sid, seen in list(self._last_seen.items()):
-            if now - seen > timeout:
+            if now - seen > timeout and not self.busy(sid):
                 logger.info("session %s expired (no heartbeat for %.0f s); freeing its models", sid, now - seen)
                 self._end(sid, EXPIRED, f"its session expired (no heartbeat for {timeout:g} s)")
         if self._reaper is not None:
