@@ -45,7 +45,7 @@ class ServerThread:
     def runtime(self):
         return self.app.fastapi.state.runtime
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -58,7 +58,7 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(30)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -68,3 +68,20 @@ class ServerThread:
         import tinker
 
         return tinker.ServiceClient(base_url=self.url, api_key=api_key)
+
+
+def raw_client(server: ServerThread, api_key: str | None = API_KEY):
+    """A plain httpx client for raw requests (no key header when ``api_key`` is None)."""
+    import httpx
+
+    headers = {"X-API-Key": api_key} if api_key is not None else {}
+    return httpx.Client(base_url=server.url, headers=headers, timeout=60)
+
+
+def wait_result(http, request_id: str):
+    """Long-poll ``retrieve_future`` until the answer is not ``try_again``."""
+    while True:
+        r = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        if r.headers["content-type"].startswith("application/json") and r.json().get("type") == "try_again":
+            continue
+        return r

@@ -18,11 +18,11 @@ import torch
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
+from _server_harness import API_KEY, ServerThread  # noqa: E402
+from skyrl_sdk.testing import make_rl_data, make_sft_data  # noqa: E402
 from tinker import types as tt  # noqa: E402
 from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
 
-from _server_harness import API_KEY, ServerThread  # noqa: E402
-from skyrl_sdk.testing import make_rl_data, make_sft_data  # noqa: E402
 from skyrl_sdk import Backend, types  # noqa: E402
 
 RANK, LORA_SEED = 4, 7
@@ -57,7 +57,8 @@ def new_trainer(service):
 def to_tinker(d: types.Datum, sparse: tuple[str, ...] = (), chunks: int = 1) -> tt.Datum:
     tokens = d.model_input.to_ints()
     bounds = np.linspace(0, len(tokens), chunks + 1).astype(int)
-    model_input = tt.ModelInput(chunks=[tt.EncodedTextChunk(tokens=tokens[a:b]) for a, b in zip(bounds, bounds[1:])])
+    model_input = tt.ModelInput(chunks=[tt.EncodedTextChunk(tokens=tokens[a:b])
+                                        for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
     inputs = {
         k: tt.TensorData.from_torch_sparse(torch.from_numpy(v.array)) if k in sparse
         else tt.TensorData.from_numpy(v.array)
@@ -68,7 +69,7 @@ def to_tinker(d: types.Datum, sparse: tuple[str, ...] = (), chunks: int = 1) -> 
 
 def assert_outputs_close(got, want, atol=1e-5):
     assert len(got.loss_fn_outputs) == len(want.loss_fn_outputs)
-    for g, w in zip(got.loss_fn_outputs, want.loss_fn_outputs):
+    for g, w in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
         np.testing.assert_allclose(g["logprobs"].to_numpy(), w["logprobs"].array, atol=atol)
     np.testing.assert_allclose(got.metrics["loss:sum"], want.metrics["loss:sum"], rtol=1e-5, atol=1e-4)
 
@@ -152,7 +153,7 @@ def test_forward_backward_custom_equals_cross_entropy(service):
 
     def nll(batch, logprobs_list):
         loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].data)).sum()
-                   for d, lp in zip(batch, logprobs_list))
+                   for d, lp in zip(batch, logprobs_list, strict=True))
         return loss, {"custom:sum": float(loss.detach())}
 
     a, b = new_trainer(service), new_trainer(service)
@@ -490,18 +491,18 @@ def test_store_paths_stay_inside(tmp_path):
     tp = TinkerPath.parse("tinker://sess-1:train:0/weights/ok-1.x")
     assert store.checkpoint_dir(tp).is_relative_to(store.root)
     for bad in ("tinker://../weights/x", "tinker://a/weights/..", "tinker://a/other/x", "tinker://a/weights/x/y",
-                "tinker://a/weights/.x", "s3://a/weights/x"):
+                "tinker://a/weights/.x", "s3://a/weights/x", "tinker://a/weights/x\n", "tinker://a\n/weights/x"):
         with pytest.raises(InputError):
             TinkerPath.parse(bad)
     with pytest.raises(InputError):
         store.inside(tmp_path / "s" / ".." / "elsewhere")
-    json.dumps(store.list_checkpoints()[0])
-    store.add_run("sess-1:train:0", "sess-1", "tiny", None, None)
+    json.dumps(store.list_checkpoints("default")[0])
+    store.add_run("sess-1:train:0", "default", "sess-1", "tiny", None, None)
     store.checkpoint_dir(tp).mkdir(parents=True)
     store.add_checkpoint(tp, ttl_seconds=0.01)
     time.sleep(0.05)
     assert store.delete_expired() == 1 and not store.checkpoint_dir(tp).exists()
-    assert store.list_checkpoints()[1] == 0
+    assert store.list_checkpoints("default")[1] == 0
 
 
 def test_sequencer_orders_and_skips_a_lost_seq_only_when_idle():

@@ -17,6 +17,7 @@ pytest.importorskip("tinker")
 cookbook = pytest.importorskip("tinker_cookbook", reason="pip install --no-deps tinker-cookbook (see docs/server.md)")
 
 from _server_harness import API_KEY, ServerThread  # noqa: E402
+
 from skyrl_sdk import Backend  # noqa: E402
 
 
@@ -30,7 +31,6 @@ def tiny_dir(tmp_path_factory):
 
 def test_cookbook_supervised_loop(tmp_path, tiny_dir, monkeypatch):
     import tinker
-
     from tinker_cookbook.renderers import TrainOnWhat
     from tinker_cookbook.supervised import train
     from tinker_cookbook.supervised.data import FromConversationFileBuilder

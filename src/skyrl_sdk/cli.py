@@ -166,7 +166,7 @@ def cmd_version(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"skyrl-sdk {__version__}")
         return 0
-    deps = ("torch", "transformers", "pluggy", "attrs", "cattrs", "tinker")
+    deps = ("torch", "transformers", "pluggy", "attrs", "tinker")
     _print_json({
         "skyrl_sdk": __version__,
         "python": sys.version.split()[0],
@@ -228,6 +228,15 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="checkpoints and saved weights (default ./skyrl-server-state)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"required X-API-Key (default: ${API_KEY_ENV}; unset accepts any key)")
+    # owners and limits (docs/server.md)
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="API keys with owners, one 'KEY [OWNER]' per line; each owner sees only its own things")
+    p.add_argument("--session-timeout", type=float, default=None, metavar="SECONDS",
+                   help="free the models of a session without heartbeat for this long (default 300)")
+    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                   help="longest sequence accepted (default: each model's max_position_embeddings)")
+    p.add_argument("--max-num-samples", type=int, default=None, metavar="N",
+                   help="most samples one sample request may ask for (default 256)")
     p.set_defaults(func=_lazy("skyrl_sdk.server.app", "serve", "pip install 'skyrl-sdk[server]'"))
 
 

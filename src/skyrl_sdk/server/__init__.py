@@ -1,11 +1,13 @@
 """A Tinker-compatible HTTP server (``skyrl-sdk serve``): the official ``tinker`` client and
 tinker-cookbook recipes train against skyrl-sdk Backends unchanged.
 
-Modules, one job each: ``config`` (settings), ``guard`` (API key, body limit, zstd),
-``futures`` (workers, seq_id ordering, long-poll results), ``store`` (SQLite records and
-checkpoint paths), ``wire`` (Tinker protobuf/JSON <-> skyrl-sdk types), ``runtime``
-(models, samplers and the jobs that run requests), ``routes_*`` (HTTP endpoints), ``app``
-(``create_app`` and ``serve``). See docs/server.md.
+Modules, one job each: ``config`` (settings), ``guard`` (API key -> owner, body limit,
+zstd), ``futures`` (workers, seq_id ordering, long-poll results), ``store`` (SQLite records
+and checkpoint paths), ``wire`` (JSON requests and answers), ``proto`` (protobuf messages),
+``served`` (served models and their limits), ``sessions`` (client sessions and their
+expiry), ``catalog`` (an owner's training runs and checkpoints), ``sampling`` (sampling
+sessions, sampler cache, snapshots), ``runtime`` (models, request ordering; the one entry
+for routes), ``routes_*`` (HTTP endpoints), ``app`` (``create_app`` and ``serve``). See docs/server.md.
 """
 
 from .config import ServerConfig

@@ -13,11 +13,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from .. import __version__
-from ..errors import InputError
+from ..errors import InputError, UnknownError
+from . import routes_runs, routes_sampling, routes_service, routes_training
 from .config import ServerConfig
 from .guard import Guard
-from .runtime import Runtime, UnknownError
-from . import routes_runs, routes_sampling, routes_service, routes_training
+from .runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -37,27 +37,31 @@ def create_app(config: ServerConfig | None = None) -> Any:
         try:
             yield
         finally:
+            app.state.runtime.sessions.stop()
             await asyncio.get_running_loop().run_in_executor(None, app.state.runtime.close)
 
     app = FastAPI(title="skyrl-sdk Tinker-compatible server", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
 
+    def detail(request: Request, message: str) -> dict:
+        return {"detail": request.app.state.runtime.redact(message)}
+
     @app.exception_handler(UnknownError)
     async def _unknown(request: Request, exc: UnknownError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=404)
+        return JSONResponse(detail(request, str(exc)), status_code=404)
 
     @app.exception_handler(InputError)
     async def _bad_input(request: Request, exc: InputError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=400)
+        return JSONResponse(detail(request, str(exc)), status_code=400)
 
     @app.exception_handler(Exception)
     async def _ours(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("%s %s failed", request.method, request.url.path)
-        return JSONResponse({"detail": f"internal server error: {type(exc).__name__}: {exc}"}, status_code=500)
+        return JSONResponse(detail(request, f"internal server error: {type(exc).__name__}: {exc}"), status_code=500)
 
     for module in (routes_service, routes_training, routes_sampling, routes_runs):
         app.include_router(module.router)
-    guarded = Guard(app, config.api_key, config.max_body_bytes)
+    guarded = Guard(app, config.owners(), config.max_body_bytes)
     guarded.fastapi = app  # type: ignore[attr-defined]
     return guarded
 
@@ -80,7 +84,7 @@ def serve(args: Any) -> int:
     except InputError as exc:
         print(f"skyrl-sdk serve: {exc}", file=sys.stderr)
         return 2
-    if not _is_loopback(config.host) and not config.api_key:
+    if not _is_loopback(config.host) and not config.owners():
         logger.warning("serving on %s without an API key: anyone who can reach it can train and read "
                        "checkpoints (pass --api-key or set SKYRL_SDK_API_KEY)", config.host)
     print(f"skyrl-sdk serve: http://{config.host}:{config.port} (models: {', '.join(config.models)}; "

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -13,6 +15,33 @@ from ..errors import InputError
 
 API_KEY_ENV = "SKYRL_SDK_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
+DEFAULT_SESSION_TIMEOUT_S = 300.0
+DEFAULT_MAX_NUM_SAMPLES = 256
+#: the owner of everything when the server has one key (``--api-key``) or none
+DEFAULT_OWNER = "default"
+
+
+def read_api_keys(path: str | os.PathLike) -> dict[str, str]:
+    """``--api-keys FILE``: one ``KEY [OWNER]`` per line (``#`` comments and blank lines
+    skipped). Keys sharing an owner see the same things; a key without an owner is its own."""
+    try:
+        lines = Path(path).expanduser().read_text().splitlines()
+    except OSError as exc:
+        raise InputError(f"--api-keys: cannot read {path}: {exc.strerror}") from None
+    keys: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) > 2:
+            raise InputError(f"--api-keys {path}, line {number}: expected 'KEY [OWNER]', got {len(fields)} fields")
+        key = fields[0]
+        if key in keys:
+            raise InputError(f"--api-keys {path}, line {number}: this key is listed twice")
+        keys[key] = fields[1] if len(fields) == 2 else "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    if not keys:
+        raise InputError(f"--api-keys {path}: no keys in the file")
+    return keys
 
 
 def _models(value: Any) -> tuple[str, ...]:
@@ -46,6 +75,12 @@ class ServerConfig:
     unfinished request before answering ``try_again``. ``gap_timeout_s``: how long a
     model's worker must sit idle, with later requests waiting on a missing ``seq_id``,
     before those run anyway.
+
+    ``api_key`` (one owner) and ``api_keys`` (key -> owner): who may call, and whose models,
+    sessions, runs, checkpoints and futures each request sees; with neither, no key is needed
+    and everything belongs to one owner. ``session_timeout_s``: a session with no heartbeat
+    (and no request) for this long is finished and its models freed. ``max_seq_len`` caps
+    every served model's own position limit; ``max_num_samples`` caps one sample request.
     """
 
     models: tuple[str, ...] = attrs.field(default=("tiny",), converter=_models)
@@ -53,6 +88,7 @@ class ServerConfig:
     engine_config: dict[str, Any] = attrs.field(factory=dict, converter=_engine_config)
     state_dir: Path = attrs.field(default=Path("./skyrl-server-state"), converter=lambda p: Path(p).expanduser())
     api_key: str | None = None
+    api_keys: dict[str, str] = attrs.field(factory=dict)
     host: str = "127.0.0.1"
     port: int = 8000
     seed: int = 0
@@ -62,16 +98,30 @@ class ServerConfig:
     max_sampler_backends: int = 4
     max_ephemeral_snapshots: int = 4
     max_sample_batch: int = 64
+    session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
+    max_seq_len: int | None = None
+    max_num_samples: int = DEFAULT_MAX_NUM_SAMPLES
     #: extra flags merged into the answer to the client's ``/client/config`` (e.g.
     #: ``{"fwdbwd_max_chunk_len": 256}``; see ``tinker.types.ClientConfigResponse``)
     client_config: dict[str, Any] = attrs.field(factory=dict)
 
     @classmethod
-    def from_args(cls, args: Any) -> "ServerConfig":
+    def from_args(cls, args: Any) -> ServerConfig:
         """From ``skyrl-sdk serve``'s argparse namespace (host, port, model, engine,
-        engine_config, state_dir, api_key). The API key falls back to $SKYRL_SDK_API_KEY."""
+        engine_config, state_dir, api_key, api_keys, session_timeout, max_seq_len,
+        max_num_samples). The API key falls back to $SKYRL_SDK_API_KEY."""
         api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+        keys_file = getattr(args, "api_keys", None)
+        limits = {"session_timeout_s": getattr(args, "session_timeout", None),
+                  "max_seq_len": getattr(args, "max_seq_len", None),
+                  "max_num_samples": getattr(args, "max_num_samples", None)}
+        for name, value in limits.items():
+            if value is not None and not value > 0:
+                raise InputError(f"--{name.removesuffix('_s').replace('_', '-')}: expected a positive number, "
+                                 f"got {value!r}")
         return cls(
+            api_keys=read_api_keys(keys_file) if keys_file else {},
+            **{k: v for k, v in limits.items() if v is not None},
             models=getattr(args, "model", None),
             engine=getattr(args, "engine", None) or "local",
             engine_config=getattr(args, "engine_config", None),
@@ -83,3 +133,10 @@ class ServerConfig:
 
     def model_names(self) -> Sequence[str]:
         return self.models
+
+    def owners(self) -> dict[str, str] | None:
+        """API key -> owner, or None when no key is needed (everything is ``DEFAULT_OWNER``'s)."""
+        keys = dict(self.api_keys)
+        if self.api_key:
+            keys.setdefault(self.api_key, DEFAULT_OWNER)
+        return keys or None

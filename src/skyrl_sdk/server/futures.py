@@ -18,13 +18,17 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import threading
 import time
 import traceback
 import uuid
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import attrs
+
+from ..errors import InputError, PluginError
 
 logger = logging.getLogger(__name__)
 
@@ -41,25 +45,42 @@ class Result:
     failed: bool = False
 
     @classmethod
-    def json(cls, obj: Any) -> "Result":
-        return cls(json.dumps(obj).encode(), JSON)
+    def json(cls, obj: Any) -> Result:
+        """``obj`` as strict JSON: NaN and infinities (not JSON; the client's parser rejects
+        them) become null."""
+        return cls(json.dumps(finite_json(obj), allow_nan=False).encode(), JSON)
 
     @classmethod
-    def proto(cls, data: bytes) -> "Result":
+    def proto(cls, data: bytes) -> Result:
         return cls(data, PROTOBUF)
 
     @classmethod
-    def error(cls, message: str, category: str) -> "Result":
+    def error(cls, message: str, category: str) -> Result:
         return cls(json.dumps({"error": message, "category": category}).encode(), JSON, failed=True)
 
     @classmethod
-    def from_exception(cls, exc: BaseException, what: str = "request") -> "Result":
-        """Bad input (ValueError, which every skyrl-sdk InputError is) -> category "user"
-        with the SDK's own message; anything else is our fault -> category "server"."""
-        if isinstance(exc, ValueError):
+    def from_exception(cls, exc: BaseException, what: str = "request") -> Result:
+        """Classified by our own types: :class:`InputError` (bad input) -> category "user" with
+        the SDK's message; :class:`PluginError` (a plugin returned something malformed: not the
+        caller's fault) -> "server", saying so; anything else (a bare ``ValueError`` from
+        torch included) is our fault -> "server"."""
+        if isinstance(exc, InputError):
             return cls.error(str(exc) or type(exc).__name__, "user")
         logger.error("%s failed:\n%s", what, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        if isinstance(exc, PluginError):
+            return cls.error(f"a server plugin failed in {what} (not a problem with your request): {exc}", "server")
         return cls.error(f"internal server error in {what}: {type(exc).__name__}: {exc}", "server")
+
+
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by None (recursively)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 @attrs.define(eq=False)
@@ -75,7 +96,7 @@ class Job:
     done: Callable[[Result], None]
     what: str = "request"
     batch_key: Hashable | None = None
-    run_batch: Callable[[list["Job"]], list[Result]] | None = None
+    run_batch: Callable[[list[Job]], list[Result]] | None = None
     payload: Any = None
 
 
@@ -141,7 +162,7 @@ class Worker:
                 except BaseException:  # noqa: BLE001 - one bad job must not fail its neighbours
                     logger.debug("batched %s failed; running its %d jobs one by one", batch[0].what, len(batch))
                     results = [self._run_one(job) for job in batch]
-            for job, result in zip(batch, results):
+            for job, result in zip(batch, results, strict=True):
                 if result is None:  # the job handed itself on to another worker
                     continue
                 try:
@@ -229,6 +250,7 @@ class Sequencer:
 @attrs.define(eq=False)
 class FutureRecord:
     request_id: str
+    owner: str
     model_id: str | None
     created_at: float
     event: asyncio.Event
@@ -239,34 +261,55 @@ class FutureRecord:
 
 
 class FutureStore:
-    """Request id -> record; lives on the event loop."""
+    """Request id -> record; lives on the event loop. Every record belongs to an owner: another
+    owner's request id reads as unknown, and de-duplication keys include the owner.
+
+    A de-duplication key whose record was swept (results are kept ``retention_s`` after
+    retrieval) is remembered, so a very late retry is refused as expired instead of running
+    twice. ``redact`` rewrites failed results' messages (server paths -> tinker:// paths)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, retention_s: float = 900.0,
-                 unretrieved_retention_s: float = 6 * 3600.0) -> None:
+                 unretrieved_retention_s: float = 6 * 3600.0, redact: Callable[[str], str] | None = None) -> None:
         self.loop = loop
         self.retention_s = retention_s
         self.unretrieved_retention_s = unretrieved_retention_s
+        self.redact = redact
         self._records: dict[str, FutureRecord] = {}
         self._dedup: dict[tuple, str] = {}
+        self._expired: set[tuple] = set()
         self._last_sweep = time.monotonic()
 
     def __len__(self) -> int:
         return len(self._records)
 
     def lookup(self, dedup_key: tuple | None) -> FutureRecord | None:
-        """The record of an earlier submission with the same key (a retry), if any."""
+        """The record of an earlier submission with the same key (a retry), if any; InputError
+        when that submission ran but its record has expired."""
         if dedup_key is None:
             return None
+        if dedup_key in self._expired:
+            raise InputError(
+                f"this request was already submitted and ran, and its result has expired (results are kept "
+                f"{self.retention_s:.0f} s after retrieval); not running it again: {_describe(dedup_key)}"
+            )
         rid = self._dedup.get(dedup_key)
         return self._records.get(rid) if rid is not None else None
 
-    def create(self, model_id: str | None, dedup_key: tuple | None = None, prefix: str = "req") -> FutureRecord:
+    def create(self, owner: str, model_id: str | None, dedup_key: tuple | None = None,
+               prefix: str = "req") -> FutureRecord:
         self._maybe_sweep()
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        rec = FutureRecord(rid, model_id, time.time(), asyncio.Event(), dedup_key=dedup_key)
+        rec = FutureRecord(rid, owner, model_id, time.time(), asyncio.Event(), dedup_key=dedup_key)
         self._records[rid] = rec
         if dedup_key is not None:
             self._dedup[dedup_key] = rid
+        return rec
+
+    def failed(self, owner: str, exc: BaseException, prefix: str = "req", model_id: str | None = None
+               ) -> FutureRecord:
+        """A new record, already failed with ``exc`` (a request that never reached a model)."""
+        rec = self.create(owner, model_id, prefix=prefix)
+        self.finish(rec, Result.from_exception(exc))
         return rec
 
     def completer(self, rec: FutureRecord) -> Callable[[Result], None]:
@@ -274,26 +317,29 @@ class FutureStore:
 
         def done(result: Result) -> None:
             try:
-                self.loop.call_soon_threadsafe(self._finish, rec, result)
+                self.loop.call_soon_threadsafe(self.finish, rec, result)
             except RuntimeError:  # the loop is closed: the server has shut down
                 pass
 
         return done
 
     def finish(self, rec: FutureRecord, result: Result) -> None:
-        """Finish from the event loop thread."""
-        self._finish(rec, result)
+        """Finish from the event loop thread (the first result wins)."""
+        if rec.result is not None:
+            return
+        if result.failed and self.redact is not None:
+            doc = json.loads(result.body)
+            doc["error"] = self.redact(doc["error"])
+            result = Result.error(doc["error"], doc["category"])
+        rec.result = result
+        rec.event.set()
 
-    @staticmethod
-    def _finish(rec: FutureRecord, result: Result) -> None:
-        if rec.result is None:
-            rec.result = result
-            rec.event.set()
-
-    async def wait(self, request_id: str, timeout: float) -> tuple[FutureRecord | None, Result | None]:
-        """(record, result): result None means still running after ``timeout`` seconds."""
+    async def wait(self, owner: str, request_id: str, timeout: float
+                   ) -> tuple[FutureRecord | None, Result | None]:
+        """(record, result): record None for an unknown id (or another owner's); result None
+        means still running after ``timeout`` seconds."""
         rec = self._records.get(request_id)
-        if rec is None:
+        if rec is None or rec.owner != owner:
             return None, None
         if rec.result is None:
             try:
@@ -303,9 +349,9 @@ class FutureStore:
         rec.retrieved_at = time.time()
         return rec, rec.result
 
-    def _maybe_sweep(self) -> None:
+    def _maybe_sweep(self, force: bool = False) -> None:
         now = time.monotonic()
-        if now - self._last_sweep < 60:
+        if now - self._last_sweep < 60 and not force:
             return
         self._last_sweep = now
         wall = time.time()
@@ -320,3 +366,9 @@ class FutureStore:
             rec = self._records.pop(rid)
             if rec.dedup_key is not None and self._dedup.get(rec.dedup_key) == rid:
                 del self._dedup[rec.dedup_key]
+                self._expired.add(rec.dedup_key)
+
+
+def _describe(dedup_key: tuple) -> str:
+    """A de-duplication key in words, e.g. ``model sess-1:train:0 seq_id 4`` (the owner left out)."""
+    return " ".join(str(part) for part in dedup_key[1:])

@@ -1,46 +1,31 @@
-"""Small helpers shared by the route modules."""
+"""Small helpers shared by the route modules: the runtime, the caller's owner, bodies."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import Request
 
-from ..errors import InputError
-from .futures import FutureRecord, Result
+from . import wire
+from .guard import OWNER_SCOPE_KEY
+from .runtime import Runtime
 
 
-def runtime(request: Request):
+def runtime(request: Request) -> Runtime:
     return request.app.state.runtime
+
+
+def owner(request: Request) -> str:
+    """The owner of the request's API key (set by :class:`~.guard.Guard`)."""
+    return request.scope[OWNER_SCOPE_KEY]
 
 
 async def json_body(request: Request) -> dict[str, Any]:
     """The JSON object body (an empty body is ``{}``); InputError when it is not one."""
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise InputError(f"request body: expected a JSON object, got {type(obj).__name__}")
-    return obj
+    return wire.json_object(await request.body())
 
 
-def future_json(rec: FutureRecord, **extra: Any) -> dict[str, Any]:
-    return {"request_id": rec.request_id, "model_id": rec.model_id, **extra}
-
-
-async def submit(request: Request, make) -> dict[str, Any]:
-    """Run ``make(runtime, body) -> FutureRecord``; a body that cannot be read still gets a
-    future, failed with a user error (the client raises it at once instead of retrying)."""
-    rt = runtime(request)
-    try:
-        body = await json_body(request)
-    except InputError as exc:
-        rec = rt.futures.create(None)
-        rt.futures.finish(rec, Result.from_exception(exc))
-        return future_json(rec)
-    return future_json(make(rt, body))
+async def submit(request: Request, route: str) -> dict[str, Any]:
+    """A future route: the runtime accepts the body and answers with a request id."""
+    return runtime(request).submit(owner(request), route, await request.body(),
+                                   request.headers.get("content-type", ""))

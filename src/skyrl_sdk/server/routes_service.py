@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
-from .http import json_body, runtime
-from .store import iso
+from .http import json_body, owner, runtime
 
 router = APIRouter(prefix="/api/v1")
 
@@ -40,50 +40,33 @@ async def capabilities(request: Request) -> dict:
 
 @router.post("/create_session")
 async def create_session(request: Request) -> dict:
-    rt = runtime(request)
-    body = await json_body(request)
-    return {"type": "create_session", "session_id": rt.create_session(body)}
+    sid = runtime(request).sessions.create(owner(request), await json_body(request))
+    return {"type": "create_session", "session_id": sid}
 
 
 @router.post("/session_heartbeat")
-async def session_heartbeat(request: Request) -> dict:
-    rt = runtime(request)
-    body = await json_body(request)
-    if isinstance(body.get("session_id"), str):
-        rt.store.heartbeat(body["session_id"])
+async def session_heartbeat(request: Request):
+    ended = runtime(request).sessions.heartbeat(owner(request), await json_body(request))
+    if ended is not None:
+        return JSONResponse({"detail": ended}, status_code=410)
     return {"type": "session_heartbeat"}
 
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request) -> dict:
-    rt = runtime(request)
     body = await json_body(request)
-    rt.finish_session(session_id, body.get("reason"))
+    runtime(request).sessions.finish(owner(request), session_id, body.get("reason"))
     return {}
-
-
-def _session_json(row: dict, rt) -> dict:
-    runs = [r["run_id"] for r in rt.store.iter_runs() if r["session_id"] == row["session_id"]]
-    return {"session_id": row["session_id"], "training_run_ids": runs, "sampler_ids": [],
-            "created_at": iso(row["created_at"]), "finished_at": iso(row["finished_at"])}
 
 
 @router.get("/sessions")
 async def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
-    rt = runtime(request)
-    rows, _ = rt.store.list_sessions(limit, offset)
-    return {"sessions": [r["session_id"] for r in rows]}
+    return runtime(request).sessions.list(owner(request), limit, offset)
 
 
 @router.get("/sessions/{session_id}")
-async def get_session(session_id: str, request: Request):
-    from fastapi.responses import JSONResponse
-
-    rt = runtime(request)
-    row = rt.store.session(session_id)
-    if row is None:
-        return JSONResponse({"detail": f"unknown session {session_id!r}"}, status_code=404)
-    return _session_json(row, rt)
+async def get_session(session_id: str, request: Request) -> dict:
+    return runtime(request).sessions.get(owner(request), session_id)
 
 
 @router.post("/telemetry")

@@ -1,16 +1,11 @@
-"""The live server state: training models (one Backend + worker each), sampling sessions,
-sampler backends, and the jobs that run Tinker's requests on them.
+"""The live server state: sessions, training models (one Backend + worker each) and the jobs
+that run Tinker's requests on them, in ``seq_id`` order. Routes call only this class.
 
 Route handlers (event loop) call into :class:`Runtime`; every Backend call happens on the
 owning model's :class:`~.futures.Worker` thread, so the event loop never blocks on compute
-and different models progress concurrently.
-
-Weights versions: a training model's ``version`` grows with every ``optim_step`` and
-``load_weights``. An ephemeral sampling session (``save_weights_and_get_sampling_client``)
-pins the version it was created at and samples the live model while it is still at that
-version; before the weights change, a pinned version is exported once to a scratch HF
-directory that its sessions then sample from (the last ``max_ephemeral_snapshots`` per
-model are kept).
+and different models progress concurrently. Every request carries its API key's owner:
+another owner's ids read as unknown. Sampling lives in :mod:`.sampling`, request parsing
+and response shapes in :mod:`.wire` / :mod:`.proto`, durable records in :mod:`.store`.
 """
 
 from __future__ import annotations
@@ -18,40 +13,34 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import shutil
-import threading
+import re
 import time
-import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 
-from ..errors import InputError
-from ..serde import adam_params_from_any, lora_config_from_any
+from ..errors import InputError, UnknownError
+from ..coerce import adam_params_from_any, lora_config_from_any
 from ..types import LoraConfig
-from . import wire
+from . import proto, wire
+from .catalog import Catalog
 from .config import ServerConfig
 from .futures import FutureRecord, FutureStore, Job, Result, Sequencer, Worker
-from .store import Store, TinkerPath, check_name
+from .sampling import Sampling
+from .served import ServedModels
+from .sessions import Sessions
+from .store import SEGMENT_TO_KIND, Store, TinkerPath
 
 logger = logging.getLogger(__name__)
-
-#: torch's default RNG is process-wide: model initialisation (``tiny``, LoRA adapters) and
-#: sampling seed and draw from it, so those run one at a time across all workers (or two
-#: models created at once would get interleaved draws). Training draws no random numbers
-#: and runs concurrently.
-RNG_LOCK = threading.RLock()
-
-
-class UnknownError(InputError):
-    """A model, sampler or request id this server does not know (HTTP 404 on direct routes)."""
 
 
 @attrs.define(eq=False)
 class TrainingModel:
     model_id: str
-    session_id: str | None
+    owner: str
+    session_id: str
     base_model: str
     lora: LoraConfig | None
     worker: Worker
@@ -61,41 +50,17 @@ class TrainingModel:
     error: str | None = None
     version: int = 0
     pinned: set = attrs.Factory(set)
-    snapshots: "collections.OrderedDict[int, Path]" = attrs.Factory(collections.OrderedDict)
+    snapshots: collections.OrderedDict[int, Path] = attrs.Factory(collections.OrderedDict)
     dropped: set = attrs.Factory(set)
-    closed: bool = False
+    #: why the model was released (None while it is live)
+    closed: str | None = None
 
     def require_backend(self):
         if self.closed:
-            raise InputError(f"model {self.model_id} was released (its session finished)")
+            raise InputError(f"model {self.model_id} was released: {self.closed}")
         if self.backend is None:
             raise InputError(f"model {self.model_id} could not be created: {self.error or 'unknown error'}")
         return self.backend
-
-
-@attrs.define(eq=False)
-class SamplerTarget:
-    """A Backend used only for sampling (a base model or saved weights), loaded lazily."""
-
-    key: tuple
-    worker: Worker
-    loader: Callable[[], Any]
-    backend: Any = None
-
-    def get(self):
-        if self.backend is None:
-            self.backend = self.loader()
-        return self.backend
-
-
-@attrs.define(eq=False)
-class SamplingSession:
-    sid: str
-    base_model: str
-    model_path: str | None
-    kind: str  # "base" | "path" | "snapshot" | "inflight"
-    model: TrainingModel | None = None
-    version: int | None = None
 
 
 class Runtime:
@@ -103,59 +68,188 @@ class Runtime:
         self.config = config
         self.loop = loop
         self.store = Store(config.state_dir)
-        self.futures = FutureStore(loop)
+        self.futures = FutureStore(loop, redact=self.redact)
+        self.served = ServedModels(config)
+        self.sampling = Sampling(config, self.store, self.served)
+        self.catalog = Catalog(self.store)
+        self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
         self.models: dict[str, TrainingModel] = {}
-        self.samplers: dict[str, SamplingSession] = {}
-        self._targets: "collections.OrderedDict[tuple, SamplerTarget]" = collections.OrderedDict()
-        self._targets_lock = threading.Lock()
-        self._served = {self._canonical(m): m for m in config.models}
+        self._path_re = re.compile(re.escape(str(self.store.root)) + r"(/[^\s'\"]*)?")
         self.started_at = time.time()
+        # TODO(clean-interrupted-saves): remove temp/.old directories of saves interrupted by a crash
+        # under self.store.root at start-up, once checkpoint.py offers that cleanup.
         if (n := self.store.delete_expired()):
             logger.info("deleted %d expired checkpoints", n)
 
-    # ---- helpers ------------------------------------------------------------------------
-    @staticmethod
-    def _canonical(name: str) -> str:
-        if name == "tiny":
-            return name
-        p = Path(name).expanduser()
-        return str(p.resolve()) if p.exists() else name.rstrip("/")
+    # ---- errors --------------------------------------------------------------------------------
+    def redact(self, message: str) -> str:
+        """``message`` with server paths shown as ``tinker://`` paths (or ``<state-dir>``)."""
 
-    def served_model(self, name: Any) -> str:
-        """The ``--model`` entry a client's ``base_model`` names."""
-        if not isinstance(name, str) or not name:
-            raise InputError(f"base_model: expected a model name, got {name!r}")
-        found = self._served.get(self._canonical(name))
-        if found is None:
-            raise InputError(f"base model {name!r} is not served here; this server serves {list(self.config.models)}")
-        return found
+        def shown(match: re.Match) -> str:
+            parts = (match.group(1) or "").strip("/").split("/")
+            if len(parts) >= 4 and parts[0] == "runs" and parts[2] in SEGMENT_TO_KIND:
+                run_id = self.store.run_id_of_dirname(parts[1])
+                if run_id is not None:
+                    return f"tinker://{run_id}/{parts[2]}/{'/'.join(parts[3:])}"
+            return "<state-dir>" + ("/..." if match.group(1) else "")
 
-    def _backend(self, model: str, lora: LoraConfig | None):
-        from ..backend import Backend
+        return self._path_re.sub(shown, message)
 
-        with RNG_LOCK:
-            return Backend(model=model, engine=self.config.engine, engine_config=self.config.engine_config,
-                           lora=lora, seed=self.config.seed)
+    # ---- future routes: one entry, so an unreadable body is one failed future ------------------
+    def submit(self, owner: str, route: str, raw: bytes, content_type: str = "") -> dict[str, Any]:
+        """Accept a request for a future route. Bad input still gets a future, failed with a
+        user error (the client raises it at once instead of retrying a bare 400)."""
+        handlers: dict[str, Callable[[str, dict], FutureRecord]] = {
+            "create_model": self.create_model, "load_weights": self.load_weights, "optim_step": self.optim_step,
+            "save_weights": self.save_weights, "save_weights_for_sampler": self.save_weights_for_sampler,
+            "asample": self.sample,
+        }
+        try:
+            if route == "forward_backward":
+                rec = self.forward_backward(owner, raw, content_type)
+            else:
+                rec = handlers[route](owner, wire.json_object(raw))
+        except InputError as exc:
+            rec = self.futures.failed(owner, exc, prefix="sample" if route == "asample" else "req")
+        out = wire.future_json(rec.request_id, rec.model_id)
+        if route == "asample":
+            out["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(rec.extra.get("num_samples", 0))]
+        return out
 
-    def model(self, model_id: Any) -> TrainingModel:
+    async def retrieve(self, owner: str, body: dict) -> Result | dict:
+        """Long-poll a future: its Result, or a ``try_again`` / unknown-id JSON answer."""
+        request_id = body.get("request_id")
+        rec, result = await self.futures.wait(owner, request_id, self.config.long_poll_s) \
+            if isinstance(request_id, str) else (None, None)
+        if rec is None:
+            return {"error": f"unknown request_id {request_id!r}: this server has no such request (requests in "
+                             f"flight are lost when the server restarts)", "category": "server"}
+        if (model := self.models.get(rec.model_id)) is not None:
+            self.sessions.seen(model.session_id)
+        if result is None:
+            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        return result
+
+    # ---- models --------------------------------------------------------------------------------
+    def model(self, owner: str, model_id: Any) -> TrainingModel:
         m = self.models.get(model_id) if isinstance(model_id, str) else None
-        if m is None:
+        if m is None or m.owner != owner:
             raise UnknownError(
                 f"unknown model_id {model_id!r}: this server has no such model (models live in memory and are "
                 f"lost when the server restarts; recreate it with create_training_client_from_state)"
             )
         return m
 
-    def _new_model(self, model_id: str, session_id: str | None, base_model: str, lora: LoraConfig | None
-                   ) -> TrainingModel:
-        old = self.models.get(model_id)
-        if old is not None and not old.closed:
-            raise InputError(f"model {model_id} already exists")
-        worker = Worker(model_id, self.config.max_sample_batch)
-        model = TrainingModel(model_id, session_id, base_model, lora, worker,
-                              Sequencer(worker, 1, self.config.gap_timeout_s), asyncio.Event())
-        self.models[model_id] = model
+    def _live_model(self, owner: str, model_id: Any) -> TrainingModel:
+        model = self.model(owner, model_id)
+        if model.closed:
+            raise InputError(f"model {model.model_id} was released: {model.closed}")
+        self.sessions.seen(model.session_id)
         return model
+
+    def _session_busy(self, session_id: str) -> bool:
+        """Whether a model of the session has work queued or running."""
+        return any(m.session_id == session_id and not m.closed and m.worker.idle_for() == 0.0
+                   for m in self.models.values())
+
+    def _end_session(self, session_id: str, why: str) -> None:
+        """(a session finished or expired) Release its models."""
+        for model in list(self.models.values()):
+            if model.session_id == session_id and not model.closed:
+                self._release(model, why)
+
+    def _release(self, model: TrainingModel, why: str) -> None:
+        """Free a model's memory once its queued work is done."""
+        model.closed = why
+
+        def close() -> Result:
+            if model.backend is not None:
+                model.backend.close()
+                model.backend = None
+            self.sampling.drop_snapshots(model)
+            return Result.json({})
+
+        model.sequencer.fail_pending(f"model {model.model_id} was released: {why}")
+        model.worker.put(Job(run=close, done=lambda r: model.worker.close(wait=False), what="release"))
+
+    def create_model(self, owner: str, body: dict) -> FutureRecord:
+        req = wire.parse_new_model(body)
+
+        def plan():
+            return self.served.resolve(req.base_model), lora_config_from_any(req.lora_config), req.user_metadata, None
+
+        return self._create(owner, req, plan, {"model_id": req.model_id, "type": "create_model"})
+
+    def load_weights(self, owner: str, body: dict) -> FutureRecord:
+        """Create-from-state (session_id + model_seq_id) or a load into an existing model."""
+        if body.get("session_id") is not None:
+            req = wire.parse_new_model(body, from_state=True)
+
+            def plan():
+                tp, directory = self.store.resolve_checkpoint(req.path, owner, kind="training")
+                run = self.store.run(tp.run_id, owner)
+                base = self.served.resolve(req.base_model or run["base_model"])
+                return base, lora_config_from_any(run["lora"]), req.user_metadata or run["user_metadata"], directory
+
+            return self._create(owner, req, plan, {"model_id": req.model_id, "path": req.path, "type": "load_weights"})
+
+        def make(model: TrainingModel):
+            path, optimizer = body.get("path"), wire.flag(body, "optimizer")
+            _, directory = self.store.resolve_checkpoint(path, owner, kind="training")
+
+            def load() -> Result:
+                backend = model.require_backend()
+                self.sampling.before_weight_change(model)
+                backend.load_state(directory, optimizer=optimizer)
+                model.version += 1
+                return Result.json({"path": path, "model_id": model.model_id, "type": "load_weights"})
+
+            return load
+
+        return self._sequenced(owner, body, "load_weights", make)
+
+    def _create(self, owner: str, req: wire.NewModel, plan: Callable[[], tuple], answer: dict) -> FutureRecord:
+        """Create a model (fresh, or from a checkpoint directory). Everything is checked before
+        anything is registered, so a rejected request leaves no model, worker or record."""
+        self.sessions.open(owner, req.session_id)
+        dedup = (owner, "create_model", req.model_id)
+        if (old := self.futures.lookup(dedup)) is not None:
+            return old
+        base, lora, metadata, directory = plan()
+        if (old := self.models.get(req.model_id)) is not None and not old.closed:
+            raise InputError(f"model {req.model_id} already exists")
+        worker = Worker(req.model_id, self.config.max_sample_batch)
+        model = TrainingModel(req.model_id, owner, req.session_id, base, lora, worker,
+                              Sequencer(worker, 1, self.config.gap_timeout_s), asyncio.Event())
+        self.models[req.model_id] = model
+        self.store.add_run(req.model_id, owner, req.session_id, base, attrs.asdict(lora) if lora else None, metadata)
+        rec = self.futures.create(owner, req.model_id, dedup)
+        complete = self.futures.completer(rec)
+
+        def create() -> Result:
+            try:
+                backend = self.served.open_backend(base, lora)
+                if directory is not None:
+                    try:
+                        backend.load_state(directory, optimizer=req.optimizer)
+                    except BaseException:
+                        backend.close()
+                        raise
+                model.backend = backend
+            except BaseException as exc:
+                model.error = str(exc)
+                raise
+            finally:
+                self._set_ready(model)
+            return Result.json(answer)
+
+        def done(result: Result) -> None:
+            complete(result)
+            if model.backend is None:  # creation failed: nothing will run on this worker
+                worker.close(wait=False)
+
+        worker.put(Job(run=create, done=done, what=f"create_model({req.model_id})"))
+        return rec
 
     def _set_ready(self, model: TrainingModel) -> None:
         try:
@@ -163,248 +257,108 @@ class Runtime:
         except RuntimeError:  # the loop is closed: the server has shut down
             pass
 
-    def finished(self, rec: FutureRecord, result: Result) -> None:
-        self.futures.finish(rec, result)
-
-    # ---- sessions -----------------------------------------------------------------------
-    def create_session(self, body: dict) -> str:
-        sid = f"sess-{uuid.uuid4().hex[:16]}"
-        self.store.add_session(sid, body.get("tags"), body.get("user_metadata"), body.get("sdk_version"))
-        return sid
-
-    def finish_session(self, session_id: str, reason: Any) -> None:
-        self.store.finish_session(session_id, reason)
-        for model in list(self.models.values()):
-            if model.session_id == session_id and not model.closed:
-                self._release(model)
-
-    def _release(self, model: TrainingModel) -> None:
-        """Free a model's memory once its queued work is done."""
-
-        def close() -> Result:
-            model.closed = True
-            if model.backend is not None:
-                model.backend.close()
-                model.backend = None
-            for d in model.snapshots.values():
-                shutil.rmtree(d, ignore_errors=True)
-            return Result.json({})
-
-        model.sequencer.fail_pending(f"model {model.model_id} was released (its session finished)")
-        model.worker.put(Job(run=close, done=lambda r: model.worker.close(wait=False), what="release"))
-
-    # ---- model creation -----------------------------------------------------------------
-    def create_model(self, body: dict) -> FutureRecord:
-        session_id, seq = body.get("session_id"), body.get("model_seq_id")
-        if not isinstance(session_id, str) or not isinstance(seq, int):
-            raise InputError("create_model: needs session_id (string) and model_seq_id (integer)")
-        model_id = f"{session_id}:train:{seq}"
-        dedup = ("create_model", model_id)
-        if (old := self.futures.lookup(dedup)) is not None:
-            return old
-        rec = self.futures.create(model_id, dedup)
-        try:
-            base = self.served_model(body.get("base_model"))
-            opt = body.get("optimizer_config") or {}
-            if isinstance(opt, dict) and opt.get("type", "adamw") != "adamw":
-                raise InputError(f"optimizer {opt.get('type')!r} is not supported; skyrl-sdk trains with AdamW")
-            lora = lora_config_from_any(body.get("lora_config"))
-            model = self._new_model(model_id, session_id, base, lora)
-        except InputError as exc:
-            self.finished(rec, Result.from_exception(exc))
-            return rec
-        self.store.add_session(session_id, None, None, None)  # known after a restart, too
-        self.store.add_run(model_id, session_id, base, attrs.asdict(lora) if lora else None, body.get("user_metadata"))
-        done = self.futures.completer(rec)
-
-        def create() -> Result:
-            try:
-                model.backend = self._backend(base, lora)
-            except BaseException as exc:
-                model.error = str(exc)
-                raise
-            finally:
-                self._set_ready(model)
-            return Result.json({"model_id": model_id, "type": "create_model"})
-
-        model.worker.put(Job(run=create, done=done, what=f"create_model({model_id})"))
-        return rec
-
-    def load_weights(self, body: dict) -> FutureRecord:
-        """Create-from-state (session_id + model_seq_id) or a load into an existing model."""
-        if body.get("session_id") is not None:
-            return self._create_from_state(body)
-        model_id, seq = body.get("model_id"), body.get("seq_id")
-        dedup = ("seq", model_id, seq) if seq is not None else None
-        if (old := self.futures.lookup(dedup)) is not None:
-            return old
-        rec = self.futures.create(model_id, dedup)
-        try:
-            model = self.model(model_id)
-            _, directory = self.store.resolve_checkpoint(body.get("path"), kind="training")
-        except InputError as exc:
-            self.finished(rec, Result.from_exception(exc))
-            return rec
-        optimizer = bool(body.get("optimizer", False))
-        path = body.get("path")
-
-        def load() -> Result:
-            backend = model.require_backend()
-            self._before_weight_change(model)
-            backend.load_state(directory, optimizer=optimizer)
-            model.version += 1
-            return Result.json({"path": path, "model_id": model.model_id, "type": "load_weights"})
-
-        model.sequencer.submit(seq, Job(run=load, done=self.futures.completer(rec), what="load_weights"))
-        return rec
-
-    def _create_from_state(self, body: dict) -> FutureRecord:
-        session_id, seq = body.get("session_id"), body.get("model_seq_id")
-        model_id = f"{session_id}:train:{seq}"
-        dedup = ("create_model", model_id)
-        if (old := self.futures.lookup(dedup)) is not None:
-            return old
-        rec = self.futures.create(model_id, dedup)
-        try:
-            if not isinstance(session_id, str) or not isinstance(seq, int):
-                raise InputError("load_weights: needs session_id (string) and model_seq_id (integer)")
-            tp, directory = self.store.resolve_checkpoint(body.get("path"), kind="training")
-            run = self.store.run(tp.run_id)
-            if run is None:
-                raise InputError(f"{body.get('path')}: its training run is not recorded on this server")
-            base = self.served_model(body.get("base_model") or run["base_model"])
-            lora = lora_config_from_any(run["lora"])
-            model = self._new_model(model_id, session_id, base, lora)
-        except InputError as exc:
-            self.finished(rec, Result.from_exception(exc))
-            return rec
-        optimizer = bool(body.get("optimizer", False))
-        self.store.add_session(session_id, None, None, None)
-        self.store.add_run(model_id, session_id, base, run["lora"], body.get("user_metadata") or run["user_metadata"])
-        path = body.get("path")
-
-        def create() -> Result:
-            try:
-                backend = self._backend(base, lora)
-                try:
-                    backend.load_state(directory, optimizer=optimizer)
-                except BaseException:
-                    backend.close()
-                    raise
-                model.backend = backend
-            except BaseException as exc:
-                model.error = str(exc)
-                raise
-            finally:
-                self._set_ready(model)
-            return Result.json({"model_id": model_id, "path": path, "type": "load_weights"})
-
-        model.worker.put(Job(run=create, done=self.futures.completer(rec), what=f"load_weights({model_id})"))
-        return rec
-
-    async def get_info(self, model_id: Any) -> dict:
-        model = self.model(model_id)
+    async def get_info(self, owner: str, body: dict) -> dict:
+        model = self.model(owner, body.get("model_id"))
         await asyncio.wait_for(model.ready.wait(), timeout=3600)
-        info = model.require_backend().get_info()
-        return {
-            "type": "get_info",
-            "model_id": model.model_id,
-            "model_data": {"arch": info.architecture, "model_name": model.base_model,
-                           "tokenizer_id": info.tokenizer_dir},
-            "optimizer_config": {"type": "adamw"},
-            "is_lora": info.is_lora,
-            "lora_rank": info.lora_rank,
-            "model_name": model.base_model,
-        }
+        return wire.model_info_json(model.model_id, model.base_model, model.require_backend().get_info())
 
-    # ---- training requests (sequenced per model) -------------------------------------------
-    def _sequenced(self, model_id: Any, seq: Any, what: str, make_run: Callable[[TrainingModel], Callable[[], Result]]
-                   ) -> FutureRecord:
-        seq = seq if isinstance(seq, int) and not isinstance(seq, bool) else None
-        dedup = ("seq", model_id, seq) if seq is not None and isinstance(model_id, str) else None
+    # ---- training requests (sequenced per model) -----------------------------------------------
+    def _sequenced(self, owner: str, body: dict | None, what: str, make_run: Callable[[TrainingModel], Callable],
+                   model_id: Any = None, seq: Any = None) -> FutureRecord:
+        """Queue ``make_run(model)`` in the model's ``seq_id`` order. The model must be the
+        caller's; a retry of a (model, seq_id) gets the first submission's future. Bad input
+        found by ``make_run`` fails the future but still takes its turn, so later requests
+        do not wait for a seq_id that will never come."""
+        if body is not None:
+            model_id, seq = wire.model_id(body), wire.seq_id(body)
+        model = self._live_model(owner, model_id)
+        dedup = (owner, "model", model.model_id, "seq_id", seq) if seq is not None else None
         if (old := self.futures.lookup(dedup)) is not None:
-            logger.info("%s: (model %s, seq_id %s) was already submitted; returning %s", what, model_id, seq,
+            logger.info("%s: (model %s, seq_id %s) was already submitted; returning %s", what, model.model_id, seq,
                         old.request_id)
             return old
-        rec = self.futures.create(model_id if isinstance(model_id, str) else None, dedup)
         try:
-            model = self.model(model_id)
             run = make_run(model)
         except InputError as exc:
-            self.finished(rec, Result.from_exception(exc))
-            return rec
+            def run(exc=exc):
+                raise exc
+        rec = self.futures.create(owner, model.model_id, dedup)
         self.store.touch_run(model.model_id)
-        model.sequencer.submit(seq, Job(run=run, done=self.futures.completer(rec), what=f"{what}({model_id})"))
+        model.sequencer.submit(seq, Job(run=run, done=self.futures.completer(rec), what=f"{what}({model.model_id})"))
         return rec
 
-    def forward_backward(self, req: wire.FwdBwdRequest) -> FutureRecord:
+    def forward_backward(self, owner: str, raw: bytes, content_type: str) -> FutureRecord:
+        if "json" in content_type:
+            raise InputError("forward_backward: send a protobuf ForwardBackwardRequest "
+                             "(Content-Type: application/x-protobuf)")
+
+        def limit(model_id: str) -> int | None:
+            model = self.models.get(model_id)
+            return self.served.max_seq_len(model.base_model if model is not None else None)
+
+        req = proto.parse_forward_backward(raw, limit)
+
         def make(model: TrainingModel):
+            if req.error is not None:
+                raise InputError(req.error)
+
             def run() -> Result:
                 backend = model.require_backend()
-                if req.error is not None:
-                    raise InputError(req.error)
                 fn = backend.forward if req.forward_only else backend.forward_backward
                 out = fn(req.data, loss_fn=req.loss_fn, loss_fn_config=req.loss_fn_config)
-                return Result.proto(wire.forward_backward_output_to_proto(out))
+                return Result.proto(proto.forward_backward_output_to_proto(out))
 
             return run
 
-        return self._sequenced(req.model_id, req.seq_id, "forward" if req.forward_only else "forward_backward", make)
+        what = "forward" if req.forward_only else "forward_backward"
+        return self._sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id)
 
-    def optim_step(self, body: dict) -> FutureRecord:
+    def optim_step(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
-            if body.get("optimizer_params") is not None:
-                raise InputError("only AdamW (adam_params) is supported by skyrl-sdk serve")
-            raw = body.get("adam_params", body.get("optim_params"))
-            if raw is not None and not isinstance(raw, dict):
-                raise InputError(f"adam_params: expected an object, got {type(raw).__name__}")
-            fields = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
-            unknown = sorted(set(raw or {}) - set(fields) - {"type"})
-            if unknown:
-                raise InputError(f"adam_params: unknown keys {unknown}; accepted: {list(fields)}")
-            params = adam_params_from_any({k: v for k, v in (raw or {}).items() if k in fields})
+            params = adam_params_from_any(wire.parse_adam_params(body))
 
             def run() -> Result:
                 backend = model.require_backend()
-                self._before_weight_change(model)
+                self.sampling.before_weight_change(model)
                 out = backend.optim_step(params)
                 model.version += 1
-                return Result.json({"metrics": {k: float(v) for k, v in out.metrics.items()}})
+                return Result.json(wire.optim_step_json(out.metrics))
 
             return run
 
-        return self._sequenced(body.get("model_id"), body.get("seq_id"), "optim_step", make)
+        return self._sequenced(owner, body, "optim_step", make)
 
-    def save_weights(self, body: dict) -> FutureRecord:
+    def save_weights(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
-            tp = TinkerPath(model.model_id, "training", check_name(body.get("path")))
+            save = wire.parse_save(body)
+            tp = TinkerPath(model.model_id, "training", save.name)
             directory = self.store.checkpoint_dir(tp)
-            overwrite = bool(body.get("overwrite", False))
 
             def run() -> Result:
                 self.store.delete_expired()
-                model.require_backend().save_state(directory, overwrite=overwrite)
-                self.store.add_checkpoint(tp, body.get("ttl_seconds"), body.get("user_metadata"))
+                model.require_backend().save_state(directory, overwrite=save.overwrite)
+                self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
                 return Result.json({"path": str(tp), "type": "save_weights"})
 
             return run
 
-        return self._sequenced(body.get("model_id"), body.get("seq_id"), "save_weights", make)
+        return self._sequenced(owner, body, "save_weights", make)
 
-    def save_weights_for_sampler(self, body: dict) -> FutureRecord:
+    def save_weights_for_sampler(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
             if body.get("path") is not None:
-                tp = TinkerPath(model.model_id, "sampler", check_name(body.get("path")))
+                save = wire.parse_save(body)
+                tp = TinkerPath(model.model_id, "sampler", save.name)
                 directory = self.store.checkpoint_dir(tp)
 
                 def run_named() -> Result:
                     model.require_backend().save_weights_for_sampler(directory, overwrite=True)
-                    self.store.add_checkpoint(tp, body.get("ttl_seconds"), body.get("user_metadata"))
+                    self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
                     return Result.json({"path": str(tp), "type": "save_weights_for_sampler"})
 
                 return run_named
             seq = body.get("sampling_session_seq_id")
-            if not isinstance(seq, int):
+            if not isinstance(seq, int) or isinstance(seq, bool):
                 raise InputError("save_weights_for_sampler: needs a path (a name) or a sampling_session_seq_id")
             kind = body.get("kind") or "snapshot"
             if kind not in ("snapshot", "inflight"):
@@ -412,187 +366,47 @@ class Runtime:
             sid = f"{model.session_id}:sample:{seq}"
 
             def run_ephemeral() -> Result:
-                model.require_backend()
-                session = SamplingSession(sid, model.base_model, None, kind, model=model,
-                                          version=model.version if kind == "snapshot" else None)
-                if kind == "snapshot":
-                    model.pinned.add(model.version)
-                self.samplers[sid] = session
+                self.sampling.add_ephemeral(model, sid, kind)
                 return Result.json({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
             return run_ephemeral
 
-        return self._sequenced(body.get("model_id"), body.get("seq_id"), "save_weights_for_sampler", make)
+        return self._sequenced(owner, body, "save_weights_for_sampler", make)
 
-    def _before_weight_change(self, model: TrainingModel) -> None:
-        """(worker thread) Export the current weights if an ephemeral session pins them."""
-        v = model.version
-        if v not in model.pinned or v in model.snapshots:
-            return
-        directory = self.store.scratch_dir("snapshots", self.store.run_dirname(model.model_id), f"v{v}")
-        model.backend.save_weights_for_sampler(directory, overwrite=True)
-        model.snapshots[v] = directory
-        model.pinned.discard(v)
-        while len(model.snapshots) > self.config.max_ephemeral_snapshots:
-            old_v, old_dir = model.snapshots.popitem(last=False)
-            model.dropped.add(old_v)
-            self._evict_target(("dir", str(old_dir)))
-            shutil.rmtree(old_dir, ignore_errors=True)
-
-    # ---- sampling -------------------------------------------------------------------------
-    def create_sampling_session(self, body: dict) -> str:
-        session_id, seq = body.get("session_id"), body.get("sampling_session_seq_id")
-        if not isinstance(session_id, str) or not isinstance(seq, int):
-            raise InputError("create_sampling_session: needs session_id and sampling_session_seq_id")
+    # ---- sampling ------------------------------------------------------------------------------
+    def create_sampling_session(self, owner: str, body: dict) -> str:
+        session_id = wire.session_id(body)
+        seq = wire.integer(body, "sampling_session_seq_id")
+        self.sessions.open(owner, session_id)
         sid = f"{session_id}:sample:{seq}"
-        session = self._session_from(body.get("model_path"), body.get("base_model"), sid)
-        self.samplers[sid] = session
-        self.store.add_sampling_session(sid, session_id, session.base_model, session.model_path)
+        self.sampling.create(owner, session_id, sid, body.get("model_path"), body.get("base_model"))
         return sid
 
-    def _session_from(self, model_path: Any, base_model: Any, sid: str) -> SamplingSession:
-        if model_path:
-            tp, _ = self.store.resolve_checkpoint(model_path)
-            run = self.store.run(tp.run_id)
-            if run is None:
-                raise InputError(f"{model_path}: its training run is not recorded on this server")
-            return SamplingSession(sid, run["base_model"], str(tp), "path")
-        if base_model:
-            return SamplingSession(sid, self.served_model(base_model), None, "base")
-        raise InputError("sampling needs a model_path (tinker://...) or a base_model")
+    def get_sampler(self, owner: str, sampler_id: str) -> dict:
+        s = self.sampling.session(owner, sampler_id)
+        return {"sampler_id": s.sid, "base_model": s.base_model, "model_path": s.model_path}
 
-    def sampler(self, sid: Any) -> SamplingSession:
-        s = self.samplers.get(sid) if isinstance(sid, str) else None
-        if s is None and isinstance(sid, str) and (row := self.store.sampling_session(sid)) is not None:
-            # a path- or base-model session survives a restart
-            s = self._session_from(row["model_path"], row["base_model"], sid)
-            self.samplers[sid] = s
-        if s is None:
-            raise UnknownError(f"unknown sampling session {sid!r} (ephemeral sampling sessions are lost when the "
-                               f"server restarts)")
-        return s
-
-    def sample(self, body: dict) -> tuple[FutureRecord, int]:
+    def sample(self, owner: str, body: dict) -> FutureRecord:
+        spec = wire.parse_sample_request(body, self.config.max_num_samples)
         sid, seq = body.get("sampling_session_id"), body.get("seq_id")
-        dedup = ("sample", sid, seq) if isinstance(sid, str) and isinstance(seq, int) else None
+        session = self.sampling.session(owner, sid) if sid is not None else self.sampling.session_from(
+            owner, body.get("model_path"), body.get("base_model"), "adhoc")
+        dedup = (owner, "sampling session", sid, "seq_id", seq) if isinstance(sid, str) and isinstance(seq, int) \
+            else None
         if (old := self.futures.lookup(dedup)) is not None:
-            return old, old.extra.get("num_samples", 0)
-        rec = self.futures.create(None, dedup, prefix="sample")
-        n = body.get("num_samples", 1)
-        rec.extra["num_samples"] = n if isinstance(n, int) and n > 0 else 0
+            return old
+        rec = self.futures.create(owner, None, dedup, prefix="sample")
         try:
-            spec = wire.parse_sample_request(body)
-            session = self.sampler(sid) if sid is not None else self._session_from(
-                body.get("model_path"), body.get("base_model"), "adhoc")
-            self._submit_sample(session, spec, self.futures.completer(rec))
+            self.sampling.submit(session, spec, self.futures.completer(rec))
         except InputError as exc:
-            self.finished(rec, Result.from_exception(exc))
-        return rec, rec.extra["num_samples"]
+            self.futures.finish(rec, Result.from_exception(exc))
+        rec.extra["num_samples"] = spec.num_samples
+        return rec
 
-    def _submit_sample(self, session: SamplingSession, spec: wire.SampleSpec, done: Callable[[Result], None]) -> None:
-        if session.kind in ("snapshot", "inflight"):
-            model = session.model
-            if model.closed:
-                raise InputError(f"sampling session {session.sid}: its model was released (session finished)")
-            job = self._sample_job(spec, done, lambda: model.require_backend(), ("model", model.model_id),
-                                   session if session.kind == "snapshot" else None)
-            model.worker.put(job)
-            return
-        target = self._target_for(session)
-        target.worker.put(self._sample_job(spec, done, target.get, target.key, None))
-
-    def _sample_job(self, spec: wire.SampleSpec, done, get_backend, target_key, snapshot: SamplingSession | None
-                    ) -> Job:
-        def stale() -> bool:
-            return snapshot is not None and snapshot.model.version != snapshot.version
-
-        def reroute(jobs: list[Job]) -> list[None]:
-            model, v = snapshot.model, snapshot.version
-            if v in model.dropped or v not in model.snapshots:
-                raise InputError(f"sampling session {snapshot.sid}: its weights snapshot was dropped (only the last "
-                                 f"{self.config.max_ephemeral_snapshots} per model are kept); create a new "
-                                 f"sampling client")
-            target = self._target_sync(("dir", str(model.snapshots[v])), str(model.snapshots[v]), None)
-            for j in jobs:
-                target.worker.put(self._sample_job(j.payload, j.done, target.get, target.key, None))
-            return [None] * len(jobs)
-
-        def run_batch(jobs: list[Job]) -> list[Result | None]:
-            if stale():
-                return reroute(jobs)
-            first = jobs[0].payload
-            backend = get_backend()
-            with RNG_LOCK:
-                outs = backend.sample([j.payload.prompt for j in jobs], first.params, first.num_samples,
-                                      first.prompt_logprobs)
-            return [Result.proto(wire.sample_output_to_proto(o, j.payload.prompt_logprobs_last_n))
-                    for o, j in zip(outs, jobs)]
-
-        def run() -> Result | None:
-            return run_batch([job])[0]
-
-        key = None
-        if spec.params.seed is None:
-            key = (target_key, snapshot.version if snapshot else None, spec.params, spec.num_samples,
-                   spec.prompt_logprobs)
-        job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=spec)
-        return job
-
-    def _target_for(self, session: SamplingSession) -> SamplerTarget:
-        if session.kind == "base":
-            return self._target_sync(("base", session.base_model), session.base_model, None)
-        tp = TinkerPath.parse(session.model_path)
-        _, directory = self.store.resolve_checkpoint(session.model_path)
-        if tp.kind == "sampler":
-            return self._target_sync(("dir", str(directory)), str(directory), None)
-        run = self.store.run(tp.run_id)
-        return self._target_sync(("state", str(directory)), session.base_model,
-                                 (directory, lora_config_from_any(run["lora"]) if run else None))
-
-    def _target_sync(self, key: tuple, model: str, state: tuple | None) -> SamplerTarget:
-        """Get or create a sampler backend (safe from any thread: dict ops only)."""
-        with self._targets_lock:
-            target = self._targets.get(key)
-            if target is not None:
-                self._targets.move_to_end(key)
-                return target
-            target = self._new_target(key, model, state)
-            evict = list(self._targets)[: max(0, len(self._targets) - self.config.max_sampler_backends)]
-        for old_key in evict:
-            self._evict_target(old_key)
-        return target
-
-    def _new_target(self, key: tuple, model: str, state: tuple | None) -> SamplerTarget:
-
-        def load():
-            if state is None:
-                return self._backend(model, None)
-            directory, lora = state
-            backend = self._backend(model, lora)
-            backend.load_state(directory, optimizer=False)
-            return backend
-
-        target = SamplerTarget(key, Worker(f"sampler-{uuid.uuid4().hex[:8]}", self.config.max_sample_batch), load)
-        self._targets[key] = target
-        return target
-
-    def _evict_target(self, key: tuple) -> None:
-        with self._targets_lock:
-            target = self._targets.pop(key, None)
-        if target is None:
-            return
-
-        def close() -> Result:
-            if target.backend is not None:
-                target.backend.close()
-                target.backend = None
-            return Result.json({})
-
-        target.worker.put(Job(run=close, done=lambda r: target.worker.close(wait=False), what="close sampler"))
-
-    # ---- shutdown -------------------------------------------------------------------------
+    # ---- shutdown ------------------------------------------------------------------------------
     def close(self) -> None:
-        workers = [m.worker for m in self.models.values()] + [t.worker for t in self._targets.values()]
+        """(any thread, after ``sessions.stop()`` on the loop) Stop every worker, close every Backend."""
+        workers = [m.worker for m in self.models.values()]
         for w in workers:
             w.close(wait=False)
         for w in workers:
@@ -603,7 +417,5 @@ class Runtime:
                     m.backend.close()
                 except Exception:  # pragma: no cover
                     logger.exception("closing %s", m.model_id)
-        for t in self._targets.values():
-            if t.backend is not None:
-                t.backend.close()
+        self.sampling.close()
         self.store.close()

@@ -16,21 +16,23 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import attrs
 
-from ..errors import InputError
+from ..errors import InputError, UnknownError
+from .config import DEFAULT_OWNER
 
 #: tinker path segment -> checkpoint type (Tinker's names)
 SEGMENT_TO_KIND = {"weights": "training", "sampler_weights": "sampler"}
 KIND_TO_SEGMENT = {v: k for k, v in SEGMENT_TO_KIND.items()}
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
-_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,199}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,199}")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL DEFAULT 'default',
     created_at REAL NOT NULL,
     last_heartbeat REAL,
     finished_at REAL,
@@ -41,6 +43,7 @@ CREATE TABLE IF NOT EXISTS sessions (
 );
 CREATE TABLE IF NOT EXISTS training_runs (
     run_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL DEFAULT 'default',
     session_id TEXT,
     base_model TEXT NOT NULL,
     lora TEXT,
@@ -61,17 +64,20 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 );
 CREATE TABLE IF NOT EXISTS sampling_sessions (
     sampling_session_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL DEFAULT 'default',
     session_id TEXT,
     base_model TEXT NOT NULL,
     model_path TEXT,
     created_at REAL NOT NULL
 );
 """
+#: tables that gained an ``owner`` column (a state dir from before owners: all 'default')
+_OWNED_TABLES = ("sessions", "training_runs", "sampling_sessions")
 
 
 def check_name(name: Any, what: str = "checkpoint name") -> str:
     """A checkpoint name: letters, digits, ``_ . -``; no slashes, no leading dot."""
-    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
         raise InputError(
             f"invalid {what} {name!r}: use 1-200 characters from A-Z a-z 0-9 _ . - "
             f"(no '/', no '..', not starting with '.' or '-')"
@@ -79,9 +85,10 @@ def check_name(name: Any, what: str = "checkpoint name") -> str:
     return name
 
 
-def check_run_id(run_id: Any) -> str:
-    if not isinstance(run_id, str) or not _ID_RE.match(run_id) or ".." in run_id:
-        raise InputError(f"invalid training run id {run_id!r}")
+def check_run_id(run_id: Any, what: str = "training run id") -> str:
+    """An id made of letters, digits and ``_ . : -`` (session, model and run ids)."""
+    if not isinstance(run_id, str) or not _ID_RE.fullmatch(run_id) or ".." in run_id:
+        raise InputError(f"invalid {what} {run_id!r}: use 1-200 characters from A-Z a-z 0-9 _ . : -")
     return run_id
 
 
@@ -98,7 +105,7 @@ class TinkerPath:
     name: str
 
     @classmethod
-    def parse(cls, path: Any) -> "TinkerPath":
+    def parse(cls, path: Any) -> TinkerPath:
         if not isinstance(path, str) or not path.startswith("tinker://"):
             raise InputError(f"expected a tinker:// path, got {path!r}")
         parts = path[len("tinker://"):].split("/")
@@ -138,6 +145,10 @@ class Store:
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(_SCHEMA)
+            for table in _OWNED_TABLES:
+                columns = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
+                if "owner" not in columns:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT '{DEFAULT_OWNER}'")
 
     def close(self) -> None:
         with self._lock:
@@ -173,20 +184,20 @@ class Store:
         return self.inside(self.root / "runs" / self.run_dirname(tp.run_id) / KIND_TO_SEGMENT[tp.kind] / tp.name)
 
     # ---- sessions ---------------------------------------------------------------------
-    def add_session(self, session_id: str, tags: Any, user_metadata: Any, sdk_version: Any) -> None:
+    def add_session(self, session_id: str, owner: str, tags: Any, user_metadata: Any, sdk_version: Any) -> None:
         self._exec(
-            "INSERT OR IGNORE INTO sessions (session_id, created_at, last_heartbeat, tags, user_metadata, sdk_version)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
-            (session_id, time.time(), time.time(), _dumps(tags), _dumps(user_metadata), sdk_version),
+            "INSERT OR IGNORE INTO sessions (session_id, owner, created_at, last_heartbeat, tags, user_metadata,"
+            " sdk_version) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (session_id, owner, time.time(), time.time(), _dumps(tags), _dumps(user_metadata), sdk_version),
         )
 
-    def session(self, session_id: str) -> dict[str, Any] | None:
-        rows = self._rows("SELECT * FROM sessions WHERE session_id = ?", (session_id,))
+    def session(self, session_id: str, owner: str) -> dict[str, Any] | None:
+        rows = self._rows("SELECT * FROM sessions WHERE session_id = ? AND owner = ?", (session_id, owner))
         return dict(rows[0]) if rows else None
 
-    def heartbeat(self, session_id: str) -> bool:
-        return self._exec("UPDATE sessions SET last_heartbeat = ? WHERE session_id = ?",
-                          (time.time(), session_id)).rowcount > 0
+    def heartbeat(self, session_id: str, owner: str) -> bool:
+        return self._exec("UPDATE sessions SET last_heartbeat = ? WHERE session_id = ? AND owner = ?",
+                          (time.time(), session_id, owner)).rowcount > 0
 
     def finish_session(self, session_id: str, reason: Any) -> None:
         self._exec(
@@ -195,27 +206,29 @@ class Store:
             (time.time(), _dumps(reason), session_id),
         )
 
-    def list_sessions(self, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
-        rows = self._rows("SELECT * FROM sessions ORDER BY created_at DESC LIMIT ? OFFSET ?", (limit, offset))
-        total = self._rows("SELECT COUNT(*) AS n FROM sessions")[0]["n"]
+    def list_sessions(self, owner: str, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
+        rows = self._rows("SELECT * FROM sessions WHERE owner = ? ORDER BY created_at DESC LIMIT ? OFFSET ?",
+                          (owner, limit, offset))
+        total = self._rows("SELECT COUNT(*) AS n FROM sessions WHERE owner = ?", (owner,))[0]["n"]
         return [dict(r) for r in rows], total
 
     # ---- training runs ----------------------------------------------------------------
-    def add_run(self, run_id: str, session_id: str | None, base_model: str, lora: dict | None,
+    def add_run(self, run_id: str, owner: str, session_id: str | None, base_model: str, lora: dict | None,
                 user_metadata: Any) -> None:
         now = time.time()
         self._exec(
-            "INSERT OR REPLACE INTO training_runs (run_id, session_id, base_model, lora, user_metadata, created_at,"
-            " last_request_time, dirname) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (check_run_id(run_id), session_id, base_model, _dumps(lora), _dumps(user_metadata), now, now,
+            "INSERT OR REPLACE INTO training_runs (run_id, owner, session_id, base_model, lora, user_metadata,"
+            " created_at, last_request_time, dirname) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (check_run_id(run_id), owner, session_id, base_model, _dumps(lora), _dumps(user_metadata), now, now,
              self.run_dirname(run_id)),
         )
 
     def touch_run(self, run_id: str) -> None:
         self._exec("UPDATE training_runs SET last_request_time = ? WHERE run_id = ?", (time.time(), run_id))
 
-    def run(self, run_id: str) -> dict[str, Any] | None:
-        rows = self._rows("SELECT * FROM training_runs WHERE run_id = ?", (run_id,))
+    def run(self, run_id: str, owner: str) -> dict[str, Any] | None:
+        """The training run ``run_id`` if ``owner`` owns it."""
+        rows = self._rows("SELECT * FROM training_runs WHERE run_id = ? AND owner = ?", (run_id, owner))
         if not rows:
             return None
         out = dict(rows[0])
@@ -223,13 +236,22 @@ class Store:
         out["user_metadata"] = _loads(out["user_metadata"])
         return out
 
-    def list_runs(self, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
-        rows = self._rows("SELECT run_id FROM training_runs ORDER BY created_at DESC LIMIT ? OFFSET ?",
-                          (limit, offset))
-        total = self._rows("SELECT COUNT(*) AS n FROM training_runs")[0]["n"]
-        return [self.run(r["run_id"]) for r in rows], total
+    def run_id_of_dirname(self, dirname: str) -> str | None:
+        rows = self._rows("SELECT run_id FROM training_runs WHERE dirname = ?", (dirname,))
+        return rows[0]["run_id"] if rows else None
 
-    # ---- checkpoints ------------------------------------------------------------------
+    def list_runs(self, owner: str, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
+        rows = self._rows("SELECT run_id FROM training_runs WHERE owner = ? ORDER BY created_at DESC LIMIT ? OFFSET ?",
+                          (owner, limit, offset))
+        total = self._rows("SELECT COUNT(*) AS n FROM training_runs WHERE owner = ?", (owner,))[0]["n"]
+        return [self.run(r["run_id"], owner) for r in rows], total
+
+    def run_ids_of_session(self, session_id: str, owner: str) -> list[str]:
+        rows = self._rows("SELECT run_id FROM training_runs WHERE session_id = ? AND owner = ? ORDER BY created_at",
+                          (session_id, owner))
+        return [r["run_id"] for r in rows]
+
+    # ---- checkpoints (owned through their training run) -------------------------------
     def add_checkpoint(self, tp: TinkerPath, ttl_seconds: Any = None, user_metadata: Any = None) -> None:
         now = time.time()
         directory = self.checkpoint_dir(tp)
@@ -241,30 +263,35 @@ class Store:
             (tp.run_id, tp.kind, tp.name, now, size, expires, _dumps(user_metadata)),
         )
 
-    def checkpoint(self, tp: TinkerPath) -> dict[str, Any] | None:
-        rows = self._rows("SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
-                          (tp.run_id, tp.kind, tp.name))
+    def checkpoint(self, tp: TinkerPath, owner: str) -> dict[str, Any] | None:
+        rows = self._rows(
+            "SELECT c.* FROM checkpoints c JOIN training_runs r ON r.run_id = c.run_id"
+            " WHERE c.run_id = ? AND c.kind = ? AND c.name = ? AND r.owner = ?",
+            (tp.run_id, tp.kind, tp.name, owner))
         return self._checkpoint_json(rows[0]) if rows else None
 
-    def resolve_checkpoint(self, path: Any, kind: str | None = None) -> tuple[TinkerPath, Path]:
+    def resolve_checkpoint(self, path: Any, owner: str, kind: str | None = None) -> tuple[TinkerPath, Path]:
         """A recorded checkpoint's ``tinker://`` path -> its directory (which must exist)."""
         tp = TinkerPath.parse(path)
         if kind is not None and tp.kind != kind:
             want = KIND_TO_SEGMENT[kind]
             raise InputError(f"{path}: expected a tinker://<run>/{want}/<name> path here")
-        if self.checkpoint(tp) is None:
-            raise InputError(f"no checkpoint {path} on this server")
+        if self.checkpoint(tp, owner) is None:
+            raise UnknownError(f"no checkpoint {path} on this server")
         directory = self.checkpoint_dir(tp)
         if not directory.is_dir():
             raise InputError(f"checkpoint {path} is recorded but its files are gone")
         return tp, directory
 
-    def list_checkpoints(self, run_id: str | None = None, limit: int = 10**9, offset: int = 0
+    def list_checkpoints(self, owner: str, run_id: str | None = None, limit: int = 10**9, offset: int = 0
                          ) -> tuple[list[dict[str, Any]], int]:
-        where, params = ("WHERE run_id = ?", (run_id,)) if run_id is not None else ("", ())
-        rows = self._rows(f"SELECT * FROM checkpoints {where} ORDER BY created_at, name LIMIT ? OFFSET ?",
+        where, params = "WHERE r.owner = ?", (owner,)
+        if run_id is not None:
+            where, params = where + " AND c.run_id = ?", (owner, run_id)
+        joined = f"FROM checkpoints c JOIN training_runs r ON r.run_id = c.run_id {where}"
+        rows = self._rows(f"SELECT c.* {joined} ORDER BY c.created_at, c.name LIMIT ? OFFSET ?",
                           (*params, limit, offset))
-        total = self._rows(f"SELECT COUNT(*) AS n FROM checkpoints {where}", params)[0]["n"]
+        total = self._rows(f"SELECT COUNT(*) AS n {joined}", params)[0]["n"]
         return [self._checkpoint_json(r) for r in rows], total
 
     def last_checkpoint(self, run_id: str, kind: str) -> dict[str, Any] | None:
@@ -273,6 +300,7 @@ class Store:
         return self._checkpoint_json(rows[0]) if rows else None
 
     def delete_checkpoint(self, tp: TinkerPath) -> bool:
+        """Delete a checkpoint's record and files (the caller checked who owns it)."""
         directory = self.checkpoint_dir(tp)
         found = self._exec("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
                            (tp.run_id, tp.kind, tp.name)).rowcount > 0
@@ -304,17 +332,14 @@ class Store:
         }
 
     # ---- sampling sessions ------------------------------------------------------------
-    def add_sampling_session(self, sid: str, session_id: str | None, base_model: str, model_path: str | None) -> None:
+    def add_sampling_session(self, sid: str, owner: str, session_id: str | None, base_model: str,
+                             model_path: str | None) -> None:
         self._exec(
-            "INSERT OR REPLACE INTO sampling_sessions (sampling_session_id, session_id, base_model, model_path,"
-            " created_at) VALUES (?, ?, ?, ?, ?)",
-            (sid, session_id, base_model, model_path, time.time()),
+            "INSERT OR REPLACE INTO sampling_sessions (sampling_session_id, owner, session_id, base_model, model_path,"
+            " created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            (sid, owner, session_id, base_model, model_path, time.time()),
         )
 
-    def sampling_session(self, sid: str) -> dict[str, Any] | None:
-        rows = self._rows("SELECT * FROM sampling_sessions WHERE sampling_session_id = ?", (sid,))
+    def sampling_session(self, sid: str, owner: str) -> dict[str, Any] | None:
+        rows = self._rows("SELECT * FROM sampling_sessions WHERE sampling_session_id = ? AND owner = ?", (sid, owner))
         return dict(rows[0]) if rows else None
-
-    def iter_runs(self) -> Iterator[dict[str, Any]]:
-        for r in self._rows("SELECT run_id FROM training_runs"):
-            yield self.run(r["run_id"])

@@ -1,0 +1,247 @@
+"""Sampling sessions, the sampler-backend cache and weight snapshots.
+
+A sampling session samples from a base model, a saved ``tinker://`` path, or a live
+training model (``save_weights_and_get_sampling_client``). Base models and saved paths are
+served by sampler Backends, loaded lazily, each with its own worker, the least recently
+used evicted past ``max_sampler_backends``.
+
+Weights versions: a training model's ``version`` grows with every ``optim_step`` and
+``load_weights``. An ephemeral ``snapshot`` session pins the version it was created at and
+samples the live model while it is still at that version; before the weights change, a
+pinned version is exported once to a scratch HF directory that its sessions then sample
+from (the last ``max_ephemeral_snapshots`` per model are kept). ``inflight`` sessions
+always sample the live weights.
+"""
+
+from __future__ import annotations
+
+import collections
+import shutil
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ..errors import InputError, UnknownError
+from ..coerce import lora_config_from_any
+from . import proto
+from .config import ServerConfig
+from .futures import Job, Result, Worker
+from .served import RNG_LOCK, ServedModels
+from .store import Store, TinkerPath
+from .wire import SampleSpec
+
+if TYPE_CHECKING:
+    from .runtime import TrainingModel
+
+
+@attrs.define(eq=False)
+class SamplingSession:
+    sid: str
+    owner: str
+    base_model: str
+    model_path: str | None
+    kind: str  # "base" | "path" | "snapshot" | "inflight"
+    model: TrainingModel | None = None
+    version: int | None = None
+
+
+@attrs.define(eq=False)
+class SamplerTarget:
+    """A Backend used only for sampling (a base model or saved weights), loaded lazily."""
+
+    key: tuple
+    worker: Worker
+    loader: Callable[[], Any]
+    backend: Any = None
+
+    def get(self):
+        if self.backend is None:
+            self.backend = self.loader()
+        return self.backend
+
+
+class Sampling:
+    """Sampling sessions by id, and the cache of sampler Backends they run on."""
+
+    def __init__(self, config: ServerConfig, store: Store, served: ServedModels) -> None:
+        self.config = config
+        self.store = store
+        self.served = served
+        self.sessions: dict[str, SamplingSession] = {}
+        self._targets: collections.OrderedDict[tuple, SamplerTarget] = collections.OrderedDict()
+        self._targets_lock = threading.Lock()
+
+    # ---- sessions -------------------------------------------------------------------------------
+    def create(self, owner: str, session_id: str | None, sid: str, model_path: Any, base_model: Any
+               ) -> SamplingSession:
+        """A durable session on a base model or a saved path (survives a restart)."""
+        if (old := self.sessions.get(sid)) is not None and old.owner != owner:
+            raise UnknownError(f"unknown session {session_id!r}")
+        session = self.session_from(owner, model_path, base_model, sid)
+        self.sessions[sid] = session
+        self.store.add_sampling_session(sid, owner, session_id, session.base_model, session.model_path)
+        return session
+
+    def add_ephemeral(self, model: TrainingModel, sid: str, kind: str) -> None:
+        """(the model's worker) A session on a live training model, pinning its weights if a snapshot."""
+        model.require_backend()
+        self.sessions[sid] = SamplingSession(sid, model.owner, model.base_model, None, kind, model=model,
+                                             version=model.version if kind == "snapshot" else None)
+        if kind == "snapshot":
+            model.pinned.add(model.version)
+
+    def session_from(self, owner: str, model_path: Any, base_model: Any, sid: str) -> SamplingSession:
+        if model_path:
+            tp, _ = self.store.resolve_checkpoint(model_path, owner)
+            run = self.store.run(tp.run_id, owner)
+            return SamplingSession(sid, owner, run["base_model"], str(tp), "path")
+        if base_model:
+            return SamplingSession(sid, owner, self.served.resolve(base_model), None, "base")
+        raise InputError("sampling needs a model_path (tinker://...) or a base_model")
+
+    def session(self, owner: str, sid: Any) -> SamplingSession:
+        """``owner``'s sampling session ``sid`` (another owner's reads as unknown)."""
+        s = self.sessions.get(sid) if isinstance(sid, str) else None
+        if s is None and isinstance(sid, str) and (row := self.store.sampling_session(sid, owner)) is not None:
+            # a path- or base-model session survives a restart
+            s = self.session_from(owner, row["model_path"], row["base_model"], sid)
+            self.sessions[sid] = s
+        if s is None or s.owner != owner:
+            raise UnknownError(f"unknown sampling session {sid!r} (ephemeral sampling sessions are lost when the "
+                               f"server restarts)")
+        return s
+
+    @staticmethod
+    def drop_snapshots(model: TrainingModel) -> None:
+        """(the model's worker, on release) Delete its snapshot files; its sessions then fail."""
+        for d in model.snapshots.values():
+            shutil.rmtree(d, ignore_errors=True)
+
+    # ---- running samples ------------------------------------------------------------------------
+    def submit(self, session: SamplingSession, spec: SampleSpec, done: Callable[[Result], None]) -> None:
+        spec.check_length(self.served.max_seq_len(session.base_model))
+        if session.kind in ("snapshot", "inflight"):
+            model = session.model
+            if model.closed:
+                raise InputError(f"sampling session {session.sid}: its model was released ({model.closed})")
+            job = self._sample_job(spec, done, lambda: model.require_backend(), ("model", model.model_id),
+                                   session if session.kind == "snapshot" else None)
+            model.worker.put(job)
+            return
+        target = self._target_for(session)
+        target.worker.put(self._sample_job(spec, done, target.get, target.key, None))
+
+    def _sample_job(self, spec: SampleSpec, done, get_backend, target_key, snapshot: SamplingSession | None) -> Job:
+        def stale() -> bool:
+            return snapshot is not None and snapshot.model.version != snapshot.version
+
+        def reroute(jobs: list[Job]) -> list[None]:
+            model, v = snapshot.model, snapshot.version
+            if v in model.dropped or v not in model.snapshots:
+                raise InputError(f"sampling session {snapshot.sid}: its weights snapshot was dropped (only the last "
+                                 f"{self.config.max_ephemeral_snapshots} per model are kept); create a new "
+                                 f"sampling client")
+            target = self._target(("dir", str(model.snapshots[v])), str(model.snapshots[v]), None)
+            for j in jobs:
+                target.worker.put(self._sample_job(j.payload, j.done, target.get, target.key, None))
+            return [None] * len(jobs)
+
+        def run_batch(jobs: list[Job]) -> list[Result | None]:
+            if stale():
+                return reroute(jobs)
+            first = jobs[0].payload
+            backend = get_backend()
+            with RNG_LOCK:
+                outs = backend.sample([j.payload.prompt for j in jobs], first.params, first.num_samples,
+                                      first.prompt_logprobs)
+            return [Result.proto(proto.sample_output_to_proto(o, j.payload.prompt_logprobs_last_n))
+                    for o, j in zip(outs, jobs, strict=True)]
+
+        def run() -> Result | None:
+            return run_batch([job])[0]
+
+        key = None
+        if spec.params.seed is None:
+            key = (target_key, snapshot.version if snapshot else None, spec.params, spec.num_samples,
+                   spec.prompt_logprobs)
+        job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=spec)
+        return job
+
+    # ---- snapshots ------------------------------------------------------------------------------
+    def before_weight_change(self, model: TrainingModel) -> None:
+        """(the model's worker) Export the current weights if an ephemeral session pins them."""
+        v = model.version
+        if v not in model.pinned or v in model.snapshots:
+            return
+        directory = self.store.scratch_dir("snapshots", self.store.run_dirname(model.model_id), f"v{v}")
+        model.backend.save_weights_for_sampler(directory, overwrite=True)
+        model.snapshots[v] = directory
+        model.pinned.discard(v)
+        while len(model.snapshots) > self.config.max_ephemeral_snapshots:
+            old_v, old_dir = model.snapshots.popitem(last=False)
+            model.dropped.add(old_v)
+            self._evict(("dir", str(old_dir)))
+            shutil.rmtree(old_dir, ignore_errors=True)
+
+    # ---- the sampler-backend cache --------------------------------------------------------------
+    def _target_for(self, session: SamplingSession) -> SamplerTarget:
+        if session.kind == "base":
+            return self._target(("base", session.base_model), session.base_model, None)
+        tp = TinkerPath.parse(session.model_path)
+        _, directory = self.store.resolve_checkpoint(session.model_path, session.owner)
+        if tp.kind == "sampler":
+            return self._target(("dir", str(directory)), str(directory), None)
+        run = self.store.run(tp.run_id, session.owner)
+        return self._target(("state", str(directory)), session.base_model,
+                            (directory, lora_config_from_any(run["lora"]) if run else None))
+
+    def _target(self, key: tuple, model: str, state: tuple[Path, Any] | None) -> SamplerTarget:
+        """Get or create a sampler backend (safe from any thread: dict ops only)."""
+        with self._targets_lock:
+            target = self._targets.get(key)
+            if target is not None:
+                self._targets.move_to_end(key)
+                return target
+
+            def load():
+                if state is None:
+                    return self.served.open_backend(model, None)
+                directory, lora = state
+                backend = self.served.open_backend(model, lora)
+                backend.load_state(directory, optimizer=False)
+                return backend
+
+            target = SamplerTarget(key, Worker(f"sampler-{uuid.uuid4().hex[:8]}", self.config.max_sample_batch), load)
+            self._targets[key] = target
+            evict = list(self._targets)[: max(0, len(self._targets) - self.config.max_sampler_backends)]
+        for old_key in evict:
+            self._evict(old_key)
+        return target
+
+    def _evict(self, key: tuple) -> None:
+        with self._targets_lock:
+            target = self._targets.pop(key, None)
+        if target is None:
+            return
+
+        def close() -> Result:
+            if target.backend is not None:
+                target.backend.close()
+                target.backend = None
+            return Result.json({})
+
+        target.worker.put(Job(run=close, done=lambda r: target.worker.close(wait=False), what="close sampler"))
+
+    def close(self) -> None:
+        """(server shutdown) Stop every sampler worker and close its Backend."""
+        targets = list(self._targets.values())
+        for t in targets:
+            t.worker.close(wait=False)
+        for t in targets:
+            t.worker.close(wait=True, timeout=60)
+            if t.backend is not None:
+                t.backend.close()

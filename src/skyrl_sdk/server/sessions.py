@@ -1,0 +1,120 @@
+"""Client sessions: who owns them, whether they are alive, and their expiry.
+
+A session is alive while its client shows signs of life (a heartbeat, any request on its
+models or sampling sessions, polling their futures) or one of its models is busy. One
+without either for ``session_timeout_s`` is finished as expired and ``on_end`` frees its
+models; later requests on it say it expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import InputError, UnknownError
+from . import wire
+from .config import ServerConfig
+from .store import Store
+
+logger = logging.getLogger(__name__)
+
+EXPIRED = "expired"
+
+
+class Sessions:
+    def __init__(self, config: ServerConfig, store: Store, loop: asyncio.AbstractEventLoop,
+                 on_end: Callable[[str, str], None], busy: Callable[[str], bool]) -> None:
+        self.config = config
+        self.store = store
+        self.loop = loop
+        self.on_end = on_end
+        self.busy = busy
+        self._last_seen: dict[str, float] = {}  # session id -> monotonic time of its last sign of life
+        self._reaper: asyncio.TimerHandle | None = None
+        self._schedule_reap()
+
+    def create(self, owner: str, body: dict) -> str:
+        tags, metadata, sdk = body.get("tags"), body.get("user_metadata"), body.get("sdk_version")
+        if tags is not None and not isinstance(tags, list):
+            raise InputError(f"tags: expected a list, got {type(tags).__name__}")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise InputError(f"user_metadata: expected an object, got {type(metadata).__name__}")
+        sid = f"sess-{uuid.uuid4().hex[:16]}"
+        self.store.add_session(sid, owner, tags, metadata, sdk if isinstance(sdk, str) else None)
+        self._last_seen[sid] = time.monotonic()
+        return sid
+
+    def open(self, owner: str, session_id: str) -> dict:
+        """``owner``'s live session (refreshing its liveness): unknown, finished or expired -> error."""
+        row = self.store.session(session_id, owner)
+        if row is None:
+            raise UnknownError(f"unknown session {session_id!r}")
+        if row["finished_at"] is not None:
+            if row["finish_reason"] == f'"{EXPIRED}"':
+                raise InputError(f"session {session_id} expired: no heartbeat for {self.config.session_timeout_s:g} s "
+                                 f"(--session-timeout), so its models were freed; create a new ServiceClient")
+            raise InputError(f"session {session_id} was finished; create a new ServiceClient")
+        self.seen(session_id)
+        return row
+
+    def seen(self, session_id: str) -> None:
+        """A sign of life from ``session_id``'s client."""
+        self._last_seen[session_id] = time.monotonic()
+
+    def heartbeat(self, owner: str, body: dict) -> str | None:
+        """Record a heartbeat; for a finished or expired session, the message saying so
+        (answered 410, on which the tinker client stops its heartbeat loop)."""
+        session_id = wire.session_id(body)
+        try:
+            self.open(owner, session_id)
+        except UnknownError:
+            raise
+        except InputError as exc:
+            return str(exc)
+        self.store.heartbeat(session_id, owner)
+        return None
+
+    def finish(self, owner: str, session_id: str, reason: Any) -> None:
+        if self.store.session(session_id, owner) is None:
+            raise UnknownError(f"unknown session {session_id!r}")
+        self._end(session_id, reason, "its session finished")
+
+    def _end(self, session_id: str, reason: Any, why: str) -> None:
+        self.store.finish_session(session_id, reason)
+        self._last_seen.pop(session_id, None)
+        self.on_end(session_id, why)
+
+    def _schedule_reap(self) -> None:
+        period = max(0.05, min(self.config.session_timeout_s / 4, 15.0))
+        self._reaper = self.loop.call_later(period, self._reap)
+
+    def _reap(self) -> None:
+        """Finish sessions with no sign of life for ``session_timeout_s``."""
+        now = time.monotonic()
+        timeout = self.config.session_timeout_s
+        for sid, seen in list(self._last_seen.items()):
+            if now - seen > timeout and not self.busy(sid):
+                logger.info("session %s expired (no heartbeat for %.0f s); freeing its models", sid, now - seen)
+                self._end(sid, EXPIRED, f"its session expired (no heartbeat for {timeout:g} s)")
+        if self._reaper is not None:
+            self._schedule_reap()
+
+    def stop(self) -> None:
+        """(event loop) Stop reaping (server shutdown)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+
+    def list(self, owner: str, limit: int, offset: int) -> dict:
+        rows, _ = self.store.list_sessions(owner, max(0, limit), max(0, offset))
+        return {"sessions": [r["session_id"] for r in rows]}
+
+    def get(self, owner: str, session_id: str) -> dict:
+        row = self.store.session(session_id, owner)
+        if row is None:
+            raise UnknownError(f"unknown session {session_id!r}")
+        return wire.session_json(row, self.store.run_ids_of_session(session_id, owner))

@@ -1,0 +1,253 @@
+"""Hostile or careless requests: each limit is checked before anything is allocated and
+answered with a clear 4xx (direct routes) or a failed future with category "user" (future
+routes); non-finite metrics never reach JSON; a rejected request registers nothing; idle
+sessions are reaped; error messages show tinker:// paths; late retries are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+pytest.importorskip("fastapi")
+from _server_harness import API_KEY, ServerThread, raw_client, wait_result  # noqa: E402
+from tinker import types as tt  # noqa: E402
+from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
+
+MAX_SEQ, MAX_SAMPLES, MAX_BODY = 64, 8, 2**20
+PROTO = {"Content-Type": "application/x-protobuf"}
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    with ServerThread(tmp_path_factory.mktemp("state"), max_seq_len=MAX_SEQ, max_num_samples=MAX_SAMPLES,
+                      max_body_bytes=MAX_BODY) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def model(srv):
+    """(session id, model id) of a raw-HTTP LoRA model."""
+    with raw_client(srv) as http:
+        sid = http.post("/api/v1/create_session", json={}).json()["session_id"]
+        fut = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": "tiny",
+                                                       "lora_config": {"rank": 2}}).json()
+        assert wait_result(http, fut["request_id"]).json()["model_id"] == fut["model_id"]
+        return sid, fut["model_id"]
+
+
+def _user_error(http, answer: dict) -> str:
+    doc = wait_result(http, answer["request_id"]).json()
+    assert doc["category"] == "user", doc
+    return doc["error"]
+
+
+def _datum_msg(model_id: str, n_tokens: int, seq_id: int = 0) -> pb.ForwardBackwardRequest:
+    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.arange(n_tokens, dtype=np.int32).tobytes()
+    d.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(dense=np.arange(1, n_tokens + 1).tobytes(),
+                                                          dtype=pb.DTYPE_INT64, shape=[n_tokens]))
+    return msg
+
+
+# ---- NaN never reaches JSON ---------------------------------------------------------------------
+def test_skipped_optim_step_reaches_the_real_client(srv):
+    service = srv.service_client()
+    tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
+    huge = tt.Datum(model_input=tt.ModelInput.from_ints([1, 2, 3, 4]), loss_fn_inputs={
+        "target_tokens": tt.TensorData.from_numpy(np.array([2, 3, 4, 5])),
+        "weights": tt.TensorData.from_numpy(np.full(4, 3e38, np.float32))})
+    tc.forward_backward([huge], "cross_entropy").result()
+    metrics = tc.optim_step(tt.AdamParams(learning_rate=1e-3)).result(timeout=30).metrics
+    assert metrics["skipped"] == 1.0 and "grad_norm" not in metrics  # NaN grad_norm: left out
+    ok = tt.Datum(model_input=tt.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={
+        "target_tokens": tt.TensorData.from_numpy(np.array([2, 3, 4]))})
+    tc.forward_backward([ok], "cross_entropy").result()
+    again = tc.optim_step(tt.AdamParams(learning_rate=1e-3)).result(timeout=30).metrics
+    assert again["skipped"] == 0.0 and np.isfinite(again["grad_norm"])
+    service.close("success").result()
+
+
+def test_result_json_is_strict():
+    from skyrl_sdk.server.futures import Result
+    from skyrl_sdk.server.wire import optim_step_json
+
+    body = Result.json({"a": float("nan"), "b": [float("inf"), 1.5], "c": {"d": -float("inf")}}).body
+    assert json.loads(body) == {"a": None, "b": [None, 1.5], "c": {"d": None}}
+    assert optim_step_json({"grad_norm": float("nan"), "skipped": 1.0}) == {"metrics": {"skipped": 1.0}}
+
+
+# ---- sizes checked before allocation --------------------------------------------------------------
+def test_sparse_tensor_declared_shape_checked_before_densifying(srv, model):
+    msg = _datum_msg(model[1], 4)
+    huge = msg.data[0].loss_fn_inputs["weights"]
+    huge.dtype, huge.shape[:] = pb.DTYPE_FLOAT32, [20000, 20000]
+    huge.sparse_csr.crow_indices = np.zeros(20001, np.int64).tobytes()
+    with raw_client(srv) as http:
+        t0 = time.monotonic()
+        error = _user_error(http, http.post("/api/v1/forward_backward", content=msg.SerializeToString(),
+                                            headers=PROTO).json())
+        assert time.monotonic() - t0 < 5
+    assert "datum 0" in error and "weights" in error and "[20000, 20000]" in error and "4096" in error
+
+
+def test_sequence_length_limit(srv, model):
+    with raw_client(srv) as http:
+        error = _user_error(http, http.post("/api/v1/forward_backward", headers=PROTO,
+                                            content=_datum_msg(model[1], MAX_SEQ + 1).SerializeToString()).json())
+        assert f"{MAX_SEQ + 1} tokens" in error and f"at most {MAX_SEQ}" in error
+        fine = http.post("/api/v1/forward_backward", content=_datum_msg(model[1], MAX_SEQ).SerializeToString(),
+                         headers=PROTO).json()
+        assert wait_result(http, fine["request_id"]).headers["content-type"] == "application/x-protobuf"
+
+
+def test_sequence_limit_defaults_to_the_models_positions():
+    from skyrl_sdk.server.config import ServerConfig
+    from skyrl_sdk.server.served import ServedModels
+
+    assert ServedModels(ServerConfig()).max_seq_len("tiny") == 2048  # tiny's max_position_embeddings
+    assert ServedModels(ServerConfig(max_seq_len=100)).max_seq_len("tiny") == 100
+
+
+def test_sample_request_validated_before_num_samples(srv):
+    with raw_client(srv) as http:
+        bad_prompt = http.post("/api/v1/asample", json={"base_model": "tiny", "num_samples": 1_000_000,
+                                                        "prompt": {"chunks": [{"tokens": "12>"}]}}).json()
+        assert bad_prompt["sample_sequence_ids"] == []
+        assert "flat list of integer token ids" in _user_error(http, bad_prompt)
+        nested = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": [[1, 2], [3, 4]]}).json()
+        assert "flat list" in _user_error(http, nested)
+        too_many = http.post("/api/v1/asample", json={"base_model": "tiny", "num_samples": MAX_SAMPLES + 1,
+                                                      "prompt": [1, 2, 3]}).json()
+        assert too_many["sample_sequence_ids"] == []
+        assert f"1..{MAX_SAMPLES}" in _user_error(http, too_many)
+        too_long = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": list(range(60)),
+                                                      "sampling_params": {"max_tokens": 10}}).json()
+        assert f"{MAX_SEQ}-token limit" in _user_error(http, too_long)
+        bad_param = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": [1, 2],
+                                                       "sampling_params": {"temperature": "hot"}}).json()
+        assert "sampling_params.temperature" in _user_error(http, bad_param)
+
+
+def test_chunked_body_too_large_is_413(srv):
+    def chunks():
+        for _ in range(MAX_BODY // 2**16 + 2):
+            yield b"\0" * 2**16
+
+    with raw_client(srv) as http:
+        r = http.post("/api/v1/forward_backward", content=chunks(), headers=PROTO)
+        assert r.status_code == 413 and "larger than" in r.json()["detail"]
+        assert http.get("/api/v1/healthz").status_code == 200
+
+
+@pytest.mark.parametrize("body", [b"[" * 200_000 + b"]" * 200_000, b'{"model_id": ' + b"9" * 5000 + b"}"],
+                         ids=["nested", "5000-digit-int"])
+def test_hostile_json_is_a_user_error(srv, body):
+    json_headers = {"Content-Type": "application/json"}
+    with raw_client(srv) as http:
+        fut = http.post("/api/v1/optim_step", content=body, headers=json_headers)
+        assert fut.status_code == 200
+        assert "not valid JSON" in _user_error(http, fut.json()) or "nested too deeply" in _user_error(
+            http, fut.json())
+        direct = http.post("/api/v1/create_session", content=body, headers=json_headers)
+        assert direct.status_code == 400, direct.text
+
+
+# ---- a rejected request registers nothing -----------------------------------------------------------
+def test_rejected_create_model_registers_nothing(srv):
+    rt = srv.runtime
+    with raw_client(srv) as http:
+        models, threads = len(rt.models), threading.active_count()
+        for _ in range(5):
+            fut = http.post("/api/v1/create_model", json={"session_id": "bad/sess", "model_seq_id": 0,
+                                                           "base_model": "tiny"}).json()
+            assert "invalid session id" in _user_error(http, fut)
+        sid = http.post("/api/v1/create_session", json={}).json()["session_id"]
+        for body in ({"base_model": "nope"}, {"base_model": "tiny", "lora_config": {"rank": -1}},
+                     {"base_model": "tiny", "optimizer_config": {"type": "sgd"}}):
+            fut = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 3, **body}).json()
+            _user_error(http, fut)
+            again = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 3, **body}).json()
+            _user_error(http, again)  # a retry fails the same way at once (never try_again forever)
+        assert len(rt.models) == models and threading.active_count() <= threads
+        assert http.post("/api/v1/get_info", json={"model_id": f"{sid}:train:3"}).status_code == 404
+
+
+# ---- names, paths, late retries -------------------------------------------------------------------------
+def test_checkpoint_name_fullmatch_and_tinker_paths_in_errors(srv, model):
+    root = str(srv.runtime.store.root)
+    with raw_client(srv) as http:
+        bad = http.post("/api/v1/save_weights", json={"model_id": model[1], "path": "name\n"}).json()
+        assert "invalid checkpoint name" in _user_error(http, bad)
+        first = http.post("/api/v1/save_weights", json={"model_id": model[1], "path": "twice"}).json()
+        assert wait_result(http, first["request_id"]).json()["path"] == f"tinker://{model[1]}/weights/twice"
+        second = http.post("/api/v1/save_weights", json={"model_id": model[1], "path": "twice"}).json()
+        error = _user_error(http, second)
+        assert "already exists" in error and f"tinker://{model[1]}/weights/twice" in error and root not in error
+    assert srv.runtime.redact(f"cannot open {root}/scratch/x/y") == "cannot open <state-dir>/..."
+
+
+def test_retry_after_its_record_expired_is_refused(srv, model):
+    rt = srv.runtime
+    with raw_client(srv) as http:
+        body = {"model_id": model[1], "seq_id": 1, "adam_params": {"learning_rate": 1e-4}}
+        first = http.post("/api/v1/optim_step", json=body).json()
+        assert "metrics" in wait_result(http, first["request_id"]).json()
+        assert http.post("/api/v1/optim_step", json=body).json()["request_id"] == first["request_id"]
+
+        async def sweep():
+            rt.futures.retention_s = -1
+            rt.futures._maybe_sweep(force=True)
+            rt.futures.retention_s = 900.0
+
+        asyncio.run_coroutine_threadsafe(sweep(), rt.loop).result(10)
+        late = http.post("/api/v1/optim_step", json=body).json()
+        assert late["request_id"] != first["request_id"]
+        error = _user_error(http, late)
+        assert "expired" in error and "not running it again" in error and f"model {model[1]} seq_id 1" in error
+
+
+# ---- idle sessions are reaped ---------------------------------------------------------------------------
+def test_sessions_without_heartbeat_are_reaped(tmp_path):
+    with ServerThread(tmp_path / "state", session_timeout_s=1.5) as server, raw_client(server) as http:
+        sid = http.post("/api/v1/create_session", json={}).json()["session_id"]
+        fut = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": "tiny",
+                                                       "lora_config": {"rank": 2}}).json()
+        model_id = wait_result(http, fut["request_id"]).json()["model_id"]
+        for _ in range(4):  # heartbeats keep it alive
+            time.sleep(0.3)
+            assert http.post("/api/v1/session_heartbeat", json={"session_id": sid}).status_code == 200
+        model = server.runtime.models[model_id]
+        assert not model.closed
+        deadline = time.monotonic() + 10
+        while model.backend is not None or not model.closed:
+            assert time.monotonic() < deadline, "the idle session was not reaped"
+            time.sleep(0.1)
+        late = http.post("/api/v1/optim_step", json={"model_id": model_id, "adam_params": {}}).json()
+        assert "session expired" in _user_error(http, late)
+        again = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 1,
+                                                         "base_model": "tiny"}).json()
+        assert f"session {sid} expired" in _user_error(http, again)
+        assert http.get(f"/api/v1/sessions/{sid}").json()["finished_at"] is not None
+        ended = http.post("/api/v1/session_heartbeat", json={"session_id": sid})
+        assert ended.status_code == 410 and "expired" in ended.json()["detail"]  # the client stops heartbeating
+
+
+def test_config_from_cli_flags(tmp_path):
+    from skyrl_sdk.cli import build_parser
+    from skyrl_sdk.server.config import ServerConfig
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"{API_KEY} alice\n")
+    args = build_parser().parse_args(["serve", "--api-keys", str(keys), "--session-timeout", "30",
+                                      "--max-seq-len", "512", "--max-num-samples", "4"])
+    config = ServerConfig.from_args(args)
+    assert (config.api_keys, config.session_timeout_s, config.max_seq_len, config.max_num_samples) == (
+        {API_KEY: "alice"}, 30.0, 512, 4)
+    assert ServerConfig().session_timeout_s == 300.0

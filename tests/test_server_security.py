@@ -1,0 +1,183 @@
+"""Owners: every route x {no key, wrong key, another owner's key}.
+
+Alice owns a session, a model, a saved checkpoint, a sampler checkpoint, a sampling session
+and a finished future. Without a key or with an unknown key every route answers 401; with
+Bob's key each of Alice's ids reads exactly like an id that does not exist (404 on direct
+routes, a future failed with "unknown ..." on future routes), Bob's listings hold none of
+Alice's things, and nothing of Alice's changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+pytest.importorskip("fastapi")
+from _server_harness import ServerThread, raw_client, wait_result  # noqa: E402
+from tinker import types as tt  # noqa: E402
+from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
+
+from skyrl_sdk.errors import InputError  # noqa: E402
+from skyrl_sdk.server.config import read_api_keys  # noqa: E402
+
+ALICE, BOB = "tml-alice", "tml-bob"
+
+
+def _fwdbwd(model_id: str, seq_id: int) -> bytes:
+    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.array([1, 2, 3], np.int32).tobytes()
+    d.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(dense=np.array([2, 3, 4]).tobytes(),
+                                                          dtype=pb.DTYPE_INT64, shape=[3]))
+    return msg.SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"# key owner\n{ALICE} alice\n{BOB} bob\n\n")
+    with ServerThread(tmp_path_factory.mktemp("state"), api_keys=read_api_keys(keys)) as srv:
+        service = srv.service_client(api_key=ALICE)
+        tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
+        saved = tc.save_state("ckpt").result().path
+        sampler_path = tc.save_weights_for_sampler("smp").result().path
+        sampler = service.create_sampling_client(model_path=sampler_path).result()
+        with raw_client(srv, ALICE) as http:
+            sid = http.get("/api/v1/sessions").json()["sessions"][0]
+            fut = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "adam_params": {}}).json()
+            assert "metrics" in wait_result(http, fut["request_id"]).json()
+            sampling_id = http.post("/api/v1/create_sampling_session", json={
+                "session_id": sid, "sampling_session_seq_id": 77, "base_model": "tiny"}).json()["sampling_session_id"]
+        yield dict(srv=srv, service=service, tc=tc, sid=sid, run=tc.model_id, saved=saved, sampler=sampler,
+                   sampler_path=sampler_path, sampling_id=sampling_id, request_id=fut["request_id"])
+        service.close("success").result()
+
+
+def _routes(w: dict) -> list[tuple[str, str, dict]]:
+    """(method, path, json body) of every route, aimed at Alice's things."""
+    run, sid = w["run"], w["sid"]
+    return [
+        ("POST", "/api/v1/client/config", {}),
+        ("POST", "/api/v1/client/dynamic_config", {}),
+        ("GET", "/api/v1/get_server_capabilities", {}),
+        ("POST", "/api/v1/create_session", {}),
+        ("POST", "/api/v1/session_heartbeat", {"session_id": sid}),
+        ("GET", f"/api/v1/sessions/{sid}", {}),
+        ("GET", "/api/v1/sessions", {}),
+        ("POST", f"/api/v1/sessions/{sid}/finish", {}),
+        ("POST", "/api/v1/create_model", {"session_id": sid, "model_seq_id": 9, "base_model": "tiny"}),
+        ("POST", "/api/v1/get_info", {"model_id": run}),
+        ("POST", "/api/v1/forward_backward", {}),
+        ("POST", "/api/v1/optim_step", {"model_id": run, "seq_id": 1000, "adam_params": {}}),
+        ("POST", "/api/v1/save_weights", {"model_id": run, "path": "stolen"}),
+        ("POST", "/api/v1/save_weights_for_sampler", {"model_id": run, "path": "stolen"}),
+        ("POST", "/api/v1/load_weights", {"model_id": run, "path": w["saved"]}),
+        ("POST", "/api/v1/load_weights", {"session_id": sid, "model_seq_id": 5, "path": w["saved"]}),
+        ("POST", "/api/v1/create_sampling_session", {"session_id": sid, "sampling_session_seq_id": 3,
+                                                     "base_model": "tiny"}),
+        ("GET", f"/api/v1/samplers/{w['sampling_id']}", {}),
+        ("POST", "/api/v1/asample", {"sampling_session_id": w["sampling_id"], "seq_id": 1,
+                                     "prompt": {"chunks": [{"tokens": [1, 2]}]}, "num_samples": 1}),
+        ("POST", "/api/v1/asample", {"model_path": w["sampler_path"], "prompt": {"chunks": [{"tokens": [1, 2]}]}}),
+        ("POST", "/api/v1/retrieve_future", {"request_id": w["request_id"]}),
+        ("POST", "/api/v1/cancel_future", {"request_id": w["request_id"]}),
+        ("GET", "/api/v1/training_runs", {}),
+        ("GET", f"/api/v1/training_runs/{run}", {}),
+        ("GET", f"/api/v1/training_runs/{run}/checkpoints", {}),
+        ("DELETE", f"/api/v1/training_runs/{run}/checkpoints/weights/ckpt", {}),
+        ("GET", "/api/v1/checkpoints", {}),
+        ("POST", "/api/v1/weights_info", {"tinker_path": w["saved"]}),
+        ("POST", "/api/v1/telemetry", {"events": []}),
+    ]
+
+
+def _send(http, method: str, path: str, body: dict):
+    if path.endswith("/forward_backward"):
+        return http.post(path, content=_fwdbwd(body.get("model_id", ""), 1000),
+                         headers={"Content-Type": "application/x-protobuf"})
+    if method == "GET":
+        return http.get(path)
+    if method == "DELETE":
+        return http.delete(path)
+    return http.post(path, json=body)
+
+
+@pytest.mark.parametrize("key", [None, "tml-wrong", ALICE + "x"])
+def test_every_route_needs_a_known_key(world, key):
+    with raw_client(world["srv"], key) as http:
+        for method, path, body in _routes(world):
+            r = _send(http, method, path, body)
+            assert r.status_code == 401, (method, path, r.status_code, r.text)
+        assert http.get("/api/v1/healthz").json() == {"status": "ok"}
+
+
+def test_another_owner_sees_nothing_and_changes_nothing(world):
+    w = world
+    routes = _routes(w)
+    routes[10] = ("POST", "/api/v1/forward_backward", {"model_id": w["run"]})
+    with raw_client(w["srv"], BOB) as bob:
+        for method, path, body in routes:
+            r = _send(bob, method, path, body)
+            if path.endswith(("/client/config", "/dynamic_config", "/get_server_capabilities", "/telemetry",
+                              "/cancel_future", "/create_session")):
+                assert r.status_code == 200
+                assert w["run"] not in r.text and w["sid"] not in r.text
+                continue
+            if path.endswith(("/sessions", "/training_runs", "/checkpoints")) and method == "GET" \
+                    and "/training_runs/" not in path:
+                assert r.status_code == 200, (path, r.text)
+                assert w["run"] not in r.text and w["sid"] not in r.text, (path, r.text)
+                continue
+            if r.status_code == 200 and "request_id" in r.json() and "error" not in r.json():
+                answer = wait_result(bob, r.json()["request_id"]).json()  # a future route: failed, "unknown"
+                assert "unknown" in answer["error"] or "no checkpoint" in answer["error"], (path, answer)
+                continue
+            if path.endswith("/retrieve_future"):
+                assert "unknown request_id" in r.json()["error"]
+                continue
+            assert r.status_code == 404, (method, path, r.status_code, r.text)
+            assert r.json()["detail"].startswith(("unknown", "no checkpoint")), r.text
+    # Alice's things are all still there and usable
+    with raw_client(w["srv"], ALICE) as alice:
+        assert alice.get(f"/api/v1/sessions/{w['sid']}").json()["finished_at"] is None
+        ids = {c["checkpoint_id"] for c in alice.get(f"/api/v1/training_runs/{w['run']}/checkpoints").json()[
+            "checkpoints"]}
+        assert ids == {"weights/ckpt", "sampler_weights/smp"}
+        assert "metrics" in wait_result(alice, w["request_id"]).json()
+    assert w["sampler"].sample(tt.ModelInput.from_ints([1, 2]), 1, tt.SamplingParams(max_tokens=2)).result()
+    assert w["tc"].forward_backward([tt.Datum(model_input=tt.ModelInput.from_ints([1, 2]), loss_fn_inputs={
+        "target_tokens": tt.TensorData.from_numpy(np.array([2, 3]))})], "cross_entropy").result().metrics
+
+
+def test_no_request_can_take_another_owners_seq_id(world):
+    """Bob replays Alice's next (model, seq_id) first; Alice's own request still runs and
+    gets its own result."""
+    w = world
+    with raw_client(w["srv"], ALICE) as alice, raw_client(w["srv"], BOB) as bob:
+        model_id = alice.post("/api/v1/create_model", json={"session_id": w["sid"], "model_seq_id": 50,
+                                                            "base_model": "tiny", "lora_config": {"rank": 2}}).json()
+        assert wait_result(alice, model_id["request_id"]).json()["model_id"] == model_id["model_id"]
+        poison = bob.post("/api/v1/forward_backward", content=_fwdbwd(model_id["model_id"], 1),
+                          headers={"Content-Type": "application/x-protobuf"}).json()
+        assert "unknown model_id" in wait_result(bob, poison["request_id"]).json()["error"]
+        mine = alice.post("/api/v1/forward_backward", content=_fwdbwd(model_id["model_id"], 1),
+                          headers={"Content-Type": "application/x-protobuf"}).json()
+        assert mine["request_id"] != poison["request_id"]
+        out = wait_result(alice, mine["request_id"])
+        assert out.headers["content-type"] == "application/x-protobuf"
+        assert pb.ForwardBackwardOutput.FromString(out.content).metrics["loss:sum"] > 0
+        # and Bob cannot read Alice's result by its request id
+        assert "unknown request_id" in wait_result(bob, mine["request_id"]).json()["error"]
+
+
+def test_api_keys_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("tml-a alice  # a comment\ntml-b\n\ntml-c alice\n")
+    keys = read_api_keys(f)
+    assert keys["tml-a"] == keys["tml-c"] == "alice" and keys["tml-b"].startswith("key-")
+    for bad in ("tml-a alice extra\n", "tml-a\ntml-a\n", "# nothing\n"):
+        f.write_text(bad)
+        with pytest.raises(InputError, match="api-keys"):
+            read_api_keys(f)
+    with pytest.raises(InputError, match="cannot read"):
+        read_api_keys(tmp_path / "missing")
