@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
+from skyrl_sdk.testing import assert_tensors_close, make_sft_data, weights_of
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
-
-from skyrl_sdk.testing import assert_tensors_close, make_rl_data, make_sft_data, weights_of
 
 ADAM = types.AdamParams(learning_rate=5e-3, beta1=0.85, beta2=0.98, weight_decay=0.01, grad_clip_norm=1.0)
 
@@ -32,7 +30,7 @@ def test_resume_equals_never_stopping_even_with_another_seed(tmp_path, lora):
     with skyrl_sdk.Backend(seed=0, lora=lora) as first:
         _train(first, batches[:2])
         first.save_state(tmp_path / "state")
-    assert not any(p.name.startswith(".state.tmp") for p in tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ["state"]  # no temporary leftovers
     with skyrl_sdk.Backend(seed=123, lora=lora) as resumed:
         resumed.load_state(tmp_path / "state", optimizer=True)
         _train(resumed, batches[2:])
@@ -58,7 +56,7 @@ def test_state_files_are_safetensors_and_json(tmp_path):
         _train(b, [make_sft_data([4], seed=0)])
         b.save_state(tmp_path / "s")
     names = sorted(p.name for p in (tmp_path / "s").iterdir())
-    assert names == ["model.safetensors", "optimizer.safetensors", "skyrl_state.json"]
+    assert names == [".skyrl_checkpoint", "model.safetensors", "optimizer.safetensors", "skyrl_state.json"]
     meta = json.loads((tmp_path / "s" / "skyrl_state.json").read_text())
     assert meta["identity"]["architecture"] == "LlamaForCausalLM"
     assert meta["engine_state"]["step"] == 1
@@ -121,7 +119,7 @@ def test_exported_directory_reproduces_backend_logprobs(tmp_path, lora):
         b.save_weights_for_sampler(tmp_path / "hf")
     files = {p.name for p in (tmp_path / "hf").iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= files
-    for got, w in zip(_hf_logprobs(tmp_path / "hf", data), want):
+    for got, w in zip(_hf_logprobs(tmp_path / "hf", data), want, strict=True):
         np.testing.assert_allclose(got, w["logprobs"].to_numpy(), atol=2e-5)
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert tok.decode(tok("7+8=15")["input_ids"]) == "7+8=15"
@@ -140,7 +138,8 @@ def test_lora_adapter_only_export_loads_with_peft(tmp_path):
         # a base directory for the adapter: the initial (seed 0) weights
     with skyrl_sdk.Backend(seed=0) as base:
         base.save_weights_for_sampler(tmp_path / "init")
-    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tmp_path / "init")), str(tmp_path / "adapter"))
+    base_model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "init"))
+    model = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "adapter"))
     ids = torch.from_numpy(data[0].model_input.to_numpy()).unsqueeze(0)
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)

@@ -251,3 +251,26 @@ def test_config_from_cli_flags(tmp_path):
     assert (config.api_keys, config.session_timeout_s, config.max_seq_len, config.max_num_samples) == (
         {API_KEY: "alice"}, 30.0, 512, 4)
     assert ServerConfig().session_timeout_s == 300.0
+
+
+def test_server_start_cleans_interrupted_saves_and_protects_its_state_dir(tmp_path):
+    import subprocess
+    import sys
+
+    from skyrl_sdk import checkpoint, errors
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    nested = tmp_path / "checkpoints" / "run-1"
+    nested.mkdir(parents=True)
+    leftover = nested / f".ckpt.skyrl-tmp-{proc.pid}-0a1b"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"0" * 100)
+    unrelated = nested / ".notes"
+    unrelated.mkdir()
+    with ServerThread(tmp_path / "") as srv:
+        assert srv.runtime is not None
+    assert not leftover.exists() and unrelated.exists()
+    with pytest.raises(errors.CheckpointError):
+        with checkpoint.atomic_directory(tmp_path, overwrite=True):
+            pass

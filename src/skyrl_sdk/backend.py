@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .checkpoint import atomic_directory, read_json, write_json
+from .checkpoint import atomic_directory, read_json, reject_symlinks, write_json
 from .errors import CheckpointError, InputError, UnknownNameError
 from .coerce import adam_params_from_any, data_from_any, lora_config_from_any, prompts_from_any, sampling_params_from_any
 from .losses.prepare import add_prepared_inputs
@@ -259,17 +259,24 @@ class Backend:
             self._check_open()
             if not directory.is_dir():
                 raise CheckpointError(f"no checkpoint directory at {directory}")
+            reject_symlinks(directory)
             meta = read_json(directory / METADATA_FILE)
+            where = str(directory / METADATA_FILE)
+            if not isinstance(meta, dict):
+                raise CheckpointError(f"{where}: expected a JSON object, got {type(meta).__name__}")
             if meta.get("format") != STATE_FORMAT:
-                raise CheckpointError(f"{directory}: unsupported state format {meta.get('format')!r}")
-            mine, theirs = self._identity(), meta.get("identity", {})
+                raise CheckpointError(f"{where}: unsupported state format {meta.get('format')!r}")
+            for key in ("identity", "engine_state"):
+                if not isinstance(meta.get(key), dict):
+                    raise CheckpointError(f"{where}: {key}: expected an object, got {meta.get(key)!r}")
+            mine, theirs = self._identity(), meta["identity"]
             for key in ("architecture", "vocab_size", "num_parameters", "role", "lora"):
                 if mine.get(key) != theirs.get(key):
                     raise CheckpointError(
                         f"{directory} holds a state of another model: {key} is {theirs.get(key)!r} there, "
                         f"{mine.get(key)!r} here"
                     )
-            self.engine.load_state(directory, meta.get("engine_state", {}), optimizer)
+            self.engine.load_state(directory, meta["engine_state"], optimizer)
             self._calls_since_step = 0
             return LoadStateOutput(path=str(directory.resolve()), optimizer_loaded=optimizer)
 

@@ -250,6 +250,55 @@ def test_bad_input_is_rejected_before_dispatch(pair, tmp_path):
     assert_outputs_close(fsdp.forward(data), local.forward(data), atol=1e-5)
 
 
+def _state_files(backend, path):
+    backend.save_state(path)
+    return {f: load_file(str(path / f)) for f in ("model.safetensors", "optimizer.safetensors")}
+
+
+def test_corrupt_checkpoints_are_refused_by_the_controller_and_change_nothing(pair, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    fsdp, local = pair
+    fsdp.forward_backward(make_sft_data(LENGTHS, seed=12))
+    fsdp.optim_step(ADAM)
+    fsdp.save_state(tmp_path / "good")
+    fsdp.forward_backward(make_sft_data([4, 6], seed=13))  # pending gradients must survive too
+    before = _state_files(fsdp, tmp_path / "before")
+    grads_before = fsdp.engine.gradients()
+
+    def zero_moments(t):
+        t.update({k: torch.zeros(1) for k in t if k.endswith(("::exp_avg", "::exp_avg_sq"))})
+
+    def nan_head(t):
+        t["lm_head.weight"] = t["lm_head.weight"].clone()
+        t["lm_head.weight"][0, 0] = float("nan")
+
+    cases = [
+        ("optimizer.safetensors", zero_moments, r"exp_avg: shape \[1\]"),
+        ("optimizer.safetensors", lambda t: t.update({"lm_head.weight::exp_avg": torch.zeros(3, 3)}), r"\[3, 3\]"),
+        ("optimizer.safetensors", lambda t: t.pop("lm_head.weight::step"), "lm_head.weight::step: missing"),
+        ("model.safetensors", nan_head, "non-finite"),
+        ("model.safetensors", lambda t: t.update({"lm_head.weight": t["lm_head.weight"].long()}), "dtype int64"),
+    ]
+    for i, (file, change, message) in enumerate(cases):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(tmp_path / "good", bad)
+        tensors = load_file(str(bad / file))
+        change(tensors)
+        save_file(tensors, str(bad / file))
+        with pytest.raises(CheckpointError, match=message):
+            fsdp.load_state(bad)
+    after = _state_files(fsdp, tmp_path / "after")
+    for file in before:
+        assert before[file].keys() == after[file].keys()
+        assert all(torch.equal(before[file][k], after[file][k]) for k in before[file]), file
+    grads_after = fsdp.engine.gradients()
+    assert all(np.array_equal(grads_before[k], grads_after[k]) for k in grads_before)
+
+
 def test_engine_config_is_validated_before_any_process_starts():
     with pytest.raises(InputError, match="unknown key"):
         skyrl_sdk.Backend(model="tiny", engine="fsdp", engine_config={"world_size": 2, "nope": 1})

@@ -95,6 +95,23 @@ def test_sharded_state_round_trip(lora_pair, tmp_path):
     fsdp.forward_backward(data)
     again = fsdp.optim_step(ADAM).metrics
     assert again == first  # weights and Adam moments restored exactly
+    # a sharded state that does not fit is refused from its metadata, before the ranks load it
+    import attrs
+
+    engine = fsdp.engine
+    layout = engine._state_layout
+    name = next(iter(layout.trainable))
+    wrong = attrs.evolve(layout.trainable[name], shape=(3, 3))
+    engine._state_layout = attrs.evolve(layout, trainable={**layout.trainable, name: wrong})
+    try:
+        with pytest.raises(CheckpointError, match=rf"optim.state.{name}.exp_avg: .*expected \[3, 3\]"):
+            fsdp.load_state(tmp_path / "s")
+        fsdp.load_state(tmp_path / "s", optimizer=False)  # the weights alone still fit
+    finally:
+        engine._state_layout = layout
+    (tmp_path / "s" / "sharded" / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match="metadata"):
+        fsdp.load_state(tmp_path / "s")
     # the sharded format is fsdp-only: the local engine says so instead of loading garbage
     with skyrl_sdk.Backend(model="tiny", lora=LORA) as local:
         with pytest.raises(CheckpointError):

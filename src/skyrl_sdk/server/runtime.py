@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 
 from ..errors import InputError, UnknownError
+from ..checkpoint import clean_interrupted_saves, protect_directory
 from ..coerce import adam_params_from_any, lora_config_from_any
 from ..types import LoraConfig
 from . import proto, wire
@@ -76,8 +77,11 @@ class Runtime:
         self.models: dict[str, TrainingModel] = {}
         self._path_re = re.compile(re.escape(str(self.store.root)) + r"(/[^\s'\"]*)?")
         self.started_at = time.time()
-        # TODO(clean-interrupted-saves): remove temp/.old directories of saves interrupted by a crash
-        # under self.store.root at start-up, once checkpoint.py offers that cleanup.
+        # Saves interrupted by a crash leave temp/.old directories: remove them (only our own
+        # names, of dead processes), and let no save ever replace the state dir or a parent.
+        if (leftovers := clean_interrupted_saves(self.store.root, recursive=True)):
+            logger.info("removed %d leftovers of interrupted saves", len(leftovers))
+        protect_directory(self.store.root)
         if (n := self.store.delete_expired()):
             logger.info("deleted %d expired checkpoints", n)
 

@@ -1,0 +1,215 @@
+"""Saves never destroy what is not a checkpoint of ours, and an overwrite is never lost
+(issue 9: data loss and unsafe saves). The crash-injection test stops a forked save at
+every step of the switch and checks that the name then loads the old or the new state."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from skyrl_sdk.testing import make_sft_data
+from safetensors.torch import load_file
+
+import skyrl_sdk
+from skyrl_sdk import checkpoint, errors, types
+
+ADAM = types.AdamParams(learning_rate=5e-3)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    with skyrl_sdk.Backend(seed=0) as b:
+        yield b
+
+
+@pytest.fixture
+def cwd_with_files(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("precious")
+    (work / "sub").mkdir()
+    (work / "sub" / "notes.md").write_text("also precious")
+    monkeypatch.chdir(work)
+    return work
+
+
+def _tree(root):
+    return sorted((str(p.relative_to(root)), p.read_bytes() if p.is_file() else b"") for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("path", ["", ".", "./", "sub/.."])
+def test_saving_onto_the_working_directory_is_refused(backend, cwd_with_files, path):
+    before = _tree(cwd_with_files)
+    for save in (backend.save_state, backend.save_weights_for_sampler):
+        with pytest.raises(errors.CheckpointError):
+            save(path, overwrite=True)
+    assert _tree(cwd_with_files) == before
+
+
+def test_ancestors_of_the_working_directory_home_and_protected_roots_are_refused(
+    backend, cwd_with_files, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".bashrc").write_text("x")
+    before = _tree(tmp_path)
+    for target, reason in ((tmp_path, "working directory"), (tmp_path / "home", "home directory"), ("/", "working")):
+        with pytest.raises(errors.CheckpointError, match=reason):
+            backend.save_state(target, overwrite=True)
+    state_root = tmp_path / "state_root"
+    with pytest.raises(errors.CheckpointError, match="protected"):
+        with checkpoint.atomic_directory(state_root, overwrite=True, protected=[state_root / "ckpts"]):
+            pass
+    assert _tree(tmp_path) == before
+    with checkpoint.atomic_directory(state_root / "ckpts" / "a", protected=[state_root / "ckpts"]) as tmp:
+        (tmp / "x").write_text("inside a protected root is fine")
+    assert (state_root / "ckpts" / "a" / "x").is_file()
+
+
+def test_only_a_checkpoint_of_ours_is_replaced(backend, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "results.csv").write_text("1,2")
+    with pytest.raises(errors.CheckpointError, match="not a checkpoint written by skyrl-sdk"):
+        backend.save_state(data, overwrite=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(errors.CheckpointError, match="not a checkpoint"):
+        backend.save_state(tmp_path / "file", overwrite=True)
+    backend.save_state(tmp_path / "real")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    with pytest.raises(errors.CheckpointError, match="symbolic link"):
+        backend.save_state(tmp_path / "link", overwrite=True)
+    assert (data / "results.csv").read_text() == "1,2"
+    backend.save_state(tmp_path / "real", overwrite=True)  # ours: replaced
+    backend.save_weights_for_sampler(tmp_path / "hf")
+    backend.save_weights_for_sampler(tmp_path / "hf", overwrite=True)
+
+
+def test_unwritable_paths_raise_checkpoint_error_with_path_and_reason(backend, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(errors.CheckpointError, match=r"afile.*(File exists|Not a directory)"):
+        backend.save_state(tmp_path / "afile" / "ckpt")
+    with pytest.raises(errors.CheckpointError, match=r"/proc/skyrl-nowhere/ckpt.*cannot"):
+        backend.save_state("/proc/skyrl-nowhere/ckpt")
+
+
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_leftovers_of_interrupted_saves_are_cleaned_at_the_next_save(backend, tmp_path):
+    dead, alive = _dead_pid(), os.getppid()
+    ours = [f".s.skyrl-tmp-{dead}-0a1b2c3d", f".s.skyrl-old-{dead}-0a1b2c3d", f".t.skyrl-tmp-{dead}-ff"]
+    kept = [f".s.skyrl-tmp-{alive}-0a1b2c3d", ".s.tmp-abc", "skyrl-tmp-1-2", ".notes"]
+    for name in ours + kept:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "payload").write_bytes(b"0" * 1000)
+    backend.save_state(tmp_path / "s")
+    names = {p.name for p in tmp_path.iterdir()}
+    assert names == {"s", *kept}
+    nested = tmp_path / "deep" / "er"
+    nested.mkdir(parents=True)
+    (nested / f".x.skyrl-old-{dead}-00").mkdir()
+    assert checkpoint.clean_interrupted_saves(tmp_path, recursive=True) == [nested / f".x.skyrl-old-{dead}-00"]
+
+
+# ---- crash injection ------------------------------------------------------------------------
+STEPS = ("_write_marker", "_fsync_tree", "_fsync_dir", "_exchange", "_rename", "_remove_tree")
+
+
+def _weights(directory):
+    return load_file(str(directory / "model.safetensors"))
+
+
+def _which(directory, old, new, loader):
+    """'old' or 'new': the state the name loads now (through Backend.load_state)."""
+    loader.load_state(directory)
+    got = loader.engine.loaded.module.state_dict()
+    matches = [n for n, w in (("old", old), ("new", new)) if all(torch.equal(got[k], w[k]) for k in w)]
+    assert len(matches) == 1, matches
+    return matches[0]
+
+
+def _save_in_child(target, source, crash_at, monkeypatch, exchange):
+    """Fork; the child overwrites ``target`` with ``source`` and dies (os._exit) at step ``crash_at``."""
+    pid = os.fork()
+    if pid == 0:  # child: no pytest machinery, only the save
+        try:
+            calls = [0]
+
+            def wrap(name, fn):
+                def step(*args, **kwargs):
+                    calls[0] += 1
+                    if calls[0] == crash_at:
+                        os._exit(0)
+                    result = fn(*args, **kwargs)
+                    calls[0] += 1
+                    if calls[0] == crash_at:
+                        os._exit(0)
+                    return result
+                return step
+
+            for name in STEPS:
+                monkeypatch.setattr(checkpoint, name, wrap(name, getattr(checkpoint, name)))
+            if not exchange:
+                monkeypatch.setattr(checkpoint, "_exchange", _no_exchange)
+            with checkpoint.atomic_directory(target, overwrite=True) as tmp:
+                for f in sorted(source.iterdir()):
+                    if f.name == checkpoint.MARKER_FILE:
+                        continue
+                    shutil.copy(f, tmp / f.name)
+                    calls[0] += 1
+                    if calls[0] == crash_at:  # mid-write
+                        os._exit(0)
+            os._exit(1)  # ran to the end without crashing
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _no_exchange(a, b):
+    raise checkpoint._NoRenameat2()
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames-fallback"])
+def test_a_crash_at_any_step_of_an_overwrite_leaves_old_or_new(tmp_path, monkeypatch, exchange):
+    with skyrl_sdk.Backend(seed=0) as b:
+        b.save_state(tmp_path / "old")
+        b.forward_backward(make_sft_data([5], seed=0))
+        b.optim_step(ADAM)
+        b.save_state(tmp_path / "new")
+    old, new = _weights(tmp_path / "old"), _weights(tmp_path / "new")
+    parent = tmp_path / "saves"
+    parent.mkdir()
+    target = parent / "ckpt"
+    seen = []
+    with skyrl_sdk.Backend(seed=3) as loader:
+        crash_at = 1
+        while True:
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(tmp_path / "old", target)
+            code = _save_in_child(target, tmp_path / "new", crash_at, monkeypatch, exchange)
+            if code == 1:  # no step left to crash at: the save completed
+                assert _which(target, old, new, loader) == "new"
+                break
+            assert code == 0, f"child failed at step {crash_at}"
+            if exchange:  # the name is never missing
+                seen.append(_which(target, old, new, loader))
+            # the next save into this folder (or the server at start) cleans up; the name then
+            # holds old or new, and no leftover remains
+            checkpoint.clean_interrupted_saves(parent)
+            state = _which(target, old, new, loader)
+            if not exchange:
+                seen.append(state)
+            assert sorted(p.name for p in parent.iterdir()) == ["ckpt"], crash_at
+            crash_at += 1
+    assert crash_at > 10, crash_at  # every step was visited
+    assert seen == sorted(seen, key=["old", "new"].index), seen  # old ... old, new ... new
+    assert seen[0] == "old" and seen[-1] == "new"
