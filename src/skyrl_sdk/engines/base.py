@@ -13,14 +13,11 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import numpy as np
 
+from ..losses.base import scores_key  # noqa: F401  (part of the engine API)
 from ..losses.resolve import ResolvedLoss
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
 
 
-def scores_key(role: str) -> str:
-    """The name of the per-token scores a model of ``role`` returns: a critic's values or a
-    policy's target logprobs. The one place that maps a role to its output name."""
-    return "values" if role == "critic" else "logprobs"
 
 
 @attrs.frozen(eq=False)

@@ -118,10 +118,7 @@ class ModelRunner:
                 num_segments=len(mb.datum_indices),
                 entropy=entropy,
             )
-            if spec.role == "critic":
-                loss_input = LossInput(values=scores, **kwargs)
-            else:
-                loss_input = LossInput(target_logprobs=scores, **kwargs)
+            loss_input = LossInput.for_role(spec.role, scores, **kwargs)
             out, metrics = run_loss(loss, loss_input)
             if backward:
                 total = out.loss * self.loss_scale if self.loss_scale != 1.0 else out.loss

@@ -40,6 +40,12 @@ class LossInput:
     values: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
 
+    @classmethod
+    def for_role(cls, role: str, scores: torch.Tensor, **kwargs: Any) -> LossInput:
+        """A LossInput whose differentiable scores are a critic's ``values`` or a policy's
+        ``target_logprobs``: the one place that maps a role to the field."""
+        return cls(values=scores, **kwargs) if role == "critic" else cls(target_logprobs=scores, **kwargs)
+
     @property
     def num_tokens(self) -> int:
         return int(self.segment_ids.shape[0])
@@ -75,6 +81,12 @@ class LossOutput:
     scored: torch.Tensor | None = None
     metrics: Mapping[str, Metric] = attrs.field(factory=dict)
     extra_outputs: Mapping[str, torch.Tensor] = attrs.field(factory=dict)
+
+
+def scores_key(role: str) -> str:
+    """The output name of the per-token scores a model of ``role`` returns: a critic's
+    ``values`` or a policy's ``logprobs``. The one place that maps a role to that name."""
+    return "values" if role == "critic" else "logprobs"
 
 
 LossFn = Callable[[LossInput, Any], LossOutput]

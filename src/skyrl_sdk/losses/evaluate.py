@@ -46,12 +46,12 @@ def evaluate_loss(
         t = torch.as_tensor(value.to_numpy() if hasattr(value, "to_numpy") else value)
         tensors[key] = t.to(device=device, dtype=torch.long if key == "target_tokens" else torch.float32)
     check_loss_inputs(resolved.spec, {k: tuple(v.shape) for k, v in tensors.items()}, n, index=0, need_targets=False)
-    main = "values" if resolved.spec.role == "critic" else "target_logprobs"
+    role = resolved.spec.role
     common = dict(segment_ids=torch.zeros(n, dtype=torch.long, device=device), num_segments=1, entropy=entropy)
     if resolved.spec.prepare is not None:  # whole-call statistics: here the call is this sequence
-        detached = LossInput(inputs=tensors, **common, **{main: target_logprobs.detach()})
+        detached = LossInput.for_role(role, target_logprobs.detach(), inputs=tensors, **common)
         tensors = {**tensors, **resolved.spec.prepare(detached, resolved.config)}
-    loss_input = LossInput(inputs=tensors, **common, **{main: target_logprobs})
+    loss_input = LossInput.for_role(role, target_logprobs, inputs=tensors, **common)
     out, metrics = run_loss(resolved, loss_input)
     acc = MetricAccumulator()
     acc.add(metrics)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..types import Datum
-from .base import LossInput
+from .base import LossInput, scores_key
 from .resolve import ResolvedLoss
 
 
@@ -25,16 +25,15 @@ def add_prepared_inputs(
     ``outputs`` are the per-datum results of a no-grad pass over ``datums`` (``logprobs`` for
     a policy, ``values`` for a critic).
     """
-    critic = resolved.spec.role == "critic"
+    role = resolved.spec.role
     lengths = [d.model_input.length for d in datums]
-    main = torch.from_numpy(np.concatenate([o["values" if critic else "logprobs"] for o in outputs]))
+    scores = torch.from_numpy(np.concatenate([o[scores_key(role)] for o in outputs]))
     inputs = {
         k: torch.from_numpy(np.concatenate([d.loss_fn_inputs[k].array for d in datums]))
         for k in datums[0].loss_fn_inputs
     }
     segment_ids = torch.from_numpy(np.repeat(np.arange(len(datums)), lengths))
-    packed = LossInput(inputs=inputs, segment_ids=segment_ids, num_segments=len(datums),
-                       **{"values" if critic else "target_logprobs": main})
+    packed = LossInput.for_role(role, scores, inputs=inputs, segment_ids=segment_ids, num_segments=len(datums))
     extra = resolved.spec.prepare(packed, resolved.config)
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     return [
