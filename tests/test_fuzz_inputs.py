@@ -246,3 +246,78 @@ def test_sampling_params_and_prompts_are_validated(backend, fields, prompt):
     seq = out[0].sequences[0]
     assert 1 <= len(seq.tokens) <= 3 and all(0 <= t < VOCAB for t in seq.tokens)
     assert len(seq.logprobs) == len(seq.tokens) and all(lp <= 0 or math.isnan(lp) is False for lp in seq.logprobs)
+
+
+# ---- checkpoint files ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_state(tmp_path_factory, backend):
+    """A valid state of the module's backend (one step taken), saved once."""
+    backend.forward_backward(make_sft_data([5, 8], seed=9))
+    backend.optim_step(types.AdamParams(learning_rate=1e-3))
+    path = tmp_path_factory.mktemp("fuzz-state") / "state"
+    backend.save_state(path)
+    return path
+
+
+FILES = ("model.safetensors", "optimizer.safetensors")
+tensor_change = st.one_of(
+    st.just(("drop", None)), st.just(("add", None)), st.just(("reshape", None)), st.just(("dtype", None)),
+    st.sampled_from([("value", float("nan")), ("value", float("inf")), ("value", -1.0), ("value", 0.5),
+                     ("value", 1e30)]),
+)
+json_change = st.one_of(
+    st.just(("json", "list")), st.just(("json", "step")), st.just(("json", "identity")), st.just(("json", "garbage")),
+    st.tuples(st.just("json_value"), st.sampled_from(["format", "engine", "identity", "engine_state"]), numbers),
+)
+
+
+@given(file=st.sampled_from(FILES), change=tensor_change, which=st.integers(0, 10_000), other=json_change,
+       use_json=st.booleans())
+def test_corrupt_checkpoints_are_refused_without_a_trace(backend, saved_state, tmp_path_factory, file, change, which,
+                                                         other, use_json):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path_factory.mktemp("fuzz") / "state"
+    shutil.copytree(saved_state, target)
+    if use_json:
+        meta_path = target / "skyrl_state.json"
+        meta = json.loads(meta_path.read_text())
+        kind = other[0]
+        if kind == "json":
+            meta = {"list": [meta], "step": {**meta, "engine_state": {**meta.get("engine_state", {}), "step": "x"}},
+                    "identity": {**meta, "identity": 7}, "garbage": None}[other[1]]
+            meta_path.write_text(json.dumps(meta) if meta is not None else "{not json")
+        else:
+            meta[other[1]] = other[2]
+            meta_path.write_text(json.dumps(meta, default=str))
+    else:
+        tensors = load_file(str(target / file))
+        keys = sorted(tensors)
+        key = keys[which % len(keys)]
+        kind, value = change
+        if kind == "drop":
+            del tensors[key]
+        elif kind == "add":
+            tensors["bogus.weight"] = torch.zeros(2)
+        elif kind == "reshape":
+            tensors[key] = tensors[key].reshape(-1)[:1].clone() if tensors[key].numel() > 1 else torch.zeros(2, 2)
+        elif kind == "dtype":
+            tensors[key] = tensors[key].to(torch.float64 if tensors[key].dtype != torch.float64 else torch.int64)
+        else:
+            t = tensors[key].clone()
+            t.view(-1)[0] = value
+            tensors[key] = t
+        save_file(tensors, str(target / file))
+    before = _snapshot(backend)
+    try:
+        backend.load_state(target)
+    except (ValueError, TypeError):
+        _count("checkpoint files", False)
+        _assert_same(before, backend)
+        return
+    _count("checkpoint files", True)
+    # accepted: every loaded weight is finite and the model still trains
+    assert all(torch.isfinite(w).all() for w in weights_of(backend).values())
+    backend.load_state(saved_state)
