@@ -41,10 +41,10 @@ def value(batch: LossInput, config: ValueConfig) -> LossOutput:
     # Inside the clip range v_clip equals v up to rounding; count only real clipping.
     took_clipped = ((v - v_old).abs() > config.value_clip) & (clipped > unclipped)
     metrics = {
-        "vf_loss:sum": M.total(loss),
-        "vf_clip_fraction:mean": M.mean(took_clipped.float(), scored),
-        "value_mean:mean": M.mean(v.detach(), scored),
-        "num_loss_tokens:sum": M.total(scored.float()),
+        "vf_loss:sum": M.metric_sum(loss),
+        "vf_clip_fraction:mean": M.metric_mean(took_clipped.float(), scored),
+        "value_mean:mean": M.metric_mean(v.detach(), scored),
+        "num_loss_tokens:sum": M.metric_sum(scored.float()),
     }
     return LossOutput(loss=loss, elementwise_loss=weighted, scored=scored, metrics=metrics)
 

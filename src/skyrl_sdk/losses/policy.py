@@ -144,10 +144,10 @@ def _ppo(ratio, adv, lo, hi):
 def _ratio_metrics(ratio, lp, q, scored) -> dict[str, M.Metric]:
     r = ratio.detach()
     return {
-        "ratio_max:max": M.maximum(r, scored),
-        "ratio_min:min": M.minimum(r, scored),
-        "ratio_mean:mean": M.mean(r, scored),
-        "kl_sample_train:mean": M.mean((q - lp).detach(), scored),
+        "ratio_max:max": M.metric_max(r, scored),
+        "ratio_min:min": M.metric_min(r, scored),
+        "ratio_mean:mean": M.metric_mean(r, scored),
+        "kl_sample_train:mean": M.metric_mean((q - lp).detach(), scored),
     }
 
 
@@ -158,9 +158,9 @@ def _finish(per_token, mask, scored, *, ratio, lp, q, clipped=None, extra_metric
     if clipped is None:
         clipped = torch.zeros_like(scored)
     metrics = {
-        "pg_loss:sum": M.total(loss),
-        "clip_fraction:mean": M.mean(clipped.float(), scored),
-        "num_loss_tokens:sum": M.total(scored.float()),
+        "pg_loss:sum": M.metric_sum(loss),
+        "clip_fraction:mean": M.metric_mean(clipped.float(), scored),
+        "num_loss_tokens:sum": M.metric_sum(scored.float()),
         **_ratio_metrics(ratio, lp, q, scored),
         **(extra_metrics or {}),
     }
@@ -198,7 +198,7 @@ def dual_clip(batch: LossInput, config: DualClipConfig) -> LossOutput:
     scored = _scored(batch)
     return _finish(
         per_token, mask, scored, ratio=ratio, lp=lp, q=q, clipped=ppo_clipped | dual,
-        extra_metrics={"dual_clip_fraction:mean": M.mean(dual.float(), scored)},
+        extra_metrics={"dual_clip_fraction:mean": M.metric_mean(dual.float(), scored)},
     )
 
 
@@ -315,7 +315,7 @@ def clip_cov(batch: LossInput, config: ClipCovConfig) -> LossOutput:
     scored = _scored(batch)
     return _finish(
         per_token, mask, scored, ratio=ratio, lp=lp, q=q, clipped=clipped,
-        extra_metrics={"clip_cov_fraction:mean": M.mean(sel.float(), scored)},
+        extra_metrics={"clip_cov_fraction:mean": M.metric_mean(sel.float(), scored)},
     )
 
 
@@ -344,7 +344,7 @@ def kl_cov(batch: LossInput, config: KLCovConfig) -> LossOutput:
     scored = _scored(batch)
     return _finish(
         per_token, mask, scored, ratio=ratio, lp=lp, q=q,
-        extra_metrics={"kl_cov_fraction:mean": M.mean(sel.float(), scored)},
+        extra_metrics={"kl_cov_fraction:mean": M.metric_mean(sel.float(), scored)},
     )
 
 

@@ -20,7 +20,7 @@ def cross_entropy(batch: LossInput, config: None) -> LossOutput:
         loss=per_entry.sum(),
         elementwise_loss=elementwise,
         scored=scored,
-        metrics={"num_loss_tokens:sum": M.total(scored.float())},
+        metrics={"num_loss_tokens:sum": M.metric_sum(scored.float())},
     )
 
 
