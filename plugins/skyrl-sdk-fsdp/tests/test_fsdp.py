@@ -12,23 +12,21 @@ import pytest
 
 pytest.importorskip("skyrl_sdk_fsdp")
 
-from fsdp_testutil import (  # noqa: E402
-    LENGTHS,
-    ONE_PER_MICRO_BATCH,
-    assert_arrays_close,
-    assert_metrics_close,
-    assert_outputs_close,
-    local_grads,
-    make_rl_data,
-    make_sft_data,
-    saved_weights,
-    torch_threads,
-)
+from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH, saved_weights  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import skyrl_sdk  # noqa: E402
 from skyrl_sdk import types  # noqa: E402
 from skyrl_sdk.errors import CheckpointError, DatumError, InputError  # noqa: E402
+from skyrl_sdk.testing import (  # noqa: E402
+    assert_metrics_close,
+    assert_outputs_close,
+    assert_tensors_close,
+    grads_of,
+    make_rl_data,
+    make_sft_data,
+    torch_threads,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -97,13 +95,13 @@ def test_matches_local_engine_over_adamw_steps(pair, loss_fn, tmp_path):
         assert_outputs_close(out_f, out_l, atol=1e-5)
         # identical weights before the first step: gradients agree to float32 reduction noise
         tol = 1e-6 if step == 0 else 1e-5
-        assert_arrays_close(fsdp.engine.gradients(), local_grads(local), atol=tol, rtol=tol, what=f"grad@{step}")
+        assert_tensors_close(fsdp.engine.gradients(), grads_of(local), atol=tol, rtol=tol, what=f"grad@{step}")
         m_f = fsdp.optim_step(ADAM).metrics
         m_l = local.optim_step(ADAM).metrics
         assert m_f["grad_norm"] == pytest.approx(m_l["grad_norm"], rel=1e-5)
         assert m_f["grad_norm_clipped"] == pytest.approx(m_l["grad_norm_clipped"], rel=1e-5)
         assert m_f["step"] == m_l["step"] == step + 1
-    assert_arrays_close(saved_weights(fsdp, tmp_path / "f"), saved_weights(local, tmp_path / "l"), atol=5e-5,
+    assert_tensors_close(saved_weights(fsdp, tmp_path / "f"), saved_weights(local, tmp_path / "l"), atol=5e-5,
                         what="weights")
 
 
@@ -114,7 +112,7 @@ def test_gradient_is_a_sum_over_datums_and_calls(pair):
     fsdp.forward_backward(data[:2])
     fsdp.forward_backward(data[2:])
     local.forward_backward(data)
-    assert_arrays_close(fsdp.engine.gradients(), local_grads(local), atol=1e-6, rtol=1e-6, what="grad")
+    assert_tensors_close(fsdp.engine.gradients(), grads_of(local), atol=1e-6, rtol=1e-6, what="grad")
 
 
 def test_an_overflowing_step_is_rolled_back_on_every_rank(pair, tmp_path):
@@ -129,7 +127,7 @@ def test_an_overflowing_step_is_rolled_back_on_every_rank(pair, tmp_path):
         out = backend.optim_step(types.AdamParams(learning_rate=3e38))
         assert (out.metrics["skipped"], out.metrics["nonfinite_update"], out.metrics["step"]) == (1.0, 1.0, 1.0)
         after = saved_weights(backend, tmp_path / f"{backend.engine_name}-after")
-        assert_arrays_close(after, before, atol=0.0, what=backend.engine_name)
+        assert_tensors_close(after, before, atol=0.0, what=backend.engine_name)
 
 
 @pytest.mark.parametrize("lengths", [[11], [5, 30, 4]], ids=["one_datum", "three_datums"])
@@ -140,7 +138,7 @@ def test_fewer_or_odd_datums(pair, lengths):
     out_f, out_l = fsdp.forward_backward(data), local.forward_backward(data)
     assert_outputs_close(out_f, out_l, atol=1e-5)
     assert_metrics_close(out_f.metrics, out_l.metrics)
-    assert_arrays_close(fsdp.engine.gradients(), local_grads(local), atol=1e-6, rtol=1e-6, what="grad")
+    assert_tensors_close(fsdp.engine.gradients(), grads_of(local), atol=1e-6, rtol=1e-6, what="grad")
     fwd_f, fwd_l = fsdp.forward(data), local.forward(data)
     assert_outputs_close(fwd_f, fwd_l, atol=1e-5)
 
@@ -159,7 +157,7 @@ def test_fsdp_state_loads_into_local_engine(pair, tmp_path):
     fsdp.forward_backward(data, "ppo")
     local.forward_backward(data, "ppo")
     assert fsdp.optim_step(ADAM).metrics["step"] == local.optim_step(ADAM).metrics["step"] == 2
-    assert_arrays_close(saved_weights(fsdp, tmp_path / "f"), saved_weights(local, tmp_path / "l"), atol=5e-5,
+    assert_tensors_close(saved_weights(fsdp, tmp_path / "f"), saved_weights(local, tmp_path / "l"), atol=5e-5,
                         what="weights")
 
 
@@ -174,13 +172,13 @@ def test_local_state_loads_into_fsdp_engine(pair, tmp_path):
     saved = load_file(str(tmp_path / "local_state" / "optimizer.safetensors"))
     fsdp.save_state(tmp_path / "again")
     again = load_file(str(tmp_path / "again" / "optimizer.safetensors"))
-    assert_arrays_close({k: v.numpy() for k, v in again.items()}, {k: v.numpy() for k, v in saved.items()},
+    assert_tensors_close({k: v.numpy() for k, v in again.items()}, {k: v.numpy() for k, v in saved.items()},
                         atol=0, what="optimizer round trip")
     fsdp.forward_backward(data)
     local.forward_backward(data)
     fsdp.optim_step(ADAM)
     local.optim_step(ADAM)
-    assert_arrays_close(saved_weights(fsdp, tmp_path / "f"), saved_weights(local, tmp_path / "l"), atol=5e-5,
+    assert_tensors_close(saved_weights(fsdp, tmp_path / "f"), saved_weights(local, tmp_path / "l"), atol=5e-5,
                         what="weights")
 
 
@@ -203,7 +201,7 @@ def test_save_weights_for_sampler_matches_local(pair, tmp_path):
     assert sorted(p.name for p in (tmp_path / "f").iterdir()) == names
     a = load_file(str(tmp_path / "f" / "model.safetensors"))
     b = load_file(str(tmp_path / "l" / "model.safetensors"))
-    assert_arrays_close({k: v.numpy() for k, v in a.items()}, {k: v.numpy() for k, v in b.items()}, atol=0,
+    assert_tensors_close({k: v.numpy() for k, v in a.items()}, {k: v.numpy() for k, v in b.items()}, atol=0,
                         what="export")
     assert (tmp_path / "f" / "config.json").read_text() == (tmp_path / "l" / "config.json").read_text()
 

@@ -13,17 +13,11 @@ import pytest
 
 pytest.importorskip("skyrl_sdk_fsdp")
 
-from fsdp_testutil import (  # noqa: E402
-    LENGTHS,
-    ONE_PER_MICRO_BATCH,
-    assert_arrays_close,
-    make_sft_data,
-    saved_weights,
-    torch_threads,
-)
+from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH, saved_weights  # noqa: E402
 
 import skyrl_sdk  # noqa: E402
 from skyrl_sdk import types  # noqa: E402
+from skyrl_sdk.testing import assert_tensors_close, make_sft_data, torch_threads  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -42,7 +36,8 @@ SCRIPT = textwrap.dedent(
     import skyrl_sdk
     from skyrl_sdk import types
     sys.path.insert(0, sys.argv[3])
-    from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH, make_sft_data
+    from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH  # noqa: E402
+    from skyrl_sdk.testing import make_sft_data  # noqa: E402
 
     out_dir = sys.argv[1]
     data = make_sft_data(LENGTHS, seed=31)
@@ -96,7 +91,7 @@ def test_torchrun_two_ranks_match_local(tmp_path, style):
         from safetensors.torch import load_file
 
         theirs = {k: v.numpy() for k, v in load_file(str(tmp_path / "state" / "model.safetensors")).items()}
-        assert_arrays_close(theirs, saved_weights(local, tmp_path / "local"), atol=5e-5, what="weights")
+        assert_tensors_close(theirs, saved_weights(local, tmp_path / "local"), atol=5e-5, what="weights")
         local.close()
 
 

@@ -8,21 +8,20 @@ import pytest
 pytest.importorskip("skyrl_sdk_fsdp")
 pytest.importorskip("peft")
 
-from fsdp_testutil import (  # noqa: E402
-    LENGTHS,
-    ONE_PER_MICRO_BATCH,
-    assert_arrays_close,
-    assert_metrics_close,
-    assert_outputs_close,
-    local_grads,
-    make_sft_data,
-    torch_threads,
-)
+from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import skyrl_sdk  # noqa: E402
 from skyrl_sdk import types  # noqa: E402
 from skyrl_sdk.errors import CheckpointError  # noqa: E402
+from skyrl_sdk.testing import (  # noqa: E402
+    assert_metrics_close,
+    assert_outputs_close,
+    assert_tensors_close,
+    grads_of,
+    make_sft_data,
+    torch_threads,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -64,18 +63,18 @@ def test_lora_matches_local_lora(lora_pair, tmp_path):
         grads = fsdp.engine.gradients()
         assert all("lora_" in name for name in grads)
         tol = 1e-6 if step == 0 else 1e-5
-        assert_arrays_close(grads, local_grads(local), atol=tol, rtol=tol, what=f"grad@{step}")
+        assert_tensors_close(grads, grads_of(local), atol=tol, rtol=tol, what=f"grad@{step}")
         m_f, m_l = fsdp.optim_step(ADAM).metrics, local.optim_step(ADAM).metrics
         assert m_f["grad_norm"] == pytest.approx(m_l["grad_norm"], rel=1e-5)
     # merged export (what a sampler loads) and the adapter-only export
     fsdp.save_weights_for_sampler(tmp_path / "f")
     local.save_weights_for_sampler(tmp_path / "l")
-    assert_arrays_close(_files(tmp_path / "f" / "model.safetensors"), _files(tmp_path / "l" / "model.safetensors"),
+    assert_tensors_close(_files(tmp_path / "f" / "model.safetensors"), _files(tmp_path / "l" / "model.safetensors"),
                         atol=5e-5, what="merged")
     fsdp.save_weights_for_sampler(tmp_path / "fa", merge_lora=False)
     local.save_weights_for_sampler(tmp_path / "la", merge_lora=False)
     assert (tmp_path / "fa" / "adapter_config.json").is_file()
-    assert_arrays_close(_files(tmp_path / "fa" / "adapter_model.safetensors"),
+    assert_tensors_close(_files(tmp_path / "fa" / "adapter_model.safetensors"),
                         _files(tmp_path / "la" / "adapter_model.safetensors"), atol=5e-5, what="adapter")
 
 
@@ -149,7 +148,7 @@ def test_critic_with_default_batching():
             assert_metrics_close(out_f.metrics, out_l.metrics)
             assert_outputs_close(out_f, out_l, atol=1e-5)
             # the batching layout differs (padding widths): float32 noise ~3e-6
-            assert_arrays_close(fsdp.engine.gradients(), local_grads(local), atol=1e-5, rtol=1e-5, what="grad")
+            assert_tensors_close(fsdp.engine.gradients(), grads_of(local), atol=1e-5, rtol=1e-5, what="grad")
             assert_outputs_close(fsdp.forward(data, "ppo"), local.forward(data, "ppo"), atol=1e-5)
             m_f, m_l = fsdp.optim_step(ADAM).metrics, local.optim_step(ADAM).metrics
             assert m_f["grad_norm"] == pytest.approx(m_l["grad_norm"], rel=1e-5)
@@ -176,7 +175,7 @@ def test_tied_embeddings(tmp_path):
         data = make_sft_data(LENGTHS, seed=24)
         fsdp.forward_backward(data)
         local.forward_backward(data)
-        assert_arrays_close(fsdp.engine.gradients(), local_grads(local), atol=1e-6, rtol=1e-6, what="grad")
+        assert_tensors_close(fsdp.engine.gradients(), grads_of(local), atol=1e-6, rtol=1e-6, what="grad")
         fsdp.optim_step(ADAM)
         local.optim_step(ADAM)
         for kind, save in (("state", "save_state"), ("hf", "save_weights_for_sampler")):
@@ -184,7 +183,7 @@ def test_tied_embeddings(tmp_path):
             getattr(local, save)(tmp_path / f"l_{kind}")
             got = _files(tmp_path / f"f_{kind}" / "model.safetensors")
             assert "lm_head.weight" not in got
-            assert_arrays_close(got, _files(tmp_path / f"l_{kind}" / "model.safetensors"), atol=5e-5, what=kind)
+            assert_tensors_close(got, _files(tmp_path / f"l_{kind}" / "model.safetensors"), atol=5e-5, what=kind)
         local.load_state(tmp_path / "f_state")
         assert_outputs_close(fsdp.forward(data), local.forward(data), atol=1e-5)
     finally:
