@@ -129,7 +129,7 @@ class Backend:
     def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config) -> tuple[list[Datum], ResolvedLoss]:
         resolved = self.resolve(loss_fn, loss_fn_config)
         datums = coerce_data(data)
-        validate_data(datums, resolved.spec, self.vocab_size)
+        validate_data(datums, resolved.spec, self.vocab_size, label=resolved.label)
         _check_same_keys(datums)
         if resolved.spec.prepare is not None:
             datums = self._add_prepared_inputs(datums, resolved)

@@ -7,8 +7,10 @@ both sides.
 
 from __future__ import annotations
 
+import difflib
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -17,6 +19,17 @@ from .losses.base import LossSpec
 from .metrics import check_metric_key  # noqa: F401  (re-exported for plugin authors)
 
 _ROLES = ("policy", "critic")
+
+
+def did_you_mean(name: Any, choices: Iterable[str]) -> str:
+    """``"; did you mean 'ppo'?"`` when a choice is close to ``name`` (a typo), else ``""``.
+
+    Error messages append it so a misspelt loss, dialect, engine or key points at the fix.
+    """
+    if not isinstance(name, str) or not name:
+        return ""
+    close = difflib.get_close_matches(name, sorted(set(choices)), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 @attrs.frozen
@@ -83,7 +96,8 @@ class Registry:
             raise PluginError(f"{where}: fn must accept (loss_input, config), it takes {len(params)} argument(s)")
         if role not in _ROLES:
             raise PluginError(f"{where}: role must be one of {_ROLES}, got {role!r}")
-        for label, keys in (("required_inputs", required_inputs), ("optional_inputs", optional_inputs), ("outputs", outputs)):
+        declared = (("required_inputs", required_inputs), ("optional_inputs", optional_inputs), ("outputs", outputs))
+        for label, keys in declared:
             if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
                 raise PluginError(f"{where}: {label} must be a list of non-empty strings, got {keys!r}")
         overlap = set(required_inputs) & set(optional_inputs)

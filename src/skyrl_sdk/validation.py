@@ -11,28 +11,33 @@ import numpy as np
 
 from .errors import DatumError, InputError
 from .losses.base import LossSpec
+from .registry import did_you_mean
 from .types import Datum
 
 
 def check_loss_inputs(
-    spec: LossSpec, shapes: Mapping[str, tuple[int, ...]], n: int, *, index: int, need_targets: bool = True
+    spec: LossSpec, shapes: Mapping[str, tuple[int, ...]], n: int, *, index: int, need_targets: bool = True,
+    label: str | None = None,
 ) -> None:
-    """Required keys present, no unknown keys, first dimension equal to the datum length."""
+    """Required keys present, no unknown keys, first dimension equal to the datum length.
+
+    ``label`` names the loss as the caller typed it (``ResolvedLoss.label``)."""
+    label = label or f"loss {spec.name!r}"
     accepted = set(spec.required_inputs) | set(spec.optional_inputs)
     for key in spec.required_inputs:
         if key == "target_tokens" and not need_targets:
             continue
         if key not in shapes:
             raise DatumError(
-                f"loss {spec.name!r} requires input {key!r} (required: {list(spec.required_inputs)}), "
+                f"{label} requires input {key!r} (required: {list(spec.required_inputs)}), "
                 f"got keys {sorted(shapes)}",
                 index=index,
             )
     for key, shape in shapes.items():
         if key not in accepted:
             raise DatumError(
-                f"loss {spec.name!r} does not take this input; accepted inputs: "
-                f"{sorted(accepted)}",
+                f"{label} does not take this input; accepted inputs: "
+                f"{sorted(accepted)}{did_you_mean(key, accepted)}",
                 index=index,
                 key=key,
             )
@@ -75,7 +80,7 @@ def coerce_data(data: Any) -> list[Datum]:
     return out
 
 
-def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None) -> None:
+def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None, label: str | None = None) -> None:
     """Validate a whole batch against a loss; raise :class:`DatumError` on the first problem."""
     for i, datum in enumerate(data):
         tokens = datum.model_input.to_numpy()
@@ -85,7 +90,7 @@ def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None)
         if vocab_size is not None:
             check_token_range(tokens, vocab_size, i, "model_input")
         shapes = {k: v.shape for k, v in datum.loss_fn_inputs.items()}
-        check_loss_inputs(spec, shapes, n, index=i)
+        check_loss_inputs(spec, shapes, n, index=i, label=label)
         for key, tensor in datum.loss_fn_inputs.items():
             array = tensor.array
             if key == "target_tokens":

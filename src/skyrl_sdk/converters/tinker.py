@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from ..errors import LossConfigError
 from ..hookspecs import hookimpl
+from ..registry import did_you_mean
 
 #: Tinker loss name -> (canonical name for a policy, accepted Tinker config keys)
 _POLICY = {
@@ -83,6 +84,7 @@ def convert_tinker(loss_fn: str, loss_fn_config: Mapping[str, Any] | None, role:
                 raise LossConfigError(f"loss {loss_fn!r} takes no loss_fn_config, got key {key!r}")
             raise LossConfigError(
                 f"loss {loss_fn!r}: unknown loss_fn_config key {key!r}; accepted keys: {list(accepted)}"
+                f"{did_you_mean(key, accepted)}"
             )
     if canonical in _OFFSET_KEYS:
         return canonical, _thresholds(cfg, canonical)

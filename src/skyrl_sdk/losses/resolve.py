@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -13,6 +12,19 @@ from .base import LossSpec
 
 if TYPE_CHECKING:
     from ..registry import Registry
+
+
+def _did_you_mean(name: Any, choices: Any) -> str:
+    from ..registry import did_you_mean  # registry imports this package: import on use
+
+    return did_you_mean(name, choices)
+
+
+def loss_label(requested: str, canonical: str) -> str:
+    """How errors name a loss: as the caller typed it, with the canonical name when they differ."""
+    if requested == canonical:
+        return f"loss {canonical!r}"
+    return f"loss {requested!r} (native {canonical!r})"
 
 
 @attrs.frozen
@@ -28,26 +40,31 @@ class ResolvedLoss:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def label(self) -> str:
+        """``"loss 'ppo' (native 'regular')"``: the name the caller used, for error messages."""
+        return loss_label(self.requested_name, self.spec.name)
 
-def build_config(spec: LossSpec, config: Mapping[str, Any] | None) -> Any:
+
+def build_config(spec: LossSpec, config: Mapping[str, Any] | None, label: str | None = None) -> Any:
     """Validate a config dict against the loss's config class; errors name the key."""
+    label = label or loss_label(spec.name, spec.name)
     config = dict(config or {})
     if spec.config_cls is None:
         if config:
-            raise LossConfigError(
-                f"loss {spec.name!r} takes no loss_fn_config, got keys {sorted(config)}"
-            )
+            raise LossConfigError(f"{label} takes no loss_fn_config, got keys {sorted(config)}")
         return None
     accepted = spec.config_keys()
     for key in config:
         if key not in accepted:
             raise LossConfigError(
-                f"loss {spec.name!r}: unknown loss_fn_config key {key!r}; accepted keys: {list(accepted)}"
+                f"{label}: unknown loss_fn_config key {key!r}; accepted keys: {list(accepted)}"
+                f"{_did_you_mean(key, accepted)}"
             )
     try:
         return spec.config_cls(**config)
     except (TypeError, ValueError) as exc:
-        raise LossConfigError(f"loss {spec.name!r}: invalid loss_fn_config: {exc}") from None
+        raise LossConfigError(f"{label}: invalid loss_fn_config: {exc}") from None
 
 
 def resolve_loss(
@@ -64,7 +81,10 @@ def resolve_loss(
         raise LossConfigError(f"loss_fn_config must be a mapping or None, got {type(loss_fn_config).__name__}")
     dialect_spec = registry.dialects.get(dialect)
     if dialect_spec is None:
-        raise UnknownNameError(f"unknown dialect {dialect!r}; available: {sorted(registry.dialects)}")
+        raise UnknownNameError(
+            f"unknown dialect {dialect!r}; available: {sorted(registry.dialects)}"
+            f"{_did_you_mean(dialect, registry.dialects)}"
+        )
     converted = dialect_spec.convert(loss_fn, loss_fn_config, role)
     if converted is None:
         name, config = loss_fn, dict(loss_fn_config or {})
@@ -73,9 +93,13 @@ def resolve_loss(
     spec = registry.losses.get(name)
     if spec is None:
         available = sorted(set(registry.losses) | set(getattr(dialect_spec.convert, "names", ())))
-        raise UnknownLossError(f"unknown loss_fn {loss_fn!r} (dialect {dialect!r}); available: {available}")
+        raise UnknownLossError(
+            f"unknown loss_fn {loss_fn!r} (dialect {dialect!r}); available: {available}"
+            f"{_did_you_mean(loss_fn, available)}"
+        )
     if spec.role != role:
         raise UnknownLossError(
             f"loss_fn {loss_fn!r} resolves to {spec.name!r}, a {spec.role} loss, but this model's role is {role!r}"
         )
-    return ResolvedLoss(spec=spec, config=build_config(spec, config), requested_name=loss_fn, dialect=dialect)
+    label = loss_label(loss_fn, spec.name)
+    return ResolvedLoss(spec=spec, config=build_config(spec, config, label), requested_name=loss_fn, dialect=dialect)
