@@ -1,6 +1,9 @@
-"""Errors name the loss as the caller typed it and suggest the close name for a typo."""
+"""What a user reads: errors name the loss as typed and suggest the close name for a typo;
+our own noise (a deprecation inside peft, progress bars for tiny loads) is silenced, theirs is not."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -56,3 +59,20 @@ def test_no_suggestion_when_nothing_is_close():
     with pytest.raises(UnknownLossError) as exc:
         evaluate_loss("xyzzy_quux", LP, {}, dialect="tinker")
     assert "did you mean" not in str(exc.value)
+
+
+def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+
+    from skyrl_sdk import types
+    from skyrl_sdk.models import load_model
+
+    load_model("tiny").module.save_pretrained(tmp_path)
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_model(str(tmp_path), lora=types.LoraConfig(rank=2))
+        warnings.warn("the user's own deprecation", FutureWarning)
+    assert [str(w.message) for w in caught] == ["the user's own deprecation"]
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # the user's setting is restored
