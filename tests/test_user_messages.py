@@ -72,7 +72,7 @@ def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         load_model(str(tmp_path), lora=types.LoraConfig(rank=2))
-        warnings.warn("the user's own deprecation", FutureWarning)
+        warnings.warn("the user's own deprecation", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["the user's own deprecation"]
     assert "Loading weights" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()  # the user's setting is restored
