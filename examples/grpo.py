@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> list[float]:
             for prompt, out in zip(prompts, outputs, strict=True):
                 group = [reward(tok.decode(s.tokens, skip_special_tokens=True)) for s in out.sequences]
                 rewards += group
-                data += [datum_from_sample(prompt, s, a) for s, a in zip(out.sequences, group_advantages(group), strict=True)
+                advantages = group_advantages(group)
+                data += [datum_from_sample(prompt, s, a) for s, a in zip(out.sequences, advantages, strict=True)
                          if a != 0 and s.tokens]
             metrics = {}
             if data:

@@ -40,7 +40,8 @@ def train(steps: int) -> None:
                 group = [sum(c.isdigit() for c in tok.decode(s.tokens, skip_special_tokens=True)) / 4
                          for s in out.sequences]
                 rewards += group
-                data += [datum_from_sample(prompt, s, a) for s, a in zip(out.sequences, group_advantages(group), strict=True)
+                advantages = group_advantages(group)
+                data += [datum_from_sample(prompt, s, a) for s, a in zip(out.sequences, advantages, strict=True)
                          if a != 0 and s.tokens]
             if data:
                 out = backend.forward_backward(data, "clipped_pg", {"max_abs_advantage": 1.5})
