@@ -37,3 +37,14 @@ def test_demo_says_what_it_does_shows_progress_and_what_next(tmp_path):
     assert "docs/rl.md" in out
     assert "supervised: 100%" in proc.stderr and "rl: 100%" in proc.stderr  # tqdm, without -v or a TTY
     assert "Warning" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_readme_tour_runs_twice_in_the_same_directory(tmp_path, monkeypatch):
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    tour = re.search(r"## 30-second tour\n\n```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        exec(compile(tour, "README.md", "exec"), {})
+    assert (tmp_path / "exported" / "model.safetensors").is_file()
