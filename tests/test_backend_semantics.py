@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
 from skyrl_sdk.models import load_model
 
-from skyrl_sdk.testing import assert_tensors_close, grads_of, make_sft_data, weights_of
+from skyrl_sdk.testing import assert_tensors_close, grads_of, weights_of
 
 
 def hf_reference_logprobs(data, seed=0):

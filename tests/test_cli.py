@@ -110,10 +110,15 @@ def test_losses_human_output_shows_config_defaults(capsys, monkeypatch):
                     required_inputs=("target_tokens", "advantages"), optional_inputs=("weights",), config_cls=Cfg)
     assert cli.config_defaults(spec) == {"beta": 0.25, "tags": ()}
     monkeypatch.setitem(plugins.get_registry().losses, "fake", spec)
-    assert cli.main(["losses"]) == 0
+    assert cli.main(["losses", "--wide"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fake "))
     assert "beta=0.25, tags=()" in line and "target_tokens, advantages [weights]" in line
     assert "native: fake; tinker: fake" in line
+    assert cli.main(["losses"]) == 0
+    out = capsys.readouterr().out
+    block = out[out.index("fake (policy)\n"):].split("\n\n")[0].splitlines()
+    assert block == ["fake (policy)", "  called as: native: fake; tinker: fake",
+                     "  inputs: target_tokens, advantages [weights]", "  config: beta=0.25, tags=()", "  a fake loss"]
 
 
 def _spec(name: str, role: str = "policy") -> LossSpec:
@@ -162,15 +167,16 @@ def _fake_module(monkeypatch, name: str, func: str) -> list:
 
 def test_serve_arguments_and_lazy_import(monkeypatch):
     monkeypatch.setenv(cli.API_KEY_ENV, "tml-secret")
-    calls = _fake_module(monkeypatch, "skyrl_sdk.server.app", "serve")
+    calls = _fake_module(monkeypatch, "skyrl_sdk.serve_command", "serve")
     assert cli.main(["serve"]) == 0
     args = calls[-1]
-    assert (args.host, args.port, args.model, args.engine, args.engine_config, args.state_dir, args.api_key) == (
-        "127.0.0.1", 8000, ["tiny"], "local", None, "./skyrl-server-state", "tml-secret")
+    assert (args.host, args.port, args.model, args.engine, args.engine_config, args.state_dir, args.api_key,
+            args.lazy) == ("127.0.0.1", 8000, ["tiny"], "local", None, "./skyrl-server-state", "tml-secret", False)
     assert cli.main(["-v", "serve", "--model", "a", "--model", "/m/b", "--port", "9",
-                     "--engine-config", '{"device": "cpu"}', "--api-key", "tml-x", "-v"]) == 0
+                     "--engine-config", '{"device": "cpu"}', "--api-key", "tml-x", "-v", "--lazy"]) == 0
     args = calls[-1]
-    assert (args.model, args.port, args.engine_config, args.api_key) == (["a", "/m/b"], 9, {"device": "cpu"}, "tml-x")
+    assert (args.model, args.port, args.engine_config, args.api_key, args.lazy) == (
+        ["a", "/m/b"], 9, {"device": "cpu"}, "tml-x", True)
     assert args.verbose >= 1
 
 
@@ -193,9 +199,10 @@ def test_demo_arguments(monkeypatch):
 
 
 def test_missing_optional_module_is_reported(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "skyrl_sdk.server.app", None)  # makes the import fail
+    monkeypatch.delitem(sys.modules, "skyrl_sdk.serve_command", raising=False)
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the [server] extra were not installed
     assert cli.main(["serve"]) == 2
-    assert "cannot import" in capsys.readouterr().err
+    assert "cannot import 'uvicorn' (pip install 'skyrl-sdk[server]')" in capsys.readouterr().err
 
 
 def test_plugin_errors_exit_nonzero_with_a_message(monkeypatch, capsys):
@@ -208,3 +215,145 @@ def test_plugin_errors_exit_nonzero_with_a_message(monkeypatch, capsys):
     assert cli.main(["plugins", "--json"]) == 1
     captured = capsys.readouterr()
     assert captured.out == "" and "registered by both plugin 'a' and plugin 'b'" in captured.err
+
+
+# ---- first contact: help, version, output that fits ------------------------------------------
+
+
+def test_bare_command_prints_the_help_with_the_commands(capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: skyrl-sdk")
+    for command in ("plugins", "losses", "version", "demo", "serve"):
+        assert f"\n    {command} " in out
+    assert "skyrl-sdk demo" in out  # where to start
+
+
+def test_version_flag():
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"skyrl-sdk {cli.__version__}"
+
+
+def _subcommands() -> dict:
+    parser = cli.build_parser()
+    action = next(a for a in parser._actions if a.dest == "command")
+    return {name: (sub, next(c.help for c in action._choices_actions if c.dest == name))
+            for name, sub in action.choices.items()}
+
+
+def test_every_command_has_a_one_line_summary_and_no_rest_markup():
+    commands = _subcommands()
+    assert set(commands) == {"plugins", "losses", "version", "demo", "serve"}
+    texts = [cli.build_parser().format_help()]
+    for name, (sub, summary) in commands.items():
+        assert summary and "\n" not in summary, name
+        assert sub.description.rstrip(".").lower() == summary.lower(), name
+        texts.append(sub.format_help())
+    for text in texts:
+        assert "``" not in text and ":class:" not in text and ":func:" not in text
+
+
+def test_serve_help_says_how_to_point_the_client():
+    text = _subcommands()["serve"][0].format_help()
+    assert "TINKER_BASE_URL=http://127.0.0.1:8000" in text and "TINKER_API_KEY=tml-" in text
+    assert "base_url=" in text and "--lazy" in text
+
+
+def test_losses_fit_100_columns_by_default_and_wide_is_one_line_each():
+    proc = run_cli("losses", env={"COLUMNS": "250"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    rows = loss_rows()
+    blocks = proc.stdout.strip().split("\n\n")
+    assert [b.splitlines()[0] for b in blocks] == [f"{r['name']} ({r['role']})" for r in rows]
+    # wrapped, not cut: every word of every description is there
+    assert " ".join(proc.stdout.split()).count(" ".join(rows[0]["description"].split())) == 1
+    wide = run_cli("losses", "--wide").stdout.splitlines()
+    assert len(wide) == 1 + len(rows) and wide[0].split()[:2] == ["NAME", "ROLE"]
+
+
+def loss_rows() -> list:
+    plugins.reset()
+    return cli.loss_rows()
+
+
+def test_a_closed_pipe_is_not_a_traceback():
+    proc = subprocess.Popen([sys.executable, "-m", "skyrl_sdk.cli", "losses", "--wide"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # like `| head` exiting before the command writes
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+# ---- serve: fail fast, announce after bind ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--model", "gpt2"], "cannot start: model 'gpt2': not 'tiny' and not a local directory"),
+        (["--engine", "fsdpp"], "--engine: unknown engine 'fsdpp'; available: ["),
+        (["--engine-config", '{"devcie": "cpu"}'], "engine_config: unknown key 'devcie'"),
+        (["--lazy", "--engine-config", '{"devcie": "cpu"}'], "engine_config: unknown key 'devcie'"),
+    ],
+)
+def test_serve_refuses_to_start_with_the_reason(argv, expected, tmp_path, capsys):
+    assert cli.main(["serve", "--port", "1", "--state-dir", str(tmp_path / "s"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+    if "fsdpp" in argv:
+        assert err.rstrip().endswith("did you mean 'fsdp'?")
+    assert not (tmp_path / "s").exists()
+
+
+def test_serve_checks_a_model_directory_without_loading_it(tmp_path, capsys):
+    from skyrl_sdk import serve_command
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(serve_command.CannotServe, match="config.json could not be read"):
+        serve_command.preflight((str(tmp_path),), "local", {}, lazy=True)
+    from skyrl_sdk.models import tiny_config
+
+    tiny_config().save_pretrained(tmp_path)
+    with pytest.raises(serve_command.CannotServe, match="directory has no weights"):
+        serve_command.preflight((str(tmp_path),), "local", {}, lazy=True)
+
+
+def _serve(tmp_path, port: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "skyrl_sdk.cli", "serve", "--port", str(port),
+                             "--state-dir", str(tmp_path / "state"), *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_serve_with_a_missing_model_exits_within_seconds(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    proc = _serve(tmp_path, 1, "--model", str(tmp_path / "missing"))
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 2 and "not 'tiny' and not a local directory" in err
+    assert time.monotonic() - t0 < 60  # imports included; no model is loaded
+
+
+def test_serve_banner_comes_after_the_bind(tmp_path):
+    import socket
+
+    from _server_harness import free_port
+
+    port = free_port()
+    proc = _serve(tmp_path, port)
+    try:
+        first = proc.stderr.readline()
+        assert first.startswith(f"skyrl-sdk serve: listening on http://127.0.0.1:{port}"), first
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # already bound when the banner appeared
+        hint = proc.stderr.readline() + proc.stderr.readline()
+        assert f"TINKER_BASE_URL=http://127.0.0.1:{port} TINKER_API_KEY=tml-local" in hint
+        busy = _serve(tmp_path, port)  # same port: binding fails, no banner, non-zero exit
+        err = busy.communicate(timeout=120)[1]
+        assert busy.returncode != 0 and "listening on" not in err and "address already in use" in err
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

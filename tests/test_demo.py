@@ -20,3 +20,31 @@ def test_demo_short_mode_trains_and_exports(tmp_path):
     assert weights.parent == tmp_path.resolve()
     assert (weights / "model.safetensors").is_file() and (weights / "config.json").is_file()
     assert len(result["rl_reward_curve"]) == result["rl_steps"]
+
+
+def test_demo_says_what_it_does_shows_progress_and_what_next(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "skyrl_sdk.cli", "demo", "--short", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert out.startswith("skyrl-sdk demo: teach the built-in tiny model")
+    assert "reverse digit strings" in out and "reward: " in out and "accuracy: " in out
+    assert "12 supervised steps" in out and "2 RL steps" in out  # --short's numbers, not the defaults
+    weights = str(tmp_path.resolve() / "sampler_weights")
+    assert f"from_pretrained({weights!r})" in out and f"skyrl-sdk serve --model {weights}" in out
+    assert "docs/rl.md" in out
+    assert "supervised: 100%" in proc.stderr and "rl: 100%" in proc.stderr  # tqdm, without -v or a TTY
+    assert "Warning" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_readme_tour_runs_twice_in_the_same_directory(tmp_path, monkeypatch):
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    tour = re.search(r"## 30-second tour\n\n```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        exec(compile(tour, "README.md", "exec"), {})
+    assert (tmp_path / "exported" / "model.safetensors").is_file()

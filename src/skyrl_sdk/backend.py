@@ -16,7 +16,6 @@ from typing import Any, Mapping, Sequence
 
 import attrs
 import numpy as np
-import torch
 
 from . import __version__
 from .checkpoint import atomic_directory, read_json, reject_symlinks, write_json
@@ -133,7 +132,7 @@ class Backend:
     def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config) -> tuple[list[Datum], ResolvedLoss]:
         resolved = self.resolve(loss_fn, loss_fn_config)
         datums = data_from_any(data)
-        validate_data(datums, resolved.spec, self.vocab_size)
+        validate_data(datums, resolved.spec, self.vocab_size, label=resolved.label)
         check_same_keys(datums)
         resolved = with_call_normalizers(resolved, datums)  # one reduction normalizer per call
         if resolved.spec.prepare is not None:

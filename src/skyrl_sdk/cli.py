@@ -12,8 +12,11 @@ import importlib.metadata
 import json
 import logging
 import os
+import shutil
 import sys
-from typing import Any, Callable, Sequence
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
@@ -23,6 +26,8 @@ from .errors import SkyrlError
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "SKYRL_SDK_API_KEY"
+DESCRIPTION = "skyrl-sdk: train Hugging Face causal LMs behind Tinker's API, in-process or over HTTP."
+EPILOG = "Start with: skyrl-sdk demo. Each command has its own --help."
 
 
 # ---- output helpers -----------------------------------------------------------------------
@@ -37,7 +42,7 @@ def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     """Left-aligned columns, two spaces apart; the last column is not padded."""
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
     for row in [headers, *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths)] + [str(row[-1])]
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths[:-1], strict=True)] + [str(row[-1])]
         print("  ".join(cells).rstrip())
 
 
@@ -136,6 +141,21 @@ def _loss_text(row: dict[str, Any]) -> tuple[str, ...]:
     return (row["name"], row["role"], names, inputs, config, row["description"])
 
 
+def _print_loss_records(rows: Sequence[dict[str, Any]], width: int) -> None:
+    """One block per loss, every line wrapped to ``width`` columns."""
+    for i, row in enumerate(rows):
+        name, role, names, inputs, config, description = _loss_text(row)
+        if i:
+            print()
+        print(f"{name} ({role})")
+        for label, text in (("called as", names), ("inputs", inputs), ("config", config), ("", description)):
+            if not text:
+                continue
+            lead = f"  {label}: " if label else "  "
+            print(textwrap.fill(text, width=width, initial_indent=lead, subsequent_indent=" " * len(lead),
+                                break_on_hyphens=False))
+
+
 def cmd_losses(args: argparse.Namespace) -> int:
     from .plugins import get_registry
 
@@ -147,8 +167,11 @@ def cmd_losses(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(rows)
         return 0
-    _print_table(("NAME", "ROLE", "CALLED AS", "INPUTS [optional]", "CONFIG DEFAULTS", "DESCRIPTION"),
-                 [_loss_text(r) for r in rows])
+    if args.wide:
+        _print_table(("NAME", "ROLE", "CALLED AS", "INPUTS [optional]", "CONFIG DEFAULTS", "DESCRIPTION"),
+                     [_loss_text(r) for r in rows])
+    else:
+        _print_loss_records(rows, width=min(100, shutil.get_terminal_size((100, 24)).columns))
     return 0
 
 
@@ -204,8 +227,15 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _command(sub: Any, common: argparse.ArgumentParser, name: str, summary: str, **kwargs: Any):
+    """A subcommand whose one-line summary is both its entry in ``skyrl-sdk --help`` and the
+    first line of its own ``--help``."""
+    return sub.add_parser(name, parents=[common], help=summary, description=summary[0].upper() + summary[1:] + ".",
+                          **kwargs)
+
+
 def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("demo", parents=[common], help="train the tiny model: SFT, then a few RL steps")
+    p = _command(sub, common, "demo", "train the tiny model to reverse digit strings: SFT, then RL (about a minute)")
     p.add_argument("--steps", type=int, default=120, help="supervised steps (default 120)")
     p.add_argument("--rl-steps", type=int, default=16, help="RL steps after SFT (default 16)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON document")
@@ -215,8 +245,19 @@ def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_lazy("skyrl_sdk.demo", "main", "is skyrl-sdk fully installed?"))
 
 
+SERVE_EPILOG = """\
+Point the tinker client at it:
+  export TINKER_BASE_URL=http://127.0.0.1:8000   # or ServiceClient(base_url="http://127.0.0.1:8000")
+  export TINKER_API_KEY=tml-anything             # the client insists on a key starting with "tml-",
+                                                 # even when the server checks none (no --api-key)
+Models, engine and engine config are checked before the server binds; a problem exits with
+status 2 and the reason. See docs/server.md.
+"""
+
+
 def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("serve", parents=[common], help="serve models over Tinker's HTTP API")
+    p = _command(sub, common, "serve", "serve models over Tinker's HTTP API for the tinker client and the cookbook",
+                 epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--model", action="append", default=None, dest="model",
@@ -237,7 +278,10 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="longest sequence accepted (default: each model's max_position_embeddings)")
     p.add_argument("--max-num-samples", type=int, default=None, metavar="N",
                    help="most samples one sample request may ask for (default 256)")
-    p.set_defaults(func=_lazy("skyrl_sdk.server.app", "serve", "pip install 'skyrl-sdk[server]'"))
+    p.add_argument("--lazy", action="store_true",
+                   help="check models and engine config without loading the weights at start "
+                        "(big models: they load when a client first asks)")
+    p.set_defaults(func=_lazy("skyrl_sdk.serve_command", "serve", "pip install 'skyrl-sdk[server]'"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,20 +290,22 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
                         help="more logging (-v info, -vv debug)")
-    parser = argparse.ArgumentParser(prog="skyrl-sdk", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="skyrl-sdk", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("--version", action="version", version=f"skyrl-sdk {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("plugins", parents=[common], help="list plugins and what each registered")
+    p = _command(sub, common, "plugins", "list installed plugins and what each registered")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_plugins)
 
-    p = sub.add_parser("losses", parents=[common], help="list losses: names per dialect, inputs, config")
+    p = _command(sub, common, "losses", "list losses: the names each dialect calls them, inputs, config defaults")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--dialect", default=None, help="show only the names of this dialect")
+    p.add_argument("--wide", action="store_true", help="one line per loss (a wide table) instead of wrapped blocks")
     p.set_defaults(func=cmd_losses)
 
-    p = sub.add_parser("version", parents=[common], help="print the version")
+    p = _command(sub, common, "version", "print the version (with --json, also key dependencies)")
     p.add_argument("--json", action="store_true", help="also the versions of key dependencies, as JSON")
     p.set_defaults(func=cmd_version)
 
@@ -273,13 +319,28 @@ def _setup_logging(verbose: int) -> None:
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 
 
+def _silence_broken_pipe() -> int:
+    """``skyrl-sdk losses | head``: the reader left; exit quietly instead of a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+    return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `skyrl-sdk`: show what there is to do
+        parser.print_help()
+        return 0
     if getattr(args, "model", "absent") is None:
         args.model = ["tiny"]  # an append default would be appended to, so fill it here
     _setup_logging(args.verbose)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _silence_broken_pipe()
     except SkyrlError as exc:
         print(f"skyrl-sdk: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

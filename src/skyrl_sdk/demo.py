@@ -3,7 +3,8 @@
 Task: reverse a short digit string (``"4071>" -> "1704"``). The demo trains with
 ``cross_entropy`` until the loss falls, then runs a few RL steps (sample -> reward ->
 group-relative advantages -> Tinker ``ppo``) that raise the reward, exports the weights
-with ``save_weights_for_sampler`` and prints a table (or JSON with ``--json``).
+with ``save_weights_for_sampler`` and prints a summary and what to try next (or JSON with
+``--json``). It says what it does before the slow imports, and shows progress bars.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import types
-from .backend import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +57,13 @@ class ReverseTask:
     def reward(self, completion: list[int], answer: str) -> float:
         """Fraction of answer characters in place, minus a penalty for a wrong length."""
         text = self.tok.decode([t for t in completion if t != self.tok.eos_token_id])
-        hits = sum(a == b for a, b in zip(text, answer))
+        hits = sum(a == b for a, b in zip(text, answer, strict=False))
         return hits / len(answer) - 0.1 * abs(len(text) - len(answer)) / len(answer)
 
 
-def run_sft(backend: Backend, task: ReverseTask, steps: int, batch_size: int, quiet: bool) -> list[float]:
+def run_sft(backend: Any, task: ReverseTask, steps: int, batch_size: int, quiet: bool) -> list[float]:
     losses = []
-    bar = tqdm(range(steps), desc="supervised", disable=quiet or None)
+    bar = tqdm(range(steps), desc="supervised", disable=quiet)
     for _ in bar:
         data = [task.sft_datum() for _ in range(batch_size)]
         out = backend.forward_backward(data, "cross_entropy")
@@ -74,20 +74,20 @@ def run_sft(backend: Backend, task: ReverseTask, steps: int, batch_size: int, qu
     return losses
 
 
-def run_rl(backend: Backend, task: ReverseTask, steps: int, groups: int, group_size: int, quiet: bool) -> list[float]:
+def run_rl(backend: Any, task: ReverseTask, steps: int, groups: int, group_size: int, quiet: bool) -> list[float]:
     rewards = []
-    bar = tqdm(range(steps), desc="rl", disable=quiet or None)
+    bar = tqdm(range(steps), desc="rl", disable=quiet)
     params = types.SamplingParams(max_tokens=task.max_len + 1, temperature=1.0)
     for step in bar:
         problems = [task.problem() for _ in range(groups)]
         prompts = [task.prompt_tokens(p) for p, _ in problems]
         samples = backend.sample(prompts, attrs.evolve(params, seed=1000 + step), num_samples=group_size)
         data, step_rewards = [], []
-        for prompt, (_, answer), out in zip(prompts, problems, samples):
+        for prompt, (_, answer), out in zip(prompts, problems, samples, strict=True):
             group = [task.reward(s.tokens, answer) for s in out.sequences]
             baseline = float(np.mean(group))
             step_rewards.extend(group)
-            for seq, r in zip(out.sequences, group):
+            for seq, r in zip(out.sequences, group, strict=True):
                 if not seq.tokens or r == baseline:
                     continue
                 full = prompt + seq.tokens
@@ -109,12 +109,12 @@ def run_rl(backend: Backend, task: ReverseTask, steps: int, groups: int, group_s
     return rewards
 
 
-def greedy_eval(backend: Backend, task: ReverseTask, problems: list[tuple[str, str]]) -> tuple[float, float]:
+def greedy_eval(backend: Any, task: ReverseTask, problems: list[tuple[str, str]]) -> tuple[float, float]:
     """(mean reward, exact-match accuracy) of greedy answers on a fixed problem set."""
     outs = backend.sample([task.prompt_tokens(p) for p, _ in problems],
                           types.SamplingParams(max_tokens=task.max_len + 1, temperature=0.0))
     rewards, correct = [], 0
-    for (_, answer), out in zip(problems, outs):
+    for (_, answer), out in zip(problems, outs, strict=True):
         tokens = out.sequences[0].tokens
         rewards.append(task.reward(tokens, answer))
         correct += backend.tokenizer.decode([t for t in tokens if t != backend.tokenizer.eos_token_id]) == answer
@@ -124,7 +124,11 @@ def greedy_eval(backend: Backend, task: ReverseTask, problems: list[tuple[str, s
 def run_demo(steps: int = 120, rl_steps: int = 16, out_dir: str = "skyrl-demo-out", seed: int = 0,
              batch_size: int = 32, quiet: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
+    from .backend import Backend  # torch + transformers: the slow part of a cold start
+
     with Backend(model="tiny", seed=seed) as backend:
+        if not quiet:
+            print(f"model ready after {time.perf_counter() - t0:.1f}s; training...", file=sys.stderr, flush=True)
         task = ReverseTask(backend.tokenizer, seed)
         sft = run_sft(backend, task, steps, batch_size, quiet)
         eval_task = ReverseTask(backend.tokenizer, seed + 1)
@@ -153,12 +157,42 @@ def run_demo(steps: int = 120, rl_steps: int = 16, out_dir: str = "skyrl-demo-ou
     }
 
 
-def _table(result: dict[str, Any]) -> str:
-    rows = [(k, v) for k, v in result.items() if not k.endswith("_curve")]
-    width = max(len(k) for k, _ in rows)
-    lines = ["", "skyrl-sdk demo results", "-" * (width + 30)]
-    for k, v in rows:
-        lines.append(f"{k:<{width}}  {v:.4f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+def intro(steps: int, rl_steps: int) -> str:
+    return (
+        "skyrl-sdk demo: teach the built-in tiny model (random weights, CPU) to reverse digit strings\n"
+        f"  ('4071>' -> '1704'): {steps} supervised steps (cross_entropy), then {rl_steps} RL steps\n"
+        "  (a group of sampled answers per string -> reward -> group-relative advantages -> ppo).\n"
+        "  reward: the fraction of answer characters in the right place, minus a penalty for a wrong\n"
+        "  length; accuracy: the fraction of answers exactly right (both on 128 held-out strings).\n"
+        "Loading torch and the model..."
+    )
+
+
+def summary(result: dict[str, Any]) -> str:
+    """The results in words, then what to try next with the exported weights."""
+    weights = result["weights_dir"]
+    lines = [
+        "",
+        f"skyrl-sdk demo: done in {result['seconds']}s",
+        f"  supervised  loss per answer token   {result['sft_loss_first']:.3f} -> {result['sft_loss_last']:.3f}"
+        f"   ({result['sft_steps']} steps)",
+    ]
+    if result["rl_reward_first"] is not None:
+        lines.append(f"  RL          mean sampled reward     {result['rl_reward_first']:.3f} -> "
+                     f"{result['rl_reward_last']:.3f}   ({result['rl_steps']} steps)")
+    lines += [
+        f"  held-out    reward                  {result['eval_reward_after_sft']:.3f} after SFT -> "
+        f"{result['eval_reward_after_rl']:.3f} after RL",
+        f"  held-out    accuracy                {result['eval_accuracy_after_sft']:.0%} after SFT -> "
+        f"{result['eval_accuracy_after_rl']:.0%} after RL",
+        f"  weights     {weights}",
+        "",
+        "Next steps:",
+        f"  load the weights:   transformers.AutoModelForCausalLM.from_pretrained({weights!r})",
+        f"  serve them:         skyrl-sdk serve --model {weights}",
+        "  write your RL loop: docs/rl.md (a GRPO loop that runs as is) and examples/",
+        "  the whole run as JSON (loss and reward curves): skyrl-sdk demo --json",
+    ]
     return "\n".join(lines)
 
 
@@ -166,11 +200,13 @@ def main(args) -> int:
     steps, rl_steps, batch = args.steps, args.rl_steps, 32
     if getattr(args, "short", False):
         steps, rl_steps, batch = min(steps, 12), min(rl_steps, 2), 8
+    if not args.json:
+        print(intro(steps, rl_steps), flush=True)
     result = run_demo(steps=steps, rl_steps=rl_steps, out_dir=args.out, seed=args.seed or 0,
                       batch_size=batch, quiet=args.json)
     if args.json:
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(_table(result))
+        print(summary(result))
     return 0

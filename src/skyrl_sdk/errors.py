@@ -7,6 +7,21 @@ and the HTTP server can answer it as a *user* error.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+from typing import Any
+
+
+def did_you_mean(name: Any, choices: Iterable[str]) -> str:
+    """``"; did you mean 'ppo'?"`` when a choice is close to ``name`` (a typo), else ``""``.
+
+    Error messages append it so a misspelt loss, dialect, engine or key points at the fix.
+    """
+    if not isinstance(name, str) or not name:
+        return ""
+    close = difflib.get_close_matches(name, sorted(set(choices)), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
 
 class SkyrlError(Exception):
     """Base class of every skyrl-sdk error."""

@@ -7,7 +7,9 @@ so the same seed gives bit-identical initial weights on every machine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,27 @@ TINY_NAME = "tiny"
 TINY_DIR = Path(__file__).parent / "assets" / "tiny"
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 TINY_VOCAB_SIZE = 320  # 256 bytes + 3 specials, rounded up for alignment
+#: Weights below this size load in well under a second: no "Loading weights" progress bar.
+QUIET_LOAD_BYTES = 256 * 1024**2
+
+
+def _weights_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin") for f in directory.glob(pattern))
+
+
+@contextlib.contextmanager
+def _quiet_progress(enabled: bool):
+    """Turn transformers' progress bars off for one small load, then restore the user's setting."""
+    from transformers.utils import logging as hf_logging
+
+    if not enabled or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -198,7 +221,9 @@ def apply_lora(model, lora: LoraConfig, seed: int):
         target_modules=targets,
         bias="none",
     )
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft reads transformers' deprecated is_gradient_checkpointing: our call, not the user's
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(lora.seed if lora.seed is not None else seed)
         return peft.get_peft_model(model, config)
 
@@ -220,7 +245,8 @@ def load_model(
     config, tok_dir = _load_config(name)
     config.use_cache = False  # packed rows must not be treated as one sequence (PLATFORM_NOTES)
     from_scratch = name == TINY_NAME
-    with torch.random.fork_rng(devices=[]):
+    quiet = not from_scratch and _weights_bytes(Path(tok_dir)) < QUIET_LOAD_BYTES
+    with torch.random.fork_rng(devices=[]), _quiet_progress(quiet):
         torch.manual_seed(seed)
         try:
             if role == "critic":

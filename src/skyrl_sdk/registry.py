@@ -8,11 +8,12 @@ both sides.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 
-from .errors import DuplicateRegistrationError, PluginError
+from .errors import DuplicateRegistrationError, PluginError, did_you_mean  # noqa: F401  (re-exported)
 from .losses.base import LossSpec
 from .metrics import check_metric_key  # noqa: F401  (re-exported for plugin authors)
 
@@ -83,7 +84,8 @@ class Registry:
             raise PluginError(f"{where}: fn must accept (loss_input, config), it takes {len(params)} argument(s)")
         if role not in _ROLES:
             raise PluginError(f"{where}: role must be one of {_ROLES}, got {role!r}")
-        for label, keys in (("required_inputs", required_inputs), ("optional_inputs", optional_inputs), ("outputs", outputs)):
+        declared = (("required_inputs", required_inputs), ("optional_inputs", optional_inputs), ("outputs", outputs))
+        for label, keys in declared:
             if isinstance(keys, str) or not all(isinstance(k, str) and k for k in keys):
                 raise PluginError(f"{where}: {label} must be a list of non-empty strings, got {keys!r}")
         overlap = set(required_inputs) & set(optional_inputs)

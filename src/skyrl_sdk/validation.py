@@ -15,7 +15,7 @@ from .losses.inputs import check_loss_inputs
 from .types import Datum
 
 
-def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None) -> None:
+def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None, label: str | None = None) -> None:
     """Validate a whole batch against a loss; raise :class:`DatumError` on the first problem."""
     for i, datum in enumerate(data):
         tokens = datum.model_input.to_numpy()
@@ -25,7 +25,7 @@ def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None)
         if vocab_size is not None:
             check_token_range(tokens, vocab_size, i, "model_input")
         shapes = {k: v.shape for k, v in datum.loss_fn_inputs.items()}
-        check_loss_inputs(spec, shapes, n, index=i)
+        check_loss_inputs(spec, shapes, n, index=i, label=label)
         for key, tensor in datum.loss_fn_inputs.items():
             array = tensor.array
             if key == "target_tokens":

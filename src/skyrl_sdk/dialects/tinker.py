@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..checks import check_number
-from ..errors import LossConfigError
+from ..errors import LossConfigError, did_you_mean
 from ..hookspecs import hookimpl
 from ..losses.terms import POLICY_TERM_KEYS, REDUCTION_KEYS
 
@@ -98,9 +98,10 @@ def convert_tinker(loss_fn: str, loss_fn_config: Mapping[str, Any] | None, role:
                     f"loss {loss_fn!r} takes no loss_fn_config of its own, got key {key!r}; "
                     f"shared keys: {list(_shared(role))}"
                 )
+            everything = list(accepted) + list(_shared(role))
             raise LossConfigError(
-                f"loss {loss_fn!r}: unknown loss_fn_config key {key!r}; accepted keys: "
-                f"{list(accepted) + list(_shared(role))}"
+                f"loss {loss_fn!r}: unknown loss_fn_config key {key!r}; accepted keys: {everything}"
+                f"{did_you_mean(key, everything)}"
             )
     if canonical in _OFFSET_KEYS:
         return canonical, _thresholds(cfg, canonical)

@@ -45,7 +45,8 @@ def evaluate_loss(
     for key, value in inputs.items():
         t = torch.as_tensor(value.to_numpy() if hasattr(value, "to_numpy") else value)
         tensors[key] = t.to(device=device, dtype=torch.long if key == "target_tokens" else torch.float32)
-    check_loss_inputs(resolved.spec, {k: tuple(v.shape) for k, v in tensors.items()}, n, index=0, need_targets=False)
+    check_loss_inputs(resolved.spec, {k: tuple(v.shape) for k, v in tensors.items()}, n, index=0, need_targets=False,
+                      label=resolved.label)
     role = resolved.spec.role
     common = dict(segment_ids=torch.zeros(n, dtype=torch.long, device=device), num_segments=1, entropy=entropy)
     if resolved.spec.prepare is not None:  # whole-call statistics: here the call is this sequence

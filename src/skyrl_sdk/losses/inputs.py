@@ -9,29 +9,33 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ..errors import DatumError
+from ..errors import DatumError, did_you_mean
 from .base import LossSpec
 
 
 def check_loss_inputs(
-    spec: LossSpec, shapes: Mapping[str, tuple[int, ...]], n: int, *, index: int, need_targets: bool = True
+    spec: LossSpec, shapes: Mapping[str, tuple[int, ...]], n: int, *, index: int, need_targets: bool = True,
+    label: str | None = None,
 ) -> None:
-    """Required keys present, no unknown keys, first dimension equal to the datum length."""
+    """Required keys present, no unknown keys, first dimension equal to the datum length.
+
+    ``label`` names the loss as the caller typed it (``ResolvedLoss.label``)."""
+    label = label or f"loss {spec.name!r}"
     accepted = set(spec.required_inputs) | set(spec.optional_inputs)
     for key in spec.required_inputs:
         if key == "target_tokens" and not need_targets:
             continue
         if key not in shapes:
             raise DatumError(
-                f"loss {spec.name!r} requires input {key!r} (required: {list(spec.required_inputs)}), "
+                f"{label} requires input {key!r} (required: {list(spec.required_inputs)}), "
                 f"got keys {sorted(shapes)}",
                 index=index,
             )
     for key, shape in shapes.items():
         if key not in accepted:
             raise DatumError(
-                f"loss {spec.name!r} does not take this input; accepted inputs: "
-                f"{sorted(accepted)}",
+                f"{label} does not take this input; accepted inputs: "
+                f"{sorted(accepted)}{did_you_mean(key, accepted)}",
                 index=index,
                 key=key,
             )

@@ -7,12 +7,19 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..errors import LossConfigError, UnknownLossError, UnknownNameError
+from ..errors import LossConfigError, UnknownLossError, UnknownNameError, did_you_mean
 from .base import LossSpec
 from .terms import POLICY_TERM_KEYS, REDUCTION_KEYS, LossTerms, build_terms, required_inputs, split_terms
 
 if TYPE_CHECKING:
     from ..registry import Registry
+
+
+def loss_label(requested: str, canonical: str) -> str:
+    """How errors name a loss: as the caller typed it, with the canonical name when they differ."""
+    if requested == canonical:
+        return f"loss {canonical!r}"
+    return f"loss {requested!r} (native {canonical!r})"
 
 
 @attrs.frozen
@@ -32,34 +39,41 @@ class ResolvedLoss:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def label(self) -> str:
+        """``"loss 'ppo' (native 'regular')"``: the name the caller used, for error messages."""
+        return loss_label(self.requested_name, self.spec.name)
+
 
 def shared_keys(role: str) -> tuple[str, ...]:
     """The loss_fn_config keys every loss of ``role`` takes besides its own (see ``terms``)."""
     return REDUCTION_KEYS + (POLICY_TERM_KEYS if role == "policy" else ())
 
 
-def build_config(spec: LossSpec, config: Mapping[str, Any] | None) -> Any:
+def build_config(spec: LossSpec, config: Mapping[str, Any] | None, label: str | None = None) -> Any:
     """Validate a config dict (without the shared keys) against the loss's config class;
-    errors name the key."""
+    errors name the key and the loss as the caller typed it (``label``)."""
+    label = label or loss_label(spec.name, spec.name)
     config = dict(config or {})
     if spec.config_cls is None:
         if config:
             raise LossConfigError(
-                f"loss {spec.name!r} takes no loss_fn_config of its own, got keys {sorted(config)}; "
+                f"{label} takes no loss_fn_config of its own, got keys {sorted(config)}; "
                 f"keys every {spec.role} loss takes: {list(shared_keys(spec.role))}"
             )
         return None
     accepted = spec.config_keys()
     for key in config:
         if key not in accepted:
+            everything = list(accepted) + list(shared_keys(spec.role))
             raise LossConfigError(
-                f"loss {spec.name!r}: unknown loss_fn_config key {key!r}; accepted keys: "
-                f"{list(accepted) + list(shared_keys(spec.role))}"
+                f"{label}: unknown loss_fn_config key {key!r}; accepted keys: {everything}"
+                f"{did_you_mean(key, everything)}"
             )
     try:
         return spec.config_cls(**config)
     except (TypeError, ValueError) as exc:
-        raise LossConfigError(f"loss {spec.name!r}: invalid loss_fn_config: {exc}") from None
+        raise LossConfigError(f"{label}: invalid loss_fn_config: {exc}") from None
 
 
 def resolve_loss(
@@ -76,7 +90,10 @@ def resolve_loss(
         raise LossConfigError(f"loss_fn_config must be a mapping or None, got {type(loss_fn_config).__name__}")
     dialect_spec = registry.dialects.get(dialect)
     if dialect_spec is None:
-        raise UnknownNameError(f"unknown dialect {dialect!r}; available: {sorted(registry.dialects)}")
+        raise UnknownNameError(
+            f"unknown dialect {dialect!r}; available: {sorted(registry.dialects)}"
+            f"{did_you_mean(dialect, registry.dialects)}"
+        )
     own_config, shared = split_terms(loss_fn_config)
     converted = dialect_spec.convert(loss_fn, own_config, role)
     if converted is None:
@@ -86,7 +103,10 @@ def resolve_loss(
     spec = registry.losses.get(name)
     if spec is None:
         available = sorted(set(registry.losses) | set(getattr(dialect_spec.convert, "names", ())))
-        raise UnknownLossError(f"unknown loss_fn {loss_fn!r} (dialect {dialect!r}); available: {available}")
+        raise UnknownLossError(
+            f"unknown loss_fn {loss_fn!r} (dialect {dialect!r}); available: {available}"
+            f"{did_you_mean(loss_fn, available)}"
+        )
     if spec.role != role:
         raise UnknownLossError(
             f"loss_fn {loss_fn!r} resolves to {spec.name!r}, a {spec.role} loss, but this model's role is {role!r}"
@@ -97,6 +117,6 @@ def resolve_loss(
         optional = tuple(k for k in spec.optional_inputs if k not in extra)
         spec = attrs.evolve(spec, required_inputs=spec.required_inputs + extra, optional_inputs=optional)
     return ResolvedLoss(
-        spec=spec, config=build_config(spec, config), requested_name=loss_fn, dialect=dialect, terms=terms,
+        spec=spec, config=build_config(spec, config, loss_label(loss_fn, spec.name)), requested_name=loss_fn, dialect=dialect, terms=terms,
         plugin=registry.owners.get(("loss", spec.name)),
     )

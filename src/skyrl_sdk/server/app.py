@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -73,29 +72,3 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def serve(args: Any) -> int:
-    """``skyrl-sdk serve``: run the server until Ctrl-C (then shut down cleanly)."""
-    import uvicorn
-
-    try:
-        config = ServerConfig.from_args(args)
-    except InputError as exc:
-        print(f"skyrl-sdk serve: {exc}", file=sys.stderr)
-        return 2
-    if not _is_loopback(config.host) and not config.owners():
-        logger.warning("serving on %s without an API key: anyone who can reach it can train and read "
-                       "checkpoints (pass --api-key or set SKYRL_SDK_API_KEY)", config.host)
-    print(f"skyrl-sdk serve: http://{config.host}:{config.port} (models: {', '.join(config.models)}; "
-          f"state: {config.state_dir}) - point the tinker client at it with "
-          f"TINKER_BASE_URL=http://{config.host}:{config.port}", file=sys.stderr)
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(config), host=config.host, port=config.port, log_level="warning",
-        timeout_graceful_shutdown=5, lifespan="on",
-    ))
-    try:
-        server.run()
-    except KeyboardInterrupt:  # a second Ctrl-C while shutting down
-        pass
-    return 0

@@ -24,7 +24,7 @@ def reinforce(batch: LossInput, config: None) -> LossOutput:
     scored = weights != 0 if weights is not None else adv != 0
     return LossOutput(
         loss=per_token.sum(),
-        elementwise_loss=per_token.detach(),
+        elementwise_loss=per_token,  # with its gradient: loss_reduction="seq_mean_token_mean" weights it
         scored=scored,
         metrics={
             "pg_loss:sum": metric_sum(per_token),

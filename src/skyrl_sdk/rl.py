@@ -1,0 +1,63 @@
+"""Small helpers for RL loops: group-relative advantages and the datum of one sample.
+
+They spell out the two steps every GRPO-style loop repeats (see docs/rl.md): normalize a
+group's rewards into advantages, and turn ``prompt + sampled completion`` into a Datum
+whose prompt positions are not trained.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .errors import InputError
+from .types import Datum, ModelInput, SampledSequence
+
+
+def group_advantages(rewards: Sequence[float], *, normalize: bool = True, eps: float = 1e-6) -> list[float]:
+    """``(r - mean) / (std + eps)`` over one group of samples of the same prompt.
+
+    With ``normalize=False`` only the mean is subtracted. A group whose rewards are all
+    equal gets zeros: it carries no signal about which sample was better.
+    """
+    values = [float(r) for r in rewards]
+    if not values or not all(math.isfinite(v) for v in values):
+        raise InputError(f"rewards: expected a non-empty list of finite numbers, got {list(rewards)!r}")
+    mean = sum(values) / len(values)
+    centred = [v - mean for v in values]
+    if not normalize:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / len(values))
+    return [c / (std + eps) for c in centred]
+
+
+def datum_from_sample(prompt: Sequence[int], sample: SampledSequence, advantage: float) -> Datum:
+    """The training Datum of one sampled completion of ``prompt``.
+
+    The model reads ``prompt + completion`` shifted by one; ``target_tokens`` are the next
+    tokens, ``logprobs`` the sampler's logprobs of the completion (what importance
+    sampling and PPO compare the new policy with), ``advantages`` the advantage on every
+    completion token. Prompt positions carry logprob 0 and advantage 0, so they add
+    nothing to the loss. The keys fit ``importance_sampling``, ``ppo`` and the other
+    policy-gradient losses.
+    """
+    prompt = [int(t) for t in prompt]
+    tokens = [int(t) for t in sample.tokens]
+    if not prompt:
+        raise InputError("prompt: expected at least one token")
+    if not tokens:
+        raise InputError("sample.tokens: the completion is empty; there is nothing to train on")
+    if len(sample.logprobs) != len(tokens):
+        raise InputError(f"sample.logprobs: expected {len(tokens)} values (one per token), got {len(sample.logprobs)}")
+    if not math.isfinite(advantage):
+        raise InputError(f"advantage: expected a finite number, got {advantage!r}")
+    full = prompt + tokens
+    n_prompt = len(prompt) - 1  # positions whose target is still a prompt token
+    return Datum(
+        model_input=ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": full[1:],
+            "logprobs": [0.0] * n_prompt + [float(x) for x in sample.logprobs],
+            "advantages": [0.0] * n_prompt + [float(advantage)] * len(tokens),
+        },
+    )

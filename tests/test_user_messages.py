@@ -1,0 +1,78 @@
+"""What a user reads: errors name the loss as typed and suggest the close name for a typo;
+our own noise (a deprecation inside peft, progress bars for tiny loads) is silenced, theirs is not."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from skyrl_sdk.errors import DatumError, LossConfigError, UnknownLossError, UnknownNameError
+from skyrl_sdk.losses import evaluate_loss
+from skyrl_sdk.registry import did_you_mean
+
+LP = torch.zeros(3)
+
+
+def test_did_you_mean_only_for_a_close_name():
+    assert did_you_mean("ppoo", ["ppo", "cispo"]) == "; did you mean 'ppo'?"
+    assert did_you_mean("zzzz", ["ppo", "cispo"]) == ""
+    assert did_you_mean(None, ["ppo"]) == "" and did_you_mean("", ["ppo"]) == ""
+
+
+def test_missing_input_names_the_typed_loss_and_the_canonical_one():
+    with pytest.raises(DatumError) as exc:
+        evaluate_loss("ppo", LP, {"logprobs": LP}, dialect="tinker")
+    assert "loss 'ppo' (native 'regular') requires input 'advantages'" in str(exc.value)
+    with pytest.raises(DatumError) as exc:  # the canonical name typed: named once
+        evaluate_loss("regular", LP, {"logprobs": LP}, dialect="native")
+    assert "loss 'regular' requires input 'advantages'" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "call, error, expected",
+    [
+        (dict(name="ppoo", inputs={}, dialect="tinker"), UnknownLossError,
+         "unknown loss_fn 'ppoo' (dialect 'tinker'); available: ["),
+        (dict(name="ppo", inputs={}, dialect="tinkr"), UnknownNameError, "unknown dialect 'tinkr'"),
+        (dict(name="ppo", inputs={}, dialect="tinker", config={"clip_low_treshold": 0.8}), LossConfigError,
+         "unknown loss_fn_config key 'clip_low_treshold'"),
+        (dict(name="cispo", inputs={}, dialect="native", config={"cispo_eps_clip_lo": 1.0}), LossConfigError,
+         "loss 'cispo': unknown loss_fn_config key 'cispo_eps_clip_lo'"),
+        (dict(name="ppo", inputs={"logprobs": LP, "advantages": LP, "advantage": LP}, dialect="tinker"),
+         DatumError, "loss 'ppo' (native 'regular') does not take this input"),
+    ],
+)
+def test_typos_get_a_suggestion(call, error, expected):
+    suggestion = {"ppoo": "ppo", "tinkr": "tinker", "clip_low_treshold": "clip_low_threshold",
+                  "cispo_eps_clip_lo": "cispo_eps_clip_low", "advantage": "advantages"}
+    with pytest.raises(error) as exc:
+        evaluate_loss(call["name"], LP, call["inputs"], call.get("config"), dialect=call["dialect"])
+    message = str(exc.value)
+    assert expected in message
+    typo = next(t for t in suggestion if repr(t) in message)
+    assert message.endswith(f"did you mean {suggestion[typo]!r}?"), message
+
+
+def test_no_suggestion_when_nothing_is_close():
+    with pytest.raises(UnknownLossError) as exc:
+        evaluate_loss("xyzzy_quux", LP, {}, dialect="tinker")
+    assert "did you mean" not in str(exc.value)
+
+
+def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+
+    from skyrl_sdk import types
+    from skyrl_sdk.models import load_model
+
+    load_model("tiny").module.save_pretrained(tmp_path)
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_model(str(tmp_path), lora=types.LoraConfig(rank=2))
+        warnings.warn("the user's own deprecation", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["the user's own deprecation"]
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # the user's setting is restored
