@@ -174,3 +174,10 @@ def test_loss_fn_inputs_must_be_a_mapping_of_named_tensors():
         types.Datum(model_input=[1, 2], loss_fn_inputs=[1, 2])
     with pytest.raises(errors.InputError, match="keys must be non-empty strings"):
         types.Datum(model_input=[1, 2], loss_fn_inputs={1: [1, 2]})
+
+
+def test_step_guard_bound_handles_empty_shards():
+    """A rank's shard of a small tensor (a critic head row) can be empty: max |x| is 0 there."""
+    from skyrl_sdk.engines.step_guard import _max_abs
+
+    assert _max_abs([torch.zeros(0), torch.tensor([-3.0, 2.0]), torch.zeros(0, 4)]) == [0.0, 3.0, 0.0]

@@ -28,9 +28,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _max_abs(tensors: Sequence[torch.Tensor]) -> list[float]:
-    if not tensors:
-        return []
-    return [float(x) for x in torch._foreach_norm([_local(t).detach().float() for t in tensors], ord=float("inf"))]
+    """max |x| of each tensor (0 for an empty one: a rank's shard of a small tensor can be empty)."""
+    local = [_local(t).detach() for t in tensors]
+    filled = [i for i, t in enumerate(local) if t.numel()]
+    out = [0.0] * len(local)
+    if filled:
+        norms = torch._foreach_norm([local[i].float() for i in filled], ord=float("inf"))
+        for i, norm in zip(filled, norms, strict=True):
+            out[i] = float(norm)
+    return out
 
 
 def step_is_provably_finite(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], adam: AdamParams) -> bool:
