@@ -99,7 +99,7 @@ def test_unknown_sampler_and_bad_config_are_clear_errors():
     with pytest.raises(errors.InputError, match="sampler_config: expected a mapping"):
         skyrl_sdk.Backend(sampler_config=[("a", 1)])
     with skyrl_sdk.Backend(sampler_config={"tensor_parallel": 2}) as b:
-        with pytest.raises(errors.InputError, match=r"'transformers' sampler takes no options, got \['tensor_parallel'\]"):
+        with pytest.raises(errors.InputError, match=r"'transformers' sampler takes no options, got \['tensor_"):
             b.sample([[1, 2]], types.SamplingParams(max_tokens=1))
 
 
