@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # ``python benchmarks/run.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import fsdp, input_path, memory, scaling, server, step  # noqa: E402
+from benchmarks import fsdp, input_path, memory, sampling, scaling, server, step  # noqa: E402
 from benchmarks.common import MODEL_10M, MODEL_32K, MODEL_SMOKE, set_threads  # noqa: E402
 
 BENCHMARKS = {
@@ -35,6 +35,7 @@ BENCHMARKS = {
     server.NAME: server,
     fsdp.NAME: fsdp,
     scaling.NAME: scaling,
+    sampling.NAME: sampling,
 }
 
 
@@ -56,6 +57,7 @@ class Context:
         self.server_reps = reps or (1 if self.smoke else 15)
         self.fsdp_reps = reps or (1 if self.smoke else 5)
         self.scaling_reps = 1 if self.smoke else (args.reps or 3)
+        self.sampling_reps = 1 if self.smoke else (args.reps or 2)  # a full rep is ~1 min per side
         self.quiet = args.quiet
 
     def log(self, msg: str) -> None:
@@ -116,6 +118,13 @@ def targets(results: dict) -> list[dict]:
     elif r:
         rows.append({"benchmark": fsdp.NAME, "metric": "fsdp", "target": fsdp.TARGET_MEMORY,
                      "verdict": r.get("status")})
+    r = results.get(sampling.NAME, {})
+    if "time_ratio" in r:
+        add(sampling.NAME, "time ratio (SDK sampler / plain generate)", r["time_ratio"], r["target_time_ratio"],
+            r["verdict_time"])
+        g = r["sdk_peak_growth_gib"]
+        add(sampling.NAME, "SDK sampler peak RSS growth (GiB)", {"median": g, "min": g, "max": g},
+            r["target_peak_gib"], r["verdict_memory"])
     return rows
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "scaling"]
+BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "scaling", "sampling"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")
@@ -46,11 +46,16 @@ def test_smoke_mode_emits_valid_json(tmp_path):
     assert all(r["step_s"]["median"] > 0 for r in scaling["tokens"] + scaling["seq_len"])
     assert doc["plot"] == str(plot) and plot.stat().st_size > 1000
 
+    sampling = doc["benchmarks"]["sampling"]
+    assert sampling["sdk_tokens_per_s"]["median"] > 0 and sampling["generate_tokens_per_s"]["median"] > 0
+    assert sampling["sdk_peak_growth_gib"] >= 0 and sampling["time_ratio"]["median"] > 0
+
     metrics = {(t["benchmark"], t["metric"]) for t in doc["targets"]}
     assert ("step_time", "variable step-time ratio (SDK / hand loop)") in metrics
     assert ("step_time", "uniform step-time ratio (SDK / hand loop)") in metrics
     assert ("peak_memory", "peak-memory ratio (SDK / hand loop)") in metrics
     assert ("input_path", "input path / step time") in metrics
+    assert ("sampling", "time ratio (SDK sampler / plain generate)") in metrics
     assert {"server_round_trip", "fsdp"} <= {t["benchmark"] for t in doc["targets"]}
     for t in doc["targets"]:
         assert {"benchmark", "metric", "target", "verdict"} <= set(t)

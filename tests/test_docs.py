@@ -25,6 +25,7 @@ REGISTER_METHODS = {
     "skyrl_sdk_register_dialects": Registry.register_dialect,
     "skyrl_sdk_register_converters": Registry.register_dialect,  # deprecated name, one release
     "skyrl_sdk_register_engines": Registry.register_engine,
+    "skyrl_sdk_register_samplers": Registry.register_sampler,
 }
 
 

@@ -66,6 +66,8 @@ class Backend:
         dialect: str = "tinker",
         seed: int = 0,
         grad_accumulation: str = "sum",
+        sampler: str = "transformers",
+        sampler_config: Mapping[str, Any] | None = None,
     ) -> None:
         if role not in ("policy", "critic"):
             raise InputError(f"role must be 'policy' or 'critic', got {role!r}")
@@ -79,6 +81,13 @@ class Backend:
                 f"unknown engine {engine!r}; available: {sorted(registry.engines)} "
                 f"(engine 'fsdp' comes with: pip install skyrl-sdk-fsdp)"
             )
+        if sampler not in registry.samplers:
+            raise UnknownNameError(f"unknown sampler {sampler!r}; available: {sorted(registry.samplers)}")
+        if sampler_config is not None and not isinstance(sampler_config, Mapping):
+            raise InputError(f"sampler_config: expected a mapping, got {type(sampler_config).__name__}")
+        self.sampler_name = sampler
+        self._sampler_config = dict(sampler_config or {})
+        self._sampler = None  # built on the first sample(): a sampler may hold a second model
         self.model_name = str(model)
         self.role = role
         self.dialect = dialect
@@ -106,6 +115,8 @@ class Backend:
     def close(self) -> None:
         with self._lock:
             if not self._closed:
+                if self._sampler is not None:
+                    self._sampler.close()
                 self.engine.close()
                 self._closed = True
 
@@ -200,13 +211,21 @@ class Backend:
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         num_samples: int = 1,
         prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
     ) -> list[SampleOutput]:
-        """Sample continuations of each prompt (token lists or ModelInputs) from the current weights."""
+        """Sample continuations of each prompt (token lists or ModelInputs) from the current weights.
+
+        ``topk_prompt_logprobs=k`` also returns, per prompt position, the k most likely tokens
+        and their logprobs (Tinker's field). Served by this Backend's sampler (``sampler=``).
+        """
         params = sampling_params_from_any(sampling_params)
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise InputError(f"num_samples: expected an integer >= 1, got {num_samples!r}")
         if not isinstance(prompt_logprobs, bool):
             raise InputError(f"prompt_logprobs: expected true or false, got {prompt_logprobs!r}")
+        if isinstance(topk_prompt_logprobs, bool) or not isinstance(topk_prompt_logprobs, int) \
+                or topk_prompt_logprobs < 0:
+            raise InputError(f"topk_prompt_logprobs: expected an integer >= 0, got {topk_prompt_logprobs!r}")
         arrays = prompts_from_any(prompts)
         for i, tokens in enumerate(arrays):
             problem = token_range_problem(tokens, self.vocab_size)
@@ -214,7 +233,11 @@ class Backend:
                 raise InputError(f"prompt {i}: {problem}")
         with self._lock:
             self._check_open()
-            return self.engine.sample(arrays, params, num_samples, prompt_logprobs)
+            if self._sampler is None:
+                factory = get_registry().samplers[self.sampler_name].factory
+                self._sampler = factory(engine=self.engine, config=dict(self._sampler_config))
+            return self._sampler.sample(arrays, params, num_samples, prompt_logprobs=prompt_logprobs,
+                                        topk_prompt_logprobs=topk_prompt_logprobs)
 
     # ---- saving -----------------------------------------------------------------------
     def save_weights_for_sampler(self, path: str | Path, *, merge_lora: bool = True, overwrite: bool = False) -> SaveWeightsForSamplerOutput:

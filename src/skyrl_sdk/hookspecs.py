@@ -1,7 +1,8 @@
-"""Hook specifications: the ways a plugin extends skyrl-sdk (losses, dialects, engines).
+"""Hook specifications: the ways a plugin extends skyrl-sdk (losses, dialects, engines, samplers).
 
 Each hook receives a ``register`` callback, so a plugin never touches registry internals.
-The built-in losses, dialects and the local engine are registered through these very hooks.
+The built-in losses, dialects, the local engine and the transformers sampler are registered
+through these very hooks.
 Hooks are called once per process, the first time the registry is needed (each FSDP rank
 included), in plugin load order.
 """
@@ -56,4 +57,17 @@ def skyrl_sdk_register_engines(register):
     Call ``register(name, factory, *, description='')``; ``factory(**engine_kwargs)`` returns an
     object implementing ``skyrl_sdk.engines.base.Engine``. The Backend calls it with
     ``model``, ``role``, ``lora``, ``seed``, ``engine_config`` keyword arguments.
+    """
+
+
+@hookspec
+def skyrl_sdk_register_samplers(register):
+    """Register samplers: what serves ``Backend.sample`` (and the server's sampling clients).
+
+    Call ``register(name, factory, *, description='')``; ``Backend(sampler=name)`` selects one
+    (``"transformers"``, the built-in, by default). The Backend calls
+    ``factory(engine=..., config=...)`` on its first ``sample`` with its engine (whose weights
+    are the ones to sample from) and its ``sampler_config`` dict; the result has
+    ``sample(prompts, params, num_samples, *, prompt_logprobs, topk_prompt_logprobs)``
+    returning one ``SampleOutput`` per prompt, and ``close()``.
     """

@@ -35,6 +35,7 @@ BUILTIN_PLUGINS = (
     "skyrl_sdk.dialects.native",
     "skyrl_sdk.dialects.tinker",
     "skyrl_sdk.engines.local",
+    "skyrl_sdk.sampling.plugin",
 )
 
 
@@ -91,6 +92,7 @@ def _call_plugin_hooks(manager: pluggy.PluginManager, plugin_obj: Any, plugin_na
         "skyrl_sdk_register_dialects": lambda *a, **k: registry.register_dialect(plugin_name, *a, **k),
         "skyrl_sdk_register_converters": lambda *a, **k: registry.register_dialect(plugin_name, *a, **k),
         "skyrl_sdk_register_engines": lambda *a, **k: registry.register_engine(plugin_name, *a, **k),
+        "skyrl_sdk_register_samplers": lambda *a, **k: registry.register_sampler(plugin_name, *a, **k),
     }
     for hook_name, register in callbacks.items():
         caller = getattr(manager.hook, hook_name)
@@ -112,6 +114,7 @@ def _snapshot(registry: Registry) -> Registry:
         losses=dict(registry.losses),
         dialects=dict(registry.dialects),
         engines=dict(registry.engines),
+        samplers=dict(registry.samplers),
         owners=dict(registry.owners),
         registered_by={k: list(v) for k, v in registry.registered_by.items()},
     )

@@ -1,4 +1,4 @@
-"""In-memory registries of losses, dialects and engines, filled by plugins.
+"""In-memory registries of losses, dialects, engines and samplers, filled by plugins.
 
 Registration is validated here (so a malformed loss fails when its plugin loads, not at
 first use), and every entry remembers the plugin that registered it so duplicates can name
@@ -34,11 +34,19 @@ class EngineSpec:
     description: str = ""
 
 
+@attrs.frozen
+class SamplerSpec:
+    name: str
+    factory: Callable[..., Any]
+    description: str = ""
+
+
 @attrs.define
 class Registry:
     losses: dict[str, LossSpec] = attrs.Factory(dict)
     dialects: dict[str, DialectSpec] = attrs.Factory(dict)
     engines: dict[str, EngineSpec] = attrs.Factory(dict)
+    samplers: dict[str, SamplerSpec] = attrs.Factory(dict)
     #: (kind, name) -> plugin name that registered it
     owners: dict[tuple[str, str], str] = attrs.Factory(dict)
     #: plugin name -> list of "kind:name" it registered
@@ -137,4 +145,15 @@ class Registry:
         spec = EngineSpec(name=name, factory=factory, description=description)
         self._claim("engine", name, plugin)
         self.engines[name] = spec
+        return spec
+
+    # -- samplers ------------------------------------------------------------------------
+    def register_sampler(self, plugin: str, name: str, factory: Callable, *, description: str = "") -> SamplerSpec:
+        if not callable(factory):
+            raise PluginError(f"plugin {plugin!r}, sampler {name!r}: factory must be callable")
+        if not isinstance(description, str):
+            raise PluginError(f"plugin {plugin!r}, sampler {name!r}: description must be a string")
+        spec = SamplerSpec(name=name, factory=factory, description=description)
+        self._claim("sampler", name, plugin)
+        self.samplers[name] = spec
         return spec

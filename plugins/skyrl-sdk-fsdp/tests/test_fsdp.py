@@ -210,12 +210,14 @@ def test_sample_matches_local(pair):
     fsdp, local = pair
     params = types.SamplingParams(max_tokens=6, temperature=0.0)
     prompts = [[1, 2, 3], [40, 41]]
-    got = fsdp.sample(prompts, params, num_samples=2, prompt_logprobs=True)
-    want = local.sample(prompts, params, num_samples=2, prompt_logprobs=True)
+    got = fsdp.sample(prompts, params, num_samples=2, prompt_logprobs=True, topk_prompt_logprobs=2)
+    want = local.sample(prompts, params, num_samples=2, prompt_logprobs=True, topk_prompt_logprobs=2)
     for g, w in zip(got, want, strict=True):
         assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
         np.testing.assert_allclose(g.sequences[0].logprobs, w.sequences[0].logprobs, atol=1e-5)
         np.testing.assert_allclose(g.prompt_logprobs[1:], w.prompt_logprobs[1:], atol=1e-5)
+        assert [[t for t, _ in pos] for pos in g.topk_prompt_logprobs[1:]] == \
+            [[t for t, _ in pos] for pos in w.topk_prompt_logprobs[1:]]
     # the rank-0 sampler copy follows the weights
     data = make_sft_data(LENGTHS, seed=9)
     for b in (fsdp, local):

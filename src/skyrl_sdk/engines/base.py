@@ -66,9 +66,11 @@ class Engine(Protocol):
         """Write a Hugging Face model directory (config, safetensors, tokenizer)."""
 
     def sample(
-        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool
+        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
+        topk_prompt_logprobs: int = 0,
     ) -> list[SampleOutput]:
-        """Generate ``num_samples`` continuations per prompt from the current weights."""
+        """Generate ``num_samples`` continuations per prompt from the current weights (the built-in
+        ``transformers`` sampler calls this; ``topk_prompt_logprobs=k`` adds Tinker's top-k prompt logprobs)."""
 
     def close(self) -> None:
         """Free memory and processes."""

@@ -113,17 +113,17 @@ class LocalEngine:
 
     # ---- sampling ---------------------------------------------------------------------
     def sample(
-        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool
+        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
+        topk_prompt_logprobs: int = 0,
     ) -> list[SampleOutput]:
         from ..sampling import generate
 
         if self.loaded.role != "policy":
             raise InputError("sampling needs a policy model; this Backend's role is 'critic'")
-        pad = self.runner.pad_id
         return generate(
             self.loaded.module, self.tokenizer, prompts, params, num_samples,
-            device=self.device, eos_token_id=self.info.eos_token_id, pad_token_id=pad,
-            prompt_logprobs=prompt_logprobs,
+            device=self.device, eos_token_id=self.info.eos_token_id, pad_token_id=self.runner.pad_id,
+            prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
         )
 
     def close(self) -> None:

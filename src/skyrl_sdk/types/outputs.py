@@ -15,7 +15,7 @@ class SampledSequence:
 
     #: The generated token ids (the prompt excluded).
     tokens: list[int]
-    #: Log-probability of each generated token under the sampling distribution.
+    #: Log-probability of each generated token under the model (temperature 1, unfiltered).
     logprobs: list[float]
     #: ``"stop"`` (a stop token or string ended it) or ``"length"`` (max_tokens reached).
     stop_reason: Literal["stop", "length"]
@@ -29,6 +29,9 @@ class SampleOutput:
     sequences: list[SampledSequence]
     #: Log-probability of each prompt token given the ones before (None for the first), if asked.
     prompt_logprobs: list[float | None] | None = None
+    #: Per prompt position, the k most likely ``(token_id, logprob)`` pairs, most likely first
+    #: (None for the first position), if ``topk_prompt_logprobs=k`` was asked (Tinker's field).
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @attrs.frozen(eq=False)

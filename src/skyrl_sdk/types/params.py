@@ -78,10 +78,10 @@ class LoraConfig:
             raise InputError("LoraConfig: at least one of train_mlp, train_attn, train_unembed must be true")
 
 
-def _stop(value: Any) -> tuple[int | str, ...]:
-    """Tinker's ``stop``: a string, a list of strings, or a list of token ids."""
+def _stop(value: Any) -> tuple[int | str, ...] | None:
+    """Tinker's ``stop``: None, a string, a list of strings, or a list of token ids."""
     if value is None:
-        return ()
+        return None
     if isinstance(value, str):
         value = [value]
     if isinstance(value, (bytes, dict)) or not hasattr(value, "__iter__"):
@@ -113,8 +113,9 @@ class SamplingParams:
                                validator=number_validator(0.0, 1.0, low_open=True, qualified=True))
     #: Seed for reproducible draws (None: unseeded).
     seed: int | None = attrs.field(default=None, validator=_optional_int)
-    #: Stop strings or stop token ids.
-    stop: tuple[int | str, ...] = attrs.field(default=(), converter=_stop)
+    #: Stop strings or stop token ids. None (default): stop at EOS; ``[]``: never stop early,
+    #: not even at EOS; a list: stop at exactly these (EOS only if listed). Tinker's semantics.
+    stop: tuple[int | str, ...] | None = attrs.field(default=None, converter=_stop)
 
     def __attrs_post_init__(self) -> None:
         if self.top_k == 0:

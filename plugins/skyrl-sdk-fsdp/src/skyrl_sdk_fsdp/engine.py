@@ -220,13 +220,15 @@ class FSDPEngine:
 
     # ---- sampling ---------------------------------------------------------------------
     def sample(
-        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool
+        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
+        topk_prompt_logprobs: int = 0,
     ) -> list[SampleOutput]:
         if self.role != "policy":
             raise InputError("sampling needs a policy model; this Backend's role is 'critic'")
         return self._all(
             "sample", prompts=[np.asarray(p, dtype=np.int64) for p in prompts], params=attrs.asdict(params),
             num_samples=int(num_samples), prompt_logprobs=bool(prompt_logprobs),
+            topk_prompt_logprobs=int(topk_prompt_logprobs),
         )[0]
 
     # ---- introspection ----------------------------------------------------------------

@@ -282,7 +282,8 @@ class RankEngine:
         self._sampler = (self.weights_version, model)
         return model
 
-    def op_sample(self, prompts: list, params: dict, num_samples: int, prompt_logprobs: bool):
+    def op_sample(self, prompts: list, params: dict, num_samples: int, prompt_logprobs: bool,
+                  topk_prompt_logprobs: int = 0):
         self._collectives()
         model = self._sampler_model()
         if self.rank != 0:
@@ -291,7 +292,7 @@ class RankEngine:
             model, self.loaded.tokenizer, [np.asarray(p, dtype=np.int64) for p in prompts],
             SamplingParams(**params), num_samples, device=self.device,
             eos_token_id=self.engine_info["eos_token_id"], pad_token_id=self.runner.pad_id,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
         )
 
     # ---- introspection ----------------------------------------------------------------

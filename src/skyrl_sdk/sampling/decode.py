@@ -1,0 +1,162 @@
+"""Our own decode loop over the KV cache: bounded memory, each prompt prefilled once.
+
+- **Prefill** all prompts in one left-padded batch (attention mask + position ids), once per
+  prompt: the KV cache is then repeated ``num_samples`` times (rows of one prompt are
+  adjacent), so samples share the prompt's compute.
+- **Decode** one token per live row per step; only the (rows x steps) token ids and
+  logprobs are kept, never a (rows x steps x vocab) tensor: the live (rows x vocab) logits
+  of one step are the largest buffer.
+- **bfloat16 weights**: the sampled sequences are scored once more the way ``forward``
+  does (``rescore``), so the returned logprobs equal ``forward``'s in every dtype.
+- **Finished rows leave the batch**: once a quarter of the rows still in the batch have
+  stopped, they are dropped from the cache (``batch_select_indices``), so stopped rows stop
+  costing compute; until then they ride along and their draws are ignored.
+
+The backbone and the output head are called directly (the head only on the positions that
+need logits), with the head ``forward`` uses, so logprobs agree with ``forward``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from ..engines.modules import _backbone, _Head
+from ..models import hf_model
+from ..types import SampledSequence, SampleOutput, SamplingParams
+from .draw import choose, request_generator
+from .prompt_scores import prompt_logprobs as score_prompt
+from .prompt_scores import topk_prompt_logprobs as topk_prompt
+from .rescore import needs_rescoring, rescore
+from .stops import StopRules, StopStringWatcher
+
+
+def _left_padded(prompts: Sequence[np.ndarray], pad_token_id: int, device: torch.device):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.from_numpy(np.asarray(p, dtype=np.int64))
+        mask[r, width - len(p):] = 1
+    positions = (mask.cumsum(1) - 1).clamp_(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+@torch.no_grad()
+def generate(
+    module,
+    tokenizer,
+    prompts: Sequence[np.ndarray],
+    params: SamplingParams,
+    num_samples: int = 1,
+    *,
+    device: torch.device,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    prompt_logprobs: bool = False,
+    topk_prompt_logprobs: int = 0,
+) -> list[SampleOutput]:
+    """Sample ``num_samples`` continuations of every prompt; one :class:`SampleOutput` per prompt."""
+    hf = hf_model(module)
+    backbone = _backbone(module)
+    head = _Head(hf.get_output_embeddings(), hf.config)
+    vocab = int(hf.config.vocab_size)
+    rules = StopRules.of(params, eos_token_id, tokenizer)
+    generator = request_generator(params.seed, device)
+
+    ids, mask, positions = _left_padded(prompts, pad_token_id, device)
+    cache = DynamicCache(config=hf.config)
+    forward_step = _stepper(backbone, cache)
+    out = forward_step(ids, mask, positions)
+    hidden = out.last_hidden_state
+    width = ids.shape[1]
+    plps, topks = [], []
+    for p, prompt in enumerate(prompts):
+        h = hidden[p, width - len(prompt):]
+        plps.append(score_prompt(h, head, ids[p, width - len(prompt):], vocab) if prompt_logprobs else None)
+        topks.append(topk_prompt(h, head, topk_prompt_logprobs, vocab) if topk_prompt_logprobs > 0 else None)
+    logits = head(hidden[:, -1]).float()
+    del out, hidden
+    if num_samples > 1:
+        cache.batch_repeat_interleave(num_samples)
+        logits, mask = logits.repeat_interleave(num_samples, 0), mask.repeat_interleave(num_samples, 0)
+    tokens, logprobs, lengths, stopped = _decode(forward_step, head, cache, logits, mask, params, rules, generator,
+                                                 tokenizer, pad_token_id)
+    del cache
+    if needs_rescoring(hf):
+        logprobs = rescore(backbone, head, vocab, prompts, num_samples, tokens, lengths, pad_token_id, device)
+    results = []
+    for p in range(len(prompts)):
+        seqs = []
+        for r in range(p * num_samples, (p + 1) * num_samples):
+            n = lengths[r]
+            seqs.append(SampledSequence(tokens=tokens[r][:n], logprobs=logprobs[r][:n],
+                                        stop_reason="stop" if stopped[r] else "length"))
+        results.append(SampleOutput(sequences=seqs, prompt_logprobs=plps[p], topk_prompt_logprobs=topks[p]))
+    return results
+
+
+def _stepper(backbone, cache):
+    """``step(ids, mask, positions)``: one backbone call that extends ``cache`` in place."""
+    params = inspect.signature(backbone.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x: ``cache``
+
+    def step(ids, mask, positions):
+        return backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
+
+    return step
+
+
+def _decode(step_fn, head, cache, logits, mask, params, rules: StopRules, generator, tokenizer, pad_token_id):
+    """The step loop: returns per row (tokens, logprobs, length, stopped) as Python lists."""
+    rows, steps, device = logits.shape[0], params.max_tokens, logits.device
+    out_tokens = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)
+    out_logprobs = torch.zeros((rows, steps), dtype=torch.float32, device=device)
+    lengths = torch.full((rows,), steps, dtype=torch.long, device=device)
+    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    live = torch.arange(rows, device=device)  # batch row -> original row
+    done = torch.zeros(rows, dtype=torch.bool, device=device)  # stopped, still in the batch
+    next_pos = mask.sum(1)
+    stop_ids = rules.token_tensor(device)
+    watcher = StopStringWatcher(tokenizer, rules.strings) if rules.strings else None
+    texts: list[list[int]] = [[] for _ in range(rows)] if watcher else []
+    for step in range(steps):
+        tok, lp = choose(logits, params, generator)
+        out_tokens[live, step] = tok
+        out_logprobs[live, step] = lp
+        newly = torch.isin(tok, stop_ids) & ~done if stop_ids is not None else None
+        if watcher is not None:
+            hits = _string_hits(watcher, texts, live.tolist(), tok.tolist(), done.tolist())
+            hits_t = torch.tensor(hits, dtype=torch.bool, device=device)
+            newly = hits_t if newly is None else newly | hits_t
+        if newly is not None and bool(newly.any()):
+            lengths[live[newly]] = step + 1
+            stopped[live[newly]] = True
+            done |= newly
+        if step == steps - 1 or bool(done.all()):
+            break
+        if 4 * int(done.sum()) >= done.shape[0] > 0 and bool(done.any()):
+            keep = (~done).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            mask, next_pos, live, tok, done = mask[keep], next_pos[keep], live[keep], tok[keep], done[keep]
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        hidden = step_fn(tok.unsqueeze(1), mask, next_pos.unsqueeze(1)).last_hidden_state
+        next_pos = next_pos + 1
+        logits = head(hidden[:, -1]).float()
+    return out_tokens.cpu().tolist(), out_logprobs.cpu().tolist(), lengths.cpu().tolist(), stopped.cpu().tolist()
+
+
+def _string_hits(watcher: StopStringWatcher, texts, live: list[int], toks: list[int], done: list[bool]) -> list[bool]:
+    """Append this step's tokens to the live rows' texts and check them for stop strings."""
+    running = [i for i, d in enumerate(done) if not d]
+    for i in running:
+        texts[live[i]].append(toks[i])
+    found = watcher.hits([texts[live[i]] for i in running]) if running else []
+    hits = [False] * len(done)
+    for i, hit in zip(running, found, strict=True):
+        hits[i] = hit
+    return hits
