@@ -8,7 +8,6 @@ from ..checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, load_tenso
 from ..losses.resolve import ResolvedLoss
 from ..metrics import MetricAccumulator
 from ..models import LoadedModel, hf_model, load_model, load_tokenizer
-from ..sampling import generate
 from .base import Engine, EngineInfo, EngineResult, scores_key
 from .config import EngineConfig
 from .export import export_hf_directory, full_state_dict, merged_lora_state_dict
@@ -30,3 +29,13 @@ __all__ = [
     "StateLayout", "TensorSpec", "CheckedState", "check_state_files", "check_engine_metadata",
     "export_hf_directory", "full_state_dict", "merged_lora_state_dict",
 ]
+
+
+def __getattr__(name: str):
+    # The sampler's decode loop imports engines.modules (the scoring head), so it is resolved
+    # on first use rather than at import (which would be circular).
+    if name == "generate":
+        from ..sampling import generate
+
+        return generate
+    raise AttributeError(f"module 'skyrl_sdk.engines' has no attribute {name!r}")
