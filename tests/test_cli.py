@@ -31,11 +31,8 @@ def has_reinforce() -> bool:
 
 
 @pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    monkeypatch.delenv(plugins.ENV_VAR, raising=False)
-    plugins.reset()
-    yield
-    plugins.reset()
+def _fresh(fresh_plugins):
+    """An empty plugin cache before and after each test."""
 
 
 # ---- as a subprocess -----------------------------------------------------------------------

@@ -8,7 +8,6 @@ Third-party plugins are real installed distributions: each test writes a module 
 from __future__ import annotations
 
 import sys
-import textwrap
 
 import attrs
 import pytest
@@ -21,33 +20,13 @@ HOOKS = ("skyrl_sdk_register_losses", "skyrl_sdk_register_dialects", "skyrl_sdk_
 
 
 @pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
+def _fresh(fresh_plugins):
     """Each test starts and ends with an empty plugin cache and no SKYRL_SDK_PLUGINS."""
-    monkeypatch.delenv(plugins.ENV_VAR, raising=False)
-    plugins.reset()
-    yield
-    plugins.reset()
 
 
 @pytest.fixture
-def site(tmp_path, monkeypatch):
-    """A fresh 'site-packages' on sys.path; returns ``install(dist, modules, entry_points)``."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    installed: list[str] = []
-
-    def install(dist: str, modules: dict[str, str], entry_points: dict[str, str], version: str = "1.2.3") -> None:
-        for module, source in modules.items():
-            (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
-            installed.append(module)
-        info = tmp_path / f"{dist.replace('-', '_')}-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-        lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
-        (info / "entry_points.txt").write_text(f"[skyrl_sdk]\n{lines}")
-
-    yield install
-    for module in installed:
-        sys.modules.pop(module, None)
+def site(plugin_site):
+    return plugin_site
 
 
 def loss_plugin(name: str, extra: str = "") -> str:

@@ -6,8 +6,6 @@ entry point in a temporary directory on ``sys.path``), found like a pip-installe
 
 from __future__ import annotations
 
-import sys
-import textwrap
 
 import pytest
 
@@ -41,30 +39,14 @@ ECHO_PLUGIN = """
 
 
 @pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    monkeypatch.delenv(plugins.ENV_VAR, raising=False)
-    plugins.reset()
-    yield
-    plugins.reset()
+def _fresh(fresh_plugins):
+    """An empty plugin cache before and after each test."""
 
 
 @pytest.fixture
-def install(tmp_path, monkeypatch):
+def install(plugin_site):
     """``install(module, source)``: a distribution ``<module>-dist`` whose entry point is the module."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    names = []
-
-    def _install(module: str, source: str) -> None:
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
-        info = tmp_path / f"{module}_dist-1.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}-dist\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text(f"[skyrl_sdk]\n{module} = {module}\n")
-        names.append(module)
-
-    yield _install
-    for module in names:
-        sys.modules.pop(module, None)
+    return lambda module, source: plugin_site(f"{module}-dist", {module: source}, {module: module}, version="1.0")
 
 
 def test_builtin_transformers_sampler_registers_through_the_hook():

@@ -5,12 +5,18 @@ compare against ours. The comparison helpers accept torch tensors or numpy array
 pytest fixtures are plain functions: import them into a ``conftest.py``::
 
     from skyrl_sdk.testing import sft_data, tiny_backend  # noqa: F401
+
+``fresh_plugins`` and ``plugin_site`` let a plugin's tests install it (or a broken variant)
+through a real entry point into a temporary site directory, without pip.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping, Sequence
+import sys
+import textwrap
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -111,3 +117,37 @@ def tiny_backend() -> Iterator[Any]:
 
     with Backend(model="tiny", seed=0) as backend:
         yield backend
+
+
+@pytest.fixture
+def fresh_plugins(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """An empty plugin cache and no ``SKYRL_SDK_PLUGINS`` before and after the test."""
+    from . import plugins
+
+    monkeypatch.delenv(plugins.ENV_VAR, raising=False)
+    plugins.reset()
+    yield
+    plugins.reset()
+
+
+@pytest.fixture
+def plugin_site(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
+    """A temporary 'site-packages' on ``sys.path``; yields
+    ``install(dist, modules, entry_points, version="1.2.3")``: ``modules`` maps module names to
+    source, ``entry_points`` maps ``skyrl_sdk`` entry-point names to ``module[:object]``."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    installed: list[str] = []
+
+    def install(dist: str, modules: Mapping[str, str], entry_points: Mapping[str, str], version: str = "1.2.3") -> None:
+        for module, source in modules.items():
+            (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+            installed.append(module)
+        info = tmp_path / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
+        (info / "entry_points.txt").write_text(f"[skyrl_sdk]\n{lines}")
+
+    yield install
+    for module in installed:
+        sys.modules.pop(module, None)
