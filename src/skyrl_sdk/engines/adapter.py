@@ -101,6 +101,7 @@ class _OnSharedBase(LocalEngine):
 
     @property
     def loaded(self) -> LoadedModel:  # LocalEngine's methods read the model from here
+        # the transformers model (peft's layers inside it run the active adapter, or none)
         return attrs.evolve(self.shared.loaded, lora=self.adapter.lora if self.adapter is not None else None)
 
     def _names(self) -> set[str]:
@@ -117,12 +118,12 @@ class _OnSharedBase(LocalEngine):
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         with self.shared.using(self.adapter):
-            module = self.shared.module
             if self.adapter is not None and not merge_lora:
-                self._save_adapter(module, Path(directory))
+                self._save_adapter(self.shared.module, Path(directory))
                 return
+            plain = self.shared.plain
             export_hf_directory(
-                hf_model(module).config, merged_state(module, self._key(), self._names()), self.tokenizer,
+                plain.config, merged_state(plain, self._key(), self._names()), self.tokenizer,
                 directory, self.config.max_shard_bytes, architecture=self.shared.loaded.architecture,
             )
 

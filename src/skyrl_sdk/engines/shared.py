@@ -99,6 +99,10 @@ class SharedModel:
         self.loaded = load_model(model, role=role, lora=None, seed=seed, dtype=self.config.torch_dtype,
                                  device=self.device)
         base = self.loaded.module
+        #: the transformers model itself: peft injects adapter layers into it in place, and it
+        #: stays valid when no adapter is left (the peft wrapper then has no active config)
+        self.plain = base
+        self._peft = None
         self.base_parameters, _ = count_parameters(base)
         self.base_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in base.parameters()}.values())
         # Targets are chosen on the plain model (once wrapped, its Linears are peft layers).
@@ -125,12 +129,13 @@ class SharedModel:
     # ---- the module -------------------------------------------------------------------------------
     @property
     def module(self):
-        """The shared module: the plain model until the first adapter, then its peft wrapper."""
-        return self.loaded.module
+        """The peft wrapper of the shared model (None until the first adapter): its state dict
+        and ``save_pretrained`` name things as a solo LoRA model's do."""
+        return self._peft
 
     def _rebuild_scoring(self) -> None:
         """Adapters may wrap the output projection: scoring must call the current one."""
-        self.scoring = ScoringModel(self.module, self.role)
+        self.scoring = ScoringModel(self.plain, self.role)
         self.scoring.chunk_elements = self.config.logprob_chunk_elements
         self.base_runner.scoring = self.scoring
         for a in self.adapters.values():
@@ -157,10 +162,10 @@ class SharedModel:
             self._check_open()
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(lora.seed if lora.seed is not None else seed)
-                if isinstance(self.module, peft.PeftModel):
-                    self.module.add_adapter(name, config)
+                if self._peft is not None:
+                    self._peft.add_adapter(name, config)
                 else:
-                    self.loaded.module = peft.get_peft_model(self.module, config, adapter_name=name)
+                    self._peft = peft.get_peft_model(self.plain, config, adapter_name=name)
             self.module.to(self.device)
             self.module.eval()
             params = [(solo_name(n, name), p) for n, p in self.module.named_parameters() if name in n.split(".")]
@@ -202,8 +207,7 @@ class SharedModel:
         with self.gate.turn(adapter.name if adapter is not None else "base"):
             self._check_open()
             if adapter is None:
-                disable = getattr(self.module, "disable_adapter", None)
-                with disable() if disable is not None else contextlib.nullcontext():
+                with self._adapters_disabled():
                     yield
                 return
             if adapter.closed:
@@ -213,6 +217,19 @@ class SharedModel:
                 self._reload(adapter)
             self.module.set_adapter(adapter.name)
             yield
+
+    @contextlib.contextmanager
+    def _adapters_disabled(self) -> Iterator[None]:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.plain.modules() if isinstance(m, BaseTunerLayer)]
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
 
     # ---- capacity ---------------------------------------------------------------------------------
     def in_memory(self) -> list[Adapter]:
@@ -287,6 +304,8 @@ class SharedModel:
                 adapter.runner.optimizer = None
             self.adapters.clear()
             self.loaded.module = None
+            self._peft = None
+            self.plain = None
             self.scoring = None
             if self._own_offload_dir and self._offload_root is not None:
                 shutil.rmtree(self._offload_root, ignore_errors=True)
