@@ -1,0 +1,53 @@
+"""Memory per extra LoRA client in a fresh process; prints one JSON line on stdout.
+
+``--mode shared``: one SharedBase, clients added one at a time (each runs one
+forward_backward + optim_step, so its gradients and AdamW state exist). ``--mode solo``: one
+LoRA Backend per client (what the server did before sharing). RSS after each client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+from .common import ADAM, make_sft_rows, rows_to_datums, set_threads
+from .memory_worker import _status
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--mode", choices=("shared", "solo"), default="shared")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    set_threads(args.threads)
+    from skyrl_sdk import Backend, SharedBase
+
+    with open(args.model + "/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    datums = rows_to_datums(make_sft_rows([64, 64], vocab, seed=1))
+    gc.collect()
+    start = _status("VmRSS")
+    base = SharedBase(args.model) if args.mode == "shared" else None
+    gc.collect()
+    after_base = _status("VmRSS")
+    rss, clients = [], []
+    for i in range(args.clients):
+        lora = {"rank": args.rank, "seed": i}
+        client = base.backend(lora) if base is not None else Backend(args.model, lora=lora)
+        client.forward_backward(datums, "cross_entropy")
+        client.optim_step(ADAM)
+        clients.append(client)
+        gc.collect()
+        rss.append(_status("VmRSS"))
+    stats = base.stats() if base is not None else None
+    print(json.dumps({"mode": args.mode, "start_rss": start, "after_base_rss": after_base, "rss": rss,
+                      "adapter_bytes": [a["bytes"] for a in stats["adapters"]] if stats else None,
+                      "base_bytes": stats["base_bytes"] if stats else None}))
+
+
+if __name__ == "__main__":
+    main()
