@@ -8,11 +8,19 @@ LoRA Backend per client (what the server did before sharing). RSS after each cli
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 
 from .common import ADAM, make_sft_rows, rows_to_datums, set_threads
 from .memory_worker import _status
+
+
+def _rss() -> int:
+    """RSS after returning freed heap pages to the OS (else allocator slack dominates the deltas)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return _status("VmRSS")
 
 
 def main() -> None:
@@ -29,11 +37,9 @@ def main() -> None:
     with open(args.model + "/config.json") as f:
         vocab = json.load(f)["vocab_size"]
     datums = rows_to_datums(make_sft_rows([64, 64], vocab, seed=1))
-    gc.collect()
-    start = _status("VmRSS")
+    start = _rss()
     base = SharedBase(args.model) if args.mode == "shared" else None
-    gc.collect()
-    after_base = _status("VmRSS")
+    after_base = _rss()
     rss, clients = [], []
     for i in range(args.clients):
         lora = {"rank": args.rank, "seed": i}
@@ -41,8 +47,7 @@ def main() -> None:
         client.forward_backward(datums, "cross_entropy")
         client.optim_step(ADAM)
         clients.append(client)
-        gc.collect()
-        rss.append(_status("VmRSS"))
+        rss.append(_rss())
     stats = base.stats() if base is not None else None
     print(json.dumps({"mode": args.mode, "start_rss": start, "after_base_rss": after_base, "rss": rss,
                       "adapter_bytes": [a["bytes"] for a in stats["adapters"]] if stats else None,
