@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # ``python benchmarks/run.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import fsdp, input_path, memory, sampling, scaling, server, step  # noqa: E402
+from benchmarks import fsdp, input_path, memory, sampling, scaling, server, step, tenancy  # noqa: E402
 from benchmarks.common import MODEL_10M, MODEL_32K, MODEL_SMOKE, set_threads  # noqa: E402
 
 BENCHMARKS = {
@@ -36,6 +36,7 @@ BENCHMARKS = {
     fsdp.NAME: fsdp,
     scaling.NAME: scaling,
     sampling.NAME: sampling,
+    tenancy.NAME: tenancy,
 }
 
 
@@ -125,6 +126,13 @@ def targets(results: dict) -> list[dict]:
         g = r["sdk_peak_growth_gib"]
         add(sampling.NAME, "SDK sampler peak RSS growth (GiB)", {"median": g, "min": g, "max": g},
             r["target_peak_gib"], r["verdict_memory"])
+    r = results.get(tenancy.NAME, {})
+    if "memory" in r:
+        for metric, part in (("memory per extra rank-8 LoRA client / base bytes", r["memory"]),
+                             ("8 clients' aggregate steps/s / one client's", r["throughput"]),
+                             ("fairness: fewest / most steps when the first client finishes", r["fairness"])):
+            v = part["ratio"]
+            add(tenancy.NAME, metric, {"median": v, "min": v, "max": v}, part["target"], part["verdict"])
     return rows
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "scaling", "sampling"]
+BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "scaling", "sampling", "tenancy"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")

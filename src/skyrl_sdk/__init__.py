@@ -18,6 +18,7 @@ from .hookspecs import hookimpl  # noqa: E402
 #: Names that pull in torch, resolved on first use so ``import skyrl_sdk`` stays cheap.
 _LAZY = {
     "Backend": "backend",
+    "SharedBase": "shared_base",
     "LossInput": "losses",
     "LossOutput": "losses",
     "LossSpec": "losses",
@@ -52,6 +53,7 @@ __all__ = [
     "LossOutput",
     "LossSpec",
     "Metric",
+    "SharedBase",
     "__version__",
     "errors",
     "evaluate_loss",

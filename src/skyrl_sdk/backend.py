@@ -76,7 +76,11 @@ class Backend:
         registry = get_registry()
         if dialect not in registry.dialects:
             raise UnknownNameError(f"unknown dialect {dialect!r}; available: {sorted(registry.dialects)}")
-        if engine not in registry.engines:
+        # ``engine`` is a registered name, or (skyrl_sdk.SharedBase) a factory building the engine itself
+        factory = None if isinstance(engine, str) else engine
+        if factory is not None and not callable(factory):
+            raise InputError(f"engine: expected an engine name, got {type(engine).__name__}")
+        if factory is None and engine not in registry.engines:
             raise UnknownNameError(
                 f"unknown engine {engine!r}; available: {sorted(registry.engines)} "
                 f"(engine 'fsdp' comes with: pip install skyrl-sdk-fsdp)"
@@ -94,16 +98,16 @@ class Backend:
         self.seed = seed
         self.lora = lora_config_from_any(lora)
         self.grad_accumulation = grad_accumulation
-        self.engine_name = engine
+        self.engine_name = engine if factory is None else str(getattr(factory, "engine_name", "custom"))
         self._lock = threading.RLock()
         self._calls_since_step = 0
         self._closed = False
         t0 = time.perf_counter()
-        self.engine = registry.engines[engine].factory(
+        self.engine = (factory or registry.engines[engine].factory)(
             model=self.model_name, role=role, lora=self.lora, seed=seed, engine_config=dict(engine_config or {})
         )
         logger.info("Backend ready: model=%s engine=%s role=%s lora=%s (%.1fs)",
-                    self.model_name, engine, role, self.lora, time.perf_counter() - t0)
+                    self.model_name, self.engine_name, role, self.lora, time.perf_counter() - t0)
 
     # ---- context manager --------------------------------------------------------------
     def __enter__(self) -> "Backend":

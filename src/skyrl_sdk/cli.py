@@ -278,6 +278,11 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="longest sequence accepted (default: each model's max_position_embeddings)")
     p.add_argument("--max-num-samples", type=int, default=None, metavar="N",
                    help="most samples one sample request may ask for (default 256)")
+    p.add_argument("--max-lora-adapters", type=int, default=None, metavar="N",
+                   help="LoRA adapters per shared base kept in memory; the least recently used beyond N "
+                        "wait on disk (default: no limit)")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="memory the loaded models may take, e.g. 8GiB (default: no limit)")
     p.add_argument("--lazy", action="store_true",
                    help="check models and engine config without loading the weights at start "
                         "(big models: they load when a client first asks)")

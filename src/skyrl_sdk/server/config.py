@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 
 from ..errors import InputError
+from .memory import parse_bytes
 
 API_KEY_ENV = "SKYRL_SDK_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -101,6 +102,13 @@ class ServerConfig:
     session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
     max_seq_len: int | None = None
     max_num_samples: int = DEFAULT_MAX_NUM_SAMPLES
+    #: LoRA clients of a served model share one copy of its weights (local engine; docs/server.md)
+    share_base: bool = True
+    #: adapters per shared base whose tensors stay in memory (the least recently used beyond
+    #: it wait in the state dir); None: no limit
+    max_lora_adapters: int | None = None
+    #: bytes the loaded models may take (shared bases, adapters, own copies); None: no limit
+    max_memory: int | None = attrs.field(default=None, converter=lambda v: parse_bytes(v))
     #: extra flags merged into the answer to the client's ``/client/config`` (e.g.
     #: ``{"fwdbwd_max_chunk_len": 256}``; see ``tinker.types.ClientConfigResponse``)
     client_config: dict[str, Any] = attrs.field(factory=dict)
@@ -109,18 +117,20 @@ class ServerConfig:
     def from_args(cls, args: Any) -> ServerConfig:
         """From ``skyrl-sdk serve``'s argparse namespace (host, port, model, engine,
         engine_config, state_dir, api_key, api_keys, session_timeout, max_seq_len,
-        max_num_samples). The API key falls back to $SKYRL_SDK_API_KEY."""
+        max_num_samples, max_lora_adapters, max_memory). The API key falls back to $SKYRL_SDK_API_KEY."""
         api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
         keys_file = getattr(args, "api_keys", None)
         limits = {"session_timeout_s": getattr(args, "session_timeout", None),
                   "max_seq_len": getattr(args, "max_seq_len", None),
-                  "max_num_samples": getattr(args, "max_num_samples", None)}
+                  "max_num_samples": getattr(args, "max_num_samples", None),
+                  "max_lora_adapters": getattr(args, "max_lora_adapters", None)}
         for name, value in limits.items():
             if value is not None and not value > 0:
                 raise InputError(f"--{name.removesuffix('_s').replace('_', '-')}: expected a positive number, "
                                  f"got {value!r}")
         return cls(
             api_keys=read_api_keys(keys_file) if keys_file else {},
+            max_memory=getattr(args, "max_memory", None),
             **{k: v for k, v in limits.items() if v is not None},
             models=getattr(args, "model", None),
             engine=getattr(args, "engine", None) or "local",

@@ -159,7 +159,7 @@ class Worker:
             else:
                 try:
                     results = batch[0].run_batch(batch)
-                except BaseException:  # noqa: BLE001 - one bad job must not fail its neighbours
+                except BaseException:
                     logger.debug("batched %s failed; running its %d jobs one by one", batch[0].what, len(batch))
                     results = [self._run_one(job) for job in batch]
             for job, result in zip(batch, results, strict=True):
@@ -184,7 +184,7 @@ class Worker:
     def _run_one(job: Job) -> Result:
         try:
             return job.run()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             return Result.from_exception(exc, job.what)
 
 

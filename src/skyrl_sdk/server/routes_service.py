@@ -38,6 +38,12 @@ async def capabilities(request: Request) -> dict:
     ]}
 
 
+@router.get("/loaded")
+async def loaded(request: Request) -> dict:
+    """What is loaded: shared bases with their LoRA adapters (bytes, offloaded), own copies, memory."""
+    return runtime(request).loaded(owner(request))
+
+
 @router.post("/create_session")
 async def create_session(request: Request) -> dict:
     sid = runtime(request).sessions.create(owner(request), await json_body(request))

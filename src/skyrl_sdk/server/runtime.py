@@ -21,9 +21,9 @@ from typing import Any
 
 import attrs
 
-from ..errors import InputError, UnknownError
 from ..checkpoint import clean_interrupted_saves, protect_directory
 from ..coerce import adam_params_from_any, lora_config_from_any
+from ..errors import InputError, UnknownError
 from ..types import LoraConfig
 from . import proto, wire
 from .catalog import Catalog
@@ -70,7 +70,7 @@ class Runtime:
         self.loop = loop
         self.store = Store(config.state_dir)
         self.futures = FutureStore(loop, redact=self.redact)
-        self.served = ServedModels(config)
+        self.served = ServedModels(config, offload_root=self.store.scratch_dir("offload"))
         self.sampling = Sampling(config, self.store, self.served)
         self.catalog = Catalog(self.store)
         self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
@@ -171,6 +171,7 @@ class Runtime:
                 model.backend.close()
                 model.backend = None
             self.sampling.drop_snapshots(model)
+            self.served.log_loaded()
             return Result.json({})
 
         model.sequencer.fail_pending(f"model {model.model_id} was released: {why}")
@@ -232,7 +233,7 @@ class Runtime:
 
         def create() -> Result:
             try:
-                backend = self.served.open_backend(base, lora)
+                backend = self.served.open_backend(base, lora, label=req.model_id)
                 if directory is not None:
                     try:
                         backend.load_state(directory, optimizer=req.optimizer)
@@ -407,6 +408,18 @@ class Runtime:
         rec.extra["num_samples"] = spec.num_samples
         return rec
 
+    # ---- visibility ----------------------------------------------------------------------------
+    def loaded(self, owner: str) -> dict[str, Any]:
+        """What is loaded (bases, adapters, bytes, offloaded adapters, own copies). Adapters of
+        another owner's models are counted but not named."""
+        doc = self.served.loaded()
+        for base in doc["bases"]:
+            for row in base["adapters"]:
+                model = self.models.get(row["label"])
+                row["model_id"] = row["label"] if model is not None and model.owner == owner else None
+                del row["label"], row["adapter"]
+        return doc
+
     # ---- shutdown ------------------------------------------------------------------------------
     def close(self) -> None:
         """(any thread, after ``sessions.stop()`` on the loop) Stop every worker, close every Backend."""
@@ -422,4 +435,5 @@ class Runtime:
                 except Exception:  # pragma: no cover
                     logger.exception("closing %s", m.model_id)
         self.sampling.close()
+        self.served.close()
         self.store.close()

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..errors import InputError, UnknownError
 from ..coerce import lora_config_from_any
+from ..errors import InputError, UnknownError
 from . import proto
 from .config import ServerConfig
 from .futures import Job, Result, Worker
@@ -145,7 +145,7 @@ class Sampling:
                 raise InputError(f"sampling session {snapshot.sid}: its weights snapshot was dropped (only the last "
                                  f"{self.config.max_ephemeral_snapshots} per model are kept); create a new "
                                  f"sampling client")
-            target = self._target(("dir", str(model.snapshots[v])), str(model.snapshots[v]), None)
+            target = self._snapshot_target(model, model.snapshots[v])
             for j in jobs:
                 target.worker.put(self._sample_job(j.payload, j.done, target.get, target.key, None))
             return [None] * len(jobs)
@@ -178,14 +178,26 @@ class Sampling:
         if v not in model.pinned or v in model.snapshots:
             return
         directory = self.store.scratch_dir("snapshots", self.store.run_dirname(model.model_id), f"v{v}")
-        model.backend.save_weights_for_sampler(directory, overwrite=True)
+        if self._shares_snapshot(model):  # the adapter's state: its sampler is an adapter on the shared base
+            model.backend.save_state(directory, overwrite=True)
+        else:
+            model.backend.save_weights_for_sampler(directory, overwrite=True)
         model.snapshots[v] = directory
         model.pinned.discard(v)
         while len(model.snapshots) > self.config.max_ephemeral_snapshots:
             old_v, old_dir = model.snapshots.popitem(last=False)
             model.dropped.add(old_v)
             self._evict(("dir", str(old_dir)))
+            self._evict(("state", str(old_dir)))
             shutil.rmtree(old_dir, ignore_errors=True)
+
+    def _shares_snapshot(self, model: TrainingModel) -> bool:
+        return model.lora is not None and self.served.shares(model.base_model)
+
+    def _snapshot_target(self, model: TrainingModel, directory: Path) -> SamplerTarget:
+        if self._shares_snapshot(model):
+            return self._target(("state", str(directory)), model.base_model, (directory, model.lora))
+        return self._target(("dir", str(directory)), str(directory), None)
 
     # ---- the sampler-backend cache --------------------------------------------------------------
     def _target_for(self, session: SamplingSession) -> SamplerTarget:
@@ -209,10 +221,14 @@ class Sampling:
 
             def load():
                 if state is None:
-                    return self.served.open_backend(model, None)
+                    return self.served.sampler_backend(model)
                 directory, lora = state
-                backend = self.served.open_backend(model, lora)
-                backend.load_state(directory, optimizer=False)
+                backend = self.served.sampler_backend(model, lora, own_copy=lora is None)
+                try:
+                    backend.load_state(directory, optimizer=False)
+                except BaseException:
+                    backend.close()
+                    raise
                 return backend
 
             target = SamplerTarget(key, Worker(f"sampler-{uuid.uuid4().hex[:8]}", self.config.max_sample_batch), load)

@@ -1,0 +1,237 @@
+"""Engines on a :class:`~.shared.SharedModel`: one client's LoRA adapter, or the base read-only.
+
+:class:`AdapterEngine` is the local engine (it subclasses :class:`~.local.LocalEngine` and
+keeps its compute, optimizer and sampling code) with every call run in the adapter's turn on
+the shared base. Checkpoints and exports hold exactly what a solo LoRA Backend writes: the
+peft adapter name is translated to the solo one, and other clients' adapters are left out.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from ..checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, save_tensors
+from ..errors import CheckpointError, InputError
+from ..losses.resolve import ResolvedLoss
+from ..models import LoadedModel, hf_model
+from ..types import AdamParams, Datum, SampleOutput, SamplingParams
+from .base import EngineInfo, EngineResult
+from .export import export_hf_directory
+from .local import LocalEngine
+from .shared import Adapter, SharedModel, solo_name
+from .state import StateLayout, check_engine_metadata, check_state_files
+
+
+def _owner(key: str, names: set[str]) -> str | None:
+    """The adapter a state-dict key belongs to (None: the base)."""
+    return next((part for part in key.split(".") if part in names), None)
+
+
+def solo_state(module, adapter: str | None, names: set[str]) -> dict[str, torch.Tensor]:
+    """``module``'s state as a solo model with only ``adapter`` (None: no adapter) has it: other
+    adapters' tensors left out, the adapter named as a solo one, and layers wrapped only for
+    other adapters under their plain names (``q_proj.weight``, not ``q_proj.base_layer.weight``)."""
+    from peft.tuners.lora import LoraLayer
+
+    plain = {n for n, m in module.named_modules() if isinstance(m, LoraLayer) and adapter not in m.lora_A}
+    out = {}
+    for key, value in module.state_dict().items():
+        owner = _owner(key, names)
+        if owner is None:
+            prefix, sep, leaf = key.rpartition(".base_layer.")
+            out[f"{prefix}.{leaf}" if sep and prefix in plain else key] = value
+        elif owner == adapter:
+            out[solo_name(key, owner)] = value
+    return out
+
+
+def merged_state(module, adapter: str | None, names: set[str]) -> dict[str, torch.Tensor]:
+    """The HF model's weights with ``adapter``'s delta merged in (other adapters ignored).
+
+    The same formula as :func:`~.export.merged_lora_state_dict` (peft's
+    ``transpose(B @ A, fan_in_fan_out) * scaling``) restricted to one adapter; layers it
+    does not target keep their base weight."""
+    from peft.tuners.lora import LoraLayer
+
+    inner = hf_model(module)
+    state = {k: v for k, v in inner.state_dict().items() if _owner(k, names) in (None, adapter)}
+    for name, layer in inner.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        weight = state.pop(f"{name}.base_layer.weight")
+        if adapter is not None and adapter in layer.lora_A:
+            with torch.no_grad():
+                delta = state[f"{name}.lora_B.{adapter}.weight"] @ state[f"{name}.lora_A.{adapter}.weight"]
+                if getattr(layer, "fan_in_fan_out", False):
+                    delta = delta.T
+                weight = weight + (delta * layer.scaling[adapter]).to(weight.dtype)
+        state[f"{name}.weight"] = weight
+        if f"{name}.base_layer.bias" in state:
+            state[f"{name}.bias"] = state.pop(f"{name}.base_layer.bias")
+    return {k: v for k, v in state.items() if "lora_" not in k}
+
+
+class _OnSharedBase(LocalEngine):
+    """What both engines share: the pool, the info, the turn around every call."""
+
+    name = "local"
+
+    def __init__(self, shared: SharedModel, adapter: Adapter | None) -> None:
+        # LocalEngine.__init__ is not called: the model is the pool's, not loaded here.
+        self.shared = shared
+        self.adapter = adapter
+        self.config = shared.config
+        self.device = shared.device
+        self.tokenizer = shared.loaded.tokenizer
+        extra = adapter.num_parameters if adapter is not None else 0
+        self.info = EngineInfo(
+            model_name=shared.loaded.name, architecture=shared.loaded.architecture,
+            vocab_size=shared.loaded.vocab_size, tokenizer_dir=shared.loaded.tokenizer_dir,
+            num_parameters=shared.base_parameters + extra, num_trainable_parameters=extra,
+            eos_token_id=shared.loaded.eos_token_id,
+        )
+
+    @property
+    def loaded(self) -> LoadedModel:  # LocalEngine's methods read the model from here
+        # the transformers model (peft's layers inside it run the active adapter, or none)
+        return attrs.evolve(self.shared.loaded, lora=self.adapter.lora if self.adapter is not None else None)
+
+    def _names(self) -> set[str]:
+        return set(self.shared.adapters)
+
+    def _key(self) -> str | None:
+        return self.adapter.name if self.adapter is not None else None
+
+    def sample(
+        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool
+    ) -> list[SampleOutput]:
+        with self.shared.using(self.adapter):
+            return super().sample(prompts, params, num_samples, prompt_logprobs)
+
+    def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
+        with self.shared.using(self.adapter):
+            if self.adapter is not None and not merge_lora:
+                self._save_adapter(self.shared.module, Path(directory))
+                return
+            plain = self.shared.plain
+            export_hf_directory(
+                plain.config, merged_state(plain, self._key(), self._names()), self.tokenizer,
+                directory, self.config.max_shard_bytes, architecture=self.shared.loaded.architecture,
+            )
+
+
+class AdapterEngine(_OnSharedBase):
+    """One client's LoRA adapter on a shared base, with the local engine's API and arithmetic."""
+
+    def __init__(self, shared: SharedModel, adapter: Adapter) -> None:
+        super().__init__(shared, adapter)
+        self.runner = adapter.runner
+
+    # ---- compute ----------------------------------------------------------------------------------
+    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
+        with self.shared.using(self.adapter):
+            return super().run(data, loss, backward=backward)
+
+    def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
+        with self.shared.using(self.adapter):
+            return super().optim_step(params, grad_scale)
+
+    def zero_grad(self) -> None:
+        with self.shared.using(self.adapter):
+            super().zero_grad()
+
+    # ---- state ------------------------------------------------------------------------------------
+    def _solo_state(self) -> dict[str, torch.Tensor]:
+        return solo_state(self.shared.module, self.adapter.name, self._names())
+
+    def save_state(self, directory: Path) -> dict[str, Any]:
+        with self.shared.using(self.adapter):
+            weights, aliases = dedupe_shared(self._solo_state())
+            save_tensors(weights, directory / WEIGHTS_FILE)
+            save_tensors(self.runner.optimizer_tensors(), directory / OPTIMIZER_FILE)
+            return {"tied_aliases": aliases, "step": self.runner.step_count}
+
+    def state_layout(self) -> StateLayout:
+        state = self._solo_state()
+        _, aliases = dedupe_shared(dict(state))
+        return StateLayout.of(state, self.runner.named_trainable(), aliases)
+
+    def load_state(self, directory: Path, metadata: dict[str, Any], optimizer: bool) -> None:
+        """Load the adapter's tensors; the checkpoint's base weights must equal the shared ones
+        (one client never overwrites the base the others train on)."""
+        with self.shared.using(self.adapter):
+            step, _ = check_engine_metadata(metadata, str(directory))
+            checked = check_state_files(directory, self.state_layout(), optimizer=optimizer, keep=True)
+            mine = dict(self.runner.named_trainable())
+            live = self._solo_state()
+            for key, tensor in checked.weights.items():
+                if key not in mine and not torch.equal(tensor, live[key].detach().cpu()):
+                    raise CheckpointError(
+                        f"{directory}: base weight {key} differs from the shared base model's: this state was "
+                        f"trained on another base (a client of a shared base loads its adapter only)"
+                    )
+            with torch.no_grad():
+                for key, p in mine.items():
+                    p.copy_(checked.weights[key])
+            self.runner.zero_grad()
+            if optimizer:
+                self.runner.load_optimizer_tensors(checked.moments)
+                self.runner.step_count = step
+            else:
+                self.runner.optimizer = None
+                self.runner.step_count = 0
+
+    def _save_adapter(self, module, directory: Path) -> None:
+        """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            module.save_pretrained(tmp, selected_adapters=[self.adapter.name])
+            sub = Path(tmp) / self.adapter.name  # peft puts a non-default adapter's files in a subfolder
+            items = [p for p in Path(tmp).iterdir() if p != sub] + (list(sub.iterdir()) if sub.is_dir() else [])
+            for item in items:
+                shutil.move(str(item), directory / item.name)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(directory))
+
+    def close(self) -> None:
+        self.shared.remove_adapter(self.adapter)
+
+
+class BaseEngine(_OnSharedBase):
+    """The shared base itself, read-only: forward, sampling and export (no training)."""
+
+    def __init__(self, shared: SharedModel) -> None:
+        super().__init__(shared, None)
+        self.runner = shared.base_runner
+
+    def _read_only(self, what: str):
+        return InputError(f"{what}: this Backend is the shared base model {self.shared.model_name}, which is "
+                          f"read-only (its clients train LoRA adapters on it); train a LoRA Backend instead")
+
+    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
+        if backward:
+            raise self._read_only("forward_backward")
+        with self.shared.using(None):
+            return super().run(data, loss, backward=False)
+
+    def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
+        raise self._read_only("optim_step")
+
+    def zero_grad(self) -> None:
+        pass
+
+    def save_state(self, directory: Path) -> dict[str, Any]:
+        raise self._read_only("save_state")
+
+    def load_state(self, directory: Path, metadata: dict[str, Any], optimizer: bool) -> None:
+        raise self._read_only("load_state")
+
+    def close(self) -> None:
+        pass  # the pool owns the base
