@@ -111,10 +111,11 @@ class _OnSharedBase(LocalEngine):
         return self.adapter.name if self.adapter is not None else None
 
     def sample(
-        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool
+        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
+        topk_prompt_logprobs: int = 0,
     ) -> list[SampleOutput]:
         with self.shared.using(self.adapter):
-            return super().sample(prompts, params, num_samples, prompt_logprobs)
+            return super().sample(prompts, params, num_samples, prompt_logprobs, topk_prompt_logprobs)
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         with self.shared.using(self.adapter):
