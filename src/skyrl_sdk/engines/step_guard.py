@@ -30,7 +30,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _max_abs(tensors: Sequence[torch.Tensor]) -> list[float]:
     if not tensors:
         return []
-    return [float(x) for x in torch._foreach_norm([_local(t).detach().float() for t in tensors], ord=float("inf"))]
+    local = [_local(t).detach().float() for t in tensors]
+    nonempty = [x for x in local if x.numel()]  # an empty shard (a (1, H) head on 2 ranks) has max 0
+    norms = iter(torch._foreach_norm(nonempty, ord=float("inf")) if nonempty else ())
+    return [float(next(norms)) if x.numel() else 0.0 for x in local]
 
 
 def step_is_provably_finite(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], adam: AdamParams) -> bool:
