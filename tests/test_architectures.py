@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from arch_models import FAMILIES, make_family_dir
 from safetensors import safe_open
 
 import skyrl_sdk
+from arch_models import FAMILIES, make_family_dir
 from skyrl_sdk import types
 from skyrl_sdk.testing import make_sft_data
 

@@ -85,6 +85,7 @@ class RankEngine:
         loss_scale = parallelize(scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward)
         materialize(self.loaded, source, self.device, full)
         del full
+        self.weights_source = source
         self.runner = ShardedRunner(
             scoring, group=self.mesh.get_group(), device=self.device,
             micro_batch_tokens=self.config.micro_batch_tokens, batching=self.config.batching,
@@ -106,6 +107,7 @@ class RankEngine:
             engine_info=self.engine_info,
             state_layout=self.state_layout.to_plain(),
             aliases=self.aliases,
+            weights_source=self.weights_source,
             world_size=self.session.world_size,
             device=str(self.device),
             pid=os.getpid(),
