@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # ``python benchmarks/run.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import fsdp, input_path, memory, sampling, scaling, server, step, tenancy  # noqa: E402
+from benchmarks import fsdp, fsdp_loading, input_path, memory, sampling, scaling, server, step, tenancy  # noqa: E402
 from benchmarks.common import MODEL_10M, MODEL_32K, MODEL_SMOKE, set_threads  # noqa: E402
 
 BENCHMARKS = {
@@ -34,6 +34,7 @@ BENCHMARKS = {
     input_path.NAME: input_path,
     server.NAME: server,
     fsdp.NAME: fsdp,
+    fsdp_loading.NAME: fsdp_loading,
     scaling.NAME: scaling,
     sampling.NAME: sampling,
     tenancy.NAME: tenancy,
@@ -133,6 +134,14 @@ def targets(results: dict) -> list[dict]:
                              ("fairness: fewest / most steps when the first client finishes", r["fairness"])):
             v = part["ratio"]
             add(tenancy.NAME, metric, {"median": v, "min": v, "max": v}, part["target"], part["verdict"])
+    r = results.get(fsdp_loading.NAME, {})
+    if r.get("status") == "ok":
+        m = r["peak_ratio"]
+        add(fsdp_loading.NAME, "max per-rank peak RSS (2 ranks / local), load + 1 step",
+            {"median": m, "min": m, "max": m}, r["target"], r["verdict"])
+    elif r:
+        rows.append({"benchmark": fsdp_loading.NAME, "metric": "fsdp loading", "target": fsdp_loading.TARGET,
+                     "verdict": r.get("status")})
     return rows
 
 

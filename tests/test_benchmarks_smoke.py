@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "scaling", "sampling", "tenancy"]
+#: every benchmark registered in benchmarks/run.py must run in smoke mode
+BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "fsdp_loading", "scaling",
+              "sampling", "tenancy"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")

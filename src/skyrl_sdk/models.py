@@ -18,6 +18,8 @@ import torch
 
 from .errors import ModelLoadError
 from .types import LoraConfig
+from .value_head import VALUE_HEAD, ValueHeadModel, initial_value_head
+from .weight_files import read_rows, weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +27,8 @@ TINY_NAME = "tiny"
 TINY_DIR = Path(__file__).parent / "assets" / "tiny"
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 TINY_VOCAB_SIZE = 320  # 256 bytes + 3 specials, rounded up for alignment
+
+
 #: Weights below this size load in well under a second: no "Loading weights" progress bar.
 QUIET_LOAD_BYTES = 256 * 1024**2
 
@@ -114,6 +118,14 @@ class LoadedModel:
     name: str
     role: str
     lora: LoraConfig | None
+    #: False: parameters are on the meta device (buffers are real); an engine fills them
+    #: from :attr:`weights_dir`'s files and :attr:`generated` (see :func:`load_model`).
+    materialized: bool = True
+    #: Full initial values of the tensors no checkpoint file holds (LoRA adapters, a new value
+    #: head), by the HF model's state-dict names; only when not :attr:`materialized`.
+    generated: dict = attrs.field(factory=dict)
+    #: The directory the weights come from (``None`` for ``tiny``: generated from the seed).
+    weights_dir: str | None = None
 
     @property
     def config(self):
@@ -140,7 +152,8 @@ class LoadedModel:
 
     @property
     def architecture(self) -> str:
-        return type(hf_model(self.module)).__name__
+        inner = hf_model(self.module)
+        return getattr(inner, "export_architecture", None) or type(inner).__name__
 
 
 def hf_model(module):
@@ -221,11 +234,82 @@ def apply_lora(model, lora: LoraConfig, seed: int):
         target_modules=targets,
         bias="none",
     )
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        # peft reads transformers' deprecated is_gradient_checkpointing: our call, not the user's
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        torch.manual_seed(lora.seed if lora.seed is not None else seed)
-        return peft.get_peft_model(model, config)
+    swapped = _cpu_placeholders(model, targets)
+    try:
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # peft reads transformers' deprecated is_gradient_checkpointing: our call, not the user's
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            torch.manual_seed(lora.seed if lora.seed is not None else seed)
+            wrapped = peft.get_peft_model(model, config)
+    finally:
+        for layer, weight in swapped:
+            weight.requires_grad_(layer.weight.requires_grad)  # peft froze the placeholder
+            layer.weight = weight
+    head = getattr(hf_model(wrapped), VALUE_HEAD, None)
+    if head is not None:  # a critic's value head is new: it always trains
+        head.requires_grad_(True)
+    return wrapped
+
+
+def _cpu_placeholders(model, targets: list[str]) -> list[tuple[torch.nn.Module, torch.nn.Parameter]]:
+    """Give meta-device target layers a zero-byte CPU weight while peft wraps them.
+
+    peft creates each adapter on the CPU (drawing its initial values from the seeded
+    generator, in module order) and then moves it to its base layer's device: with a meta
+    base the values would be lost. A broadcast (stride 0) CPU placeholder keeps the adapters
+    real and the random draws identical to a fully built model's.
+    """
+    swapped = []
+    for name in targets:
+        layer = model.get_submodule(name)
+        weight = layer.weight
+        if weight.device.type == "meta":
+            placeholder = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
+            layer.weight = torch.nn.Parameter(placeholder, requires_grad=False)
+            swapped.append((layer, weight))
+    return swapped
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Parameters created inside go to the meta device; buffers stay real.
+
+    Buffers (RoPE frequency tables) are small, rarely in checkpoints and computed in the
+    constructors: building them for real avoids recomputing them family by family.
+    """
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def _build(name: str, config, role: str, *, materialize: bool, dtype: torch.dtype):
+    """The causal LM (policy) or its backbone (critic): from the seed, the files, or on meta."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    auto = AutoModelForCausalLM if role == "policy" else AutoModel
+    if not materialize:
+        with parameters_on_meta():
+            return auto.from_config(config)
+    if name == TINY_NAME:
+        return auto.from_config(config)
+    return auto.from_pretrained(name, config=config, dtype=dtype)
+
+
+def _value_head_weights(files: dict, config, seed: int, dtype: torch.dtype) -> tuple[dict, bool]:
+    """A critic's head: from the files (an exported critic) or new from the seed."""
+    names = (f"{VALUE_HEAD}.weight", f"{VALUE_HEAD}.bias")
+    if all(n in files for n in names):
+        return {n: read_rows(files, n).to(dtype) for n in names}, True
+    return initial_value_head(int(config.hidden_size), seed, dtype), False
 
 
 def load_model(
@@ -236,37 +320,51 @@ def load_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    materialize: bool = True,
 ) -> LoadedModel:
-    """Build or load the model for ``role`` ("policy": causal LM; "critic": per-token value head)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    """Build or load the model for ``role``: "policy", the causal LM; "critic", its backbone
+    with a value head (:class:`~skyrl_sdk.value_head.ValueHeadModel`).
 
+    ``materialize=False`` (sharded engines) builds the parameters on the meta device and
+    reads no weights: the caller shards the module and fills each shard from
+    ``weights_dir``'s files and ``generated`` (LoRA adapters and a new value head, drawn
+    from the seed exactly as a materialized load draws them).
+    """
     if role not in ("policy", "critic"):
         raise ModelLoadError(f"role must be 'policy' or 'critic', got {role!r}")
     config, tok_dir = _load_config(name)
     config.use_cache = False  # packed rows must not be treated as one sequence (PLATFORM_NOTES)
-    from_scratch = name == TINY_NAME
-    quiet = not from_scratch and _weights_bytes(Path(tok_dir)) < QUIET_LOAD_BYTES
+    weights_dir = None if name == TINY_NAME else str(Path(name).expanduser())
+    files = weight_files(weights_dir) if weights_dir else {}
+    generated: dict[str, torch.Tensor] = {}
+    quiet = weights_dir is not None and _weights_bytes(Path(tok_dir)) < QUIET_LOAD_BYTES
     with torch.random.fork_rng(devices=[]), _quiet_progress(quiet):
         torch.manual_seed(seed)
         try:
-            if role == "critic":
-                config.num_labels = 1
-                if from_scratch:
-                    model = AutoModelForTokenClassification.from_config(config)
-                else:
-                    model = AutoModelForTokenClassification.from_pretrained(name, config=config)
-            elif from_scratch:
-                model = AutoModelForCausalLM.from_config(config)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype)
+            model = _build(name, config, role, materialize=materialize, dtype=dtype)
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"model {name!r} could not be loaded: {exc}") from None
+    if role == "critic":
+        context = parameters_on_meta() if not materialize else contextlib.nullcontext()
+        with context:
+            model = ValueHeadModel(model)
+        head, from_files = _value_head_weights(files, model.config, seed, dtype)
+        if materialize:
+            with torch.no_grad():
+                for key, value in head.items():
+                    model.get_parameter(key).copy_(value)
+        elif not from_files:
+            generated.update(head)
     model.to(dtype=dtype)
     model.eval()  # no dropout: RL needs the trainer's logprobs to match the sampler's
     if lora is not None:
         model = apply_lora(model, lora, seed)
         model.eval()
-    model.to(device)
+        if not materialize:
+            generated.update({k: v.detach().to(dtype) for k, v in hf_model(model).state_dict().items()
+                              if "lora_" in k})
+    if materialize:
+        model.to(device)
     tokenizer = load_tokenizer(tok_dir)
-    return LoadedModel(module=model, tokenizer=tokenizer, tokenizer_dir=tok_dir, name=name, role=role, lora=lora)
-
+    return LoadedModel(module=model, tokenizer=tokenizer, tokenizer_dir=tok_dir, name=name, role=role, lora=lora,
+                       materialized=materialize, generated=generated, weights_dir=weights_dir)

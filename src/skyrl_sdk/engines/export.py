@@ -7,12 +7,25 @@ config, generation config, safetensors weights (sharded when large), tokenizer f
 from __future__ import annotations
 
 import copy
+import json
+import struct
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import dedupe_shared, write_hf_weights
+from ..checkpoint import WEIGHTS_FILE, WEIGHTS_INDEX, dedupe_shared, write_hf_weights
 from ..models import hf_model
+
+#: safetensors' dtype names.
+_DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+#: (name, shape, dtype) of a tensor to be written before its values exist.
+TensorPlan = tuple[str, tuple[int, ...], torch.dtype]
 
 
 def full_state_dict(module) -> dict[str, torch.Tensor]:
@@ -34,37 +47,133 @@ def merged_lora_state_dict(peft_module, state: dict[str, torch.Tensor] | None = 
         if not isinstance(layer, LoraLayer):
             continue
         weight = state.pop(f"{name}.base_layer.weight")
-        with torch.no_grad():
-            for adapter in layer.active_adapters:
-                delta = state[f"{name}.lora_B.{adapter}.weight"] @ state[f"{name}.lora_A.{adapter}.weight"]
-                if getattr(layer, "fan_in_fan_out", False):
-                    delta = delta.T
-                weight = weight + (delta * layer.scaling[adapter]).to(weight.dtype)
-        state[f"{name}.weight"] = weight
+        adapters = layer.active_adapters
+        state[f"{name}.weight"] = merge_lora_delta(
+            layer, weight, {a: state[f"{name}.lora_A.{a}.weight"] for a in adapters},
+            {a: state[f"{name}.lora_B.{a}.weight"] for a in adapters},
+        )
         if f"{name}.base_layer.bias" in state:
             state[f"{name}.bias"] = state.pop(f"{name}.base_layer.bias")
     return {k: v for k, v in state.items() if "lora_" not in k}
+
+
+def merge_lora_delta(layer, weight: torch.Tensor, lora_a: dict, lora_b: dict) -> torch.Tensor:
+    """``weight`` plus every active adapter's ``transpose(B @ A, fan_in_fan_out) * scaling``."""
+    with torch.no_grad():
+        for adapter in layer.active_adapters:
+            delta = lora_b[adapter] @ lora_a[adapter]
+            if getattr(layer, "fan_in_fan_out", False):
+                delta = delta.T
+            weight = weight + (delta * layer.scaling[adapter]).to(weight.dtype)
+    return weight
+
+
+def _nbytes(plan: TensorPlan) -> int:
+    _, shape, dtype = plan
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+class SafetensorsStream:
+    """One safetensors file written tensor by tensor: the header comes from the plan (names,
+    shapes, dtypes), then each tensor's bytes as it arrives, so only one is ever in memory."""
+
+    def __init__(self, file: Path, plan: Sequence[TensorPlan], metadata: dict[str, str] | None = None) -> None:
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        for name, shape, dtype in plan:
+            if dtype not in _DTYPE_NAMES:
+                raise ValueError(f"{name}: dtype {dtype} cannot be written to safetensors")
+            size = _nbytes((name, shape, dtype))
+            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self._plan = list(plan)
+        self._next = 0
+        self._fh = open(file, "wb")  # closed by close()
+        self._fh.write(struct.pack("<Q", len(raw)))
+        self._fh.write(raw)
+
+    def write(self, tensor: torch.Tensor) -> None:
+        name, shape, dtype = self._plan[self._next]
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {tuple(shape)} {dtype}")
+        data = tensor.detach().contiguous().cpu().reshape(-1)
+        self._fh.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        self._next += 1
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._next != len(self._plan):
+            raise ValueError(f"{self._plan[self._next][0]}: the stream ended before every planned tensor")
+
+
+def write_tensor_stream(file: Path, plan: Sequence[TensorPlan], tensors: Iterable[torch.Tensor],
+                        metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (in ``plan``'s order) to one safetensors file, one at a time."""
+    stream = SafetensorsStream(file, plan, metadata)
+    try:
+        for tensor in tensors:
+            stream.write(tensor)
+    finally:
+        stream.close()
+
+
+def write_hf_weights_stream(directory: Path, plan: Sequence[TensorPlan], tensors: Iterable[torch.Tensor],
+                            max_shard_bytes: int) -> None:
+    """HF-style weights (sharded above ``max_shard_bytes``, with an index), streamed: the
+    same layout :func:`~skyrl_sdk.checkpoint.write_hf_weights` writes from a dict."""
+    shards: list[list[TensorPlan]] = [[]]
+    size = 0
+    for item in plan:
+        nbytes = _nbytes(item)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    it = iter(tensors)
+    if len(shards) == 1:
+        write_tensor_stream(directory / WEIGHTS_FILE, shards[0], (next(it) for _ in shards[0]), {"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        write_tensor_stream(directory / fname, shard, (next(it) for _ in shard), {"format": "pt"})
+        weight_map.update({name: fname for name, _, _ in shard})
+    index = {"metadata": {"total_size": sum(_nbytes(p) for p in plan)}, "weight_map": weight_map}
+    (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
+
+
+def write_hf_config(config, tokenizer, directory: Path, dtype: torch.dtype | None, architecture: str | None) -> None:
+    """config.json (+ generation config, tokenizer) of an export, weights aside."""
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(config)
+    if architecture:
+        config.architectures = [architecture]
+    config.use_cache = True  # inference-friendly; training forces use_cache=False itself
+    if dtype is not None:
+        config.dtype = str(dtype).replace("torch.", "")
+    config.save_pretrained(str(directory))
+    try:
+        GenerationConfig.from_model_config(config).save_pretrained(str(directory))
+    except Exception:  # some configs carry no generation fields; the file is optional
+        pass
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
 
 
 def export_hf_directory(
     config, state: dict[str, torch.Tensor], tokenizer, directory: Path, max_shard_bytes: int,
     architecture: str | None = None,
 ) -> None:
-    from transformers import GenerationConfig
-
     state, _ = dedupe_shared(state)  # tied embeddings: keep the first name only
-    config = copy.deepcopy(config)
-    if architecture:
-        config.architectures = [architecture]
-    config.use_cache = True  # inference-friendly; training forces use_cache=False itself
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
-    if len(dtypes) == 1:
-        config.dtype = str(next(iter(dtypes))).replace("torch.", "")
-    config.save_pretrained(str(directory))
-    try:
-        GenerationConfig.from_model_config(config).save_pretrained(str(directory))
-    except Exception:  # some configs carry no generation fields; the file is optional
-        pass
+    write_hf_config(config, None, directory, next(iter(dtypes)) if len(dtypes) == 1 else None, architecture)
     write_hf_weights(state, directory, max_shard_bytes)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))

@@ -55,7 +55,7 @@ class ScoringModel(nn.Module):
         self.role = role
         inner = hf_model(model)
         self.vocab_size = int(inner.config.vocab_size)
-        proj = inner.score if role == "critic" else inner.get_output_embeddings()
+        proj = inner.value_head if role == "critic" else inner.get_output_embeddings()
         self.__dict__["head"] = _Head(proj, inner.config)  # not a submodule (see _Head)
         self.chunk_elements = DEFAULT_CHUNK_ELEMENTS
         #: A causal LM never lets a token see later positions, so right padding cannot reach

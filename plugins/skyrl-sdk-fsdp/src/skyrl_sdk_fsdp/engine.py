@@ -106,6 +106,8 @@ class FSDPEngine:
         first = infos[0]
         self._state_layout = StateLayout.from_plain(first["state_layout"])
         self.info = EngineInfo(**first["engine_info"])
+        #: how the ranks got their weights: "files" (each read its own slices) or "rank0" (scattered)
+        self.weights_source = first["weights_source"]
         tok_dir = self.info.tokenizer_dir
         self.tokenizer = load_tokenizer(tok_dir) if tok_dir else None
         logger.info("fsdp engine: %d ranks (%s, %s launcher)", self.world_size, self.device_type, launcher)

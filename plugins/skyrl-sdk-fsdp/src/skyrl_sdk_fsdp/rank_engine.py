@@ -27,30 +27,21 @@ from skyrl_sdk.engines import (
     StateLayout,
     count_parameters,
     datums_from_plain,
-    dedupe_shared,
-    export_hf_directory,
     generate,
     hf_model,
-    load_model,
     load_tensors,
     loss_from_plain,
-    merged_lora_state_dict,
-    save_tensors,
 )
 from skyrl_sdk.types import AdamParams, LoraConfig, SamplingParams
 
+from .gather import StreamingGather
+from .loading import load_rank_model, materialize, tied_aliases
 from .options import FSDP_KEYS, SHARDED_DIR, FSDPOptions
 from .parallelize import ShardedScoringModel, parallelize
 from .session import DistSession
 from .sharded_runner import ShardedRunner
 
 logger = logging.getLogger(__name__)
-
-def full_state_on_rank0(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's full (unsharded) state dict on CPU on rank 0; ``{}`` on other ranks."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -74,20 +65,27 @@ class RankEngine:
             raise errors.InputError("engine_config['device']: CUDA ranks need a process group started with CUDA")
         self.device = torch.device("cuda", session.local_rank) if device_type == "cuda" else torch.device("cpu")
         lora_cfg = LoraConfig(**lora) if lora is not None else None
-        self.loaded = load_model(model, role=role, lora=lora_cfg, seed=seed, dtype=self.config.torch_dtype,
-                                 device=self.device)
+        self.mesh = init_device_mesh(self.device.type, (session.world_size,))
+        # meta device on every rank (rank 0 alone builds the full model when the weights
+        # cannot be read slice by slice): no rank holds a full copy while sharding
+        self.loaded, source = load_rank_model(model=model, role=role, lora=lora_cfg, seed=seed,
+                                              dtype=self.config.torch_dtype, rank=self.rank,
+                                              group=self.mesh.get_group())
         module = self.loaded.module
         total, trainable = count_parameters(module)
         # names that alias an earlier tensor (tied embeddings), found before sharding
-        _, self.aliases = dedupe_shared(dict(module.state_dict()))
-        _, self.hf_aliases = dedupe_shared(dict(hf_model(module).state_dict()))
+        self.aliases = tied_aliases(module)
+        self.hf_aliases = tied_aliases(hf_model(module))
         # what a saved state must hold (full shapes: taken before sharding)
         trainable_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.state_layout = StateLayout.of(module.state_dict(), trainable_params, self.aliases)
-        self.mesh = init_device_mesh(self.device.type, (session.world_size,))
+        full = dict(hf_model(module).state_dict()) if source == "rank0" and self.rank == 0 else {}
         scoring = ShardedScoringModel(module, role)
         scoring.chunk_elements = self.config.logprob_chunk_elements
         loss_scale = parallelize(scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward)
+        materialize(self.loaded, source, self.device, full)
+        del full
+        self.weights_source = source
         self.runner = ShardedRunner(
             scoring, group=self.mesh.get_group(), device=self.device,
             micro_batch_tokens=self.config.micro_batch_tokens, batching=self.config.batching,
@@ -99,6 +97,7 @@ class RankEngine:
             tokenizer_dir=self.loaded.tokenizer_dir, num_parameters=total, num_trainable_parameters=trainable,
             eos_token_id=eos,
         )
+        self.gather = StreamingGather(self.loaded, self.runner, self.aliases, self.hf_aliases, self.rank)
         self.weights_version = 0  # bumped whenever the weights change (sampler cache key)
         self._sampler: tuple[int, Any] | None = None
         self.in_collectives = False
@@ -108,6 +107,7 @@ class RankEngine:
             engine_info=self.engine_info,
             state_layout=self.state_layout.to_plain(),
             aliases=self.aliases,
+            weights_source=self.weights_source,
             world_size=self.session.world_size,
             device=str(self.device),
             pid=os.getpid(),
@@ -148,21 +148,22 @@ class RankEngine:
             self._save_sharded(directory)
             meta["world_size"] = self.session.world_size
             return meta
-        weights = full_state_on_rank0(self.loaded.module)
-        optim = self.runner.optimizer_tensors(to_full=self._gather_to_rank0)
-        if self.rank == 0:
-            save_tensors({k: v for k, v in weights.items() if k not in self.aliases}, directory / WEIGHTS_FILE)
-            save_tensors(optim, directory / OPTIMIZER_FILE)
+        self.gather.save_weights(directory / WEIGHTS_FILE)
+        self.gather.save_optimizer(directory / OPTIMIZER_FILE)
         return meta
 
-    def _load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Rank 0's full tensors -> every rank's shards (scattered from rank 0)."""
+    def _load_full_weights(self, file: Path) -> None:
+        """A saved weights file -> every rank's shards: rank 0 reads one tensor at a time and
+        scatters it (the other ranks need not see the file)."""
+        from safetensors import safe_open
+
         module = self.loaded.module
+        handle = safe_open(str(file), framework="pt") if self.rank == 0 else None
         with torch.no_grad():
             for name, target in module.state_dict(keep_vars=True).items():
                 if name in self.aliases:
                     continue
-                full = weights[name] if self.rank == 0 else torch.empty(target.shape, dtype=target.dtype)
+                full = handle.get_tensor(name) if handle is not None else torch.empty(target.shape, dtype=target.dtype)
                 full = full.to(device=self.device, dtype=target.dtype)
                 if isinstance(target, DTensor):
                     shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=0)
@@ -170,6 +171,7 @@ class RankEngine:
                 else:
                     dist.broadcast(full, src=0, group=self.mesh.get_group())
                     target.copy_(full)
+                del full
 
     def op_load_state(self, directory: str, optimizer: bool, step: int, state_format: str,
                       optimizer_steps: dict[str, float]):
@@ -178,13 +180,11 @@ class RankEngine:
         if state_format == "sharded":
             self._load_sharded(directory, optimizer)
         else:
-            weights = load_tensors(directory / WEIGHTS_FILE) if self.rank == 0 else {}
-            self._load_full_weights(weights)
-            del weights
+            self._load_full_weights(directory / WEIGHTS_FILE)
             self.runner.zero_grad()
             if optimizer:
                 if self.rank == 0:
-                    tensors = load_tensors(directory / OPTIMIZER_FILE)
+                    tensors = load_tensors(directory / OPTIMIZER_FILE)  # the moments: trainable only
                 else:  # shapes only: the values are scattered from rank 0
                     shapes = dict(self.runner.named_trainable())
                     tensors = {}
@@ -231,33 +231,13 @@ class RankEngine:
             set_model_state_dict(self.loaded.module, state["model"])
 
     # ---- export / sampling ------------------------------------------------------------
-    def _merged_full_state(self) -> dict[str, torch.Tensor]:
-        """The HF model's full weights (LoRA merged) on rank 0; ``{}`` elsewhere."""
-        inner = hf_model(self.loaded.module)
-        state = full_state_on_rank0(inner)
-        if self.rank != 0:
-            return {}
-        if self.loaded.lora is not None:
-            state = merged_lora_state_dict(self.loaded.module, state)
-        return {k: v for k, v in state.items() if k not in self.hf_aliases}
-
     def op_export_weights(self, directory: str, merge_lora: bool):
         self._collectives()
         directory = Path(directory)
-        module = self.loaded.module
         if self.loaded.lora is not None and not merge_lora:
-            state = full_state_on_rank0(module)
-            if self.rank == 0:
-                module.save_pretrained(str(directory), state_dict=state)
-                if self.loaded.tokenizer is not None:
-                    self.loaded.tokenizer.save_pretrained(str(directory))
+            self.gather.save_adapter(directory)
             return None
-        state = self._merged_full_state()
-        if self.rank == 0:
-            export_hf_directory(
-                hf_model(module).config, state, self.loaded.tokenizer, directory, self.config.max_shard_bytes,
-                architecture=self.loaded.architecture,
-            )
+        self.gather.export_hf(directory, self.loaded.tokenizer, self.config.max_shard_bytes)
         return None
 
     def _sampler_model(self):
@@ -265,19 +245,17 @@ class RankEngine:
         if self._sampler is not None and self._sampler[0] == self.weights_version:
             return self._sampler[1]
         self._sampler = None
-        state = self._merged_full_state()  # collective: every rank takes part
-        if self.rank != 0:
-            return None
-        from transformers import AutoModelForCausalLM
-
-        tmp = Path(tempfile.mkdtemp(prefix="skyrl-fsdp-sampler-"))
+        tmp = Path(tempfile.mkdtemp(prefix="skyrl-fsdp-sampler-")) if self.rank == 0 else None
         try:
-            export_hf_directory(hf_model(self.loaded.module).config, state, None, tmp, self.config.max_shard_bytes,
-                                architecture=self.loaded.architecture)
-            del state
+            self.gather.export_hf(tmp, None, self.config.max_shard_bytes)  # collective: every rank
+            if self.rank != 0:
+                return None
+            from transformers import AutoModelForCausalLM
+
             model = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=self.config.torch_dtype)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
         model.to(self.device).eval()
         self._sampler = (self.weights_version, model)
         return model

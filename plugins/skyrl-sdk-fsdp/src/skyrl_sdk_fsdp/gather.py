@@ -1,0 +1,140 @@
+"""Saves and exports of a sharded model that never hold the whole model on one rank.
+
+Each tensor is gathered (``full_tensor``: an all-gather every rank takes part in, in the
+same order), written by rank 0 into a safetensors file whose header was planned from the
+shapes up front, and dropped before the next one. LoRA layers are merged one layer at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from skyrl_sdk.engines import hf_model
+from skyrl_sdk.engines.export import (
+    TensorPlan,
+    merge_lora_delta,
+    write_hf_config,
+    write_hf_weights_stream,
+    write_tensor_stream,
+)
+
+_BASE = ".base_layer."
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    return full.detach().cpu()
+
+
+def _plan(items) -> list[TensorPlan]:
+    return [(name, tuple(t.shape), t.dtype) for name, t in items]
+
+
+class StreamingGather:
+    """Rank 0 writes; every rank runs the same gathers (see module docstring)."""
+
+    def __init__(self, loaded, runner, aliases: dict[str, str], hf_aliases: dict[str, str], rank: int) -> None:
+        self.loaded = loaded
+        self.runner = runner
+        self.aliases = aliases
+        self.hf_aliases = hf_aliases
+        self.rank = rank
+
+    def _drain(self, tensors: Iterator[torch.Tensor]) -> None:
+        for _ in tensors:  # ranks != 0: take part in each gather, keep nothing
+            pass
+
+    # ---- training state ("full" format) -------------------------------------------------
+    def save_weights(self, file: Path) -> None:
+        items = [(n, t) for n, t in self.loaded.module.state_dict(keep_vars=True).items() if n not in self.aliases]
+        tensors = (_full(t) for _, t in items)
+        if self.rank == 0:
+            write_tensor_stream(file, _plan(items), tensors)
+        else:
+            self._drain(tensors)
+
+    def save_optimizer(self, file: Path) -> None:
+        """AdamW moments as ``<param>::exp_avg`` / ``::exp_avg_sq`` / ``::step`` (the local engine's names)."""
+        items: list[tuple[str, torch.Tensor]] = []
+        optimizer = self.runner.optimizer
+        for name, p in self.runner.named_trainable() if optimizer is not None else ():
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            step = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
+            items += [(f"{name}::exp_avg", state["exp_avg"]), (f"{name}::exp_avg_sq", state["exp_avg_sq"]),
+                      (f"{name}::step", step)]
+        tensors = (_full(t) for _, t in items)
+        if self.rank == 0:
+            write_tensor_stream(file, _plan(items), tensors)
+        else:
+            self._drain(tensors)
+
+    # ---- exports ------------------------------------------------------------------------
+    def _lora_layers(self) -> dict:
+        if self.loaded.lora is None:
+            return {}
+        from peft.tuners.lora import LoraLayer
+
+        return {n: m for n, m in hf_model(self.loaded.module).named_modules() if isinstance(m, LoraLayer)}
+
+    def _merged_items(self) -> list[tuple[str, torch.Tensor, str | None]]:
+        """(export name, source tensor, LoRA layer name or None) of the HF model's weights."""
+        state = hf_model(self.loaded.module).state_dict(keep_vars=True)
+        layers = self._lora_layers()
+        items = []
+        for name, t in state.items():
+            if name in self.hf_aliases or "lora_" in name:
+                continue
+            if _BASE in name:
+                prefix = name.split(_BASE)[0]
+                out = name.replace(_BASE, ".")
+                items.append((out, t, prefix if name.endswith(_BASE + "weight") and prefix in layers else None))
+            else:
+                items.append((name, t, None))
+        return items
+
+    def _merged_tensors(self, items) -> Iterator[torch.Tensor]:
+        state = hf_model(self.loaded.module).state_dict(keep_vars=True)
+        layers = self._lora_layers()
+        for _, t, layer_name in items:
+            weight = _full(t)
+            if layer_name is not None:
+                layer = layers[layer_name]
+                adapters = layer.active_adapters
+                lora_a = {a: _full(state[f"{layer_name}.lora_A.{a}.weight"]) for a in adapters}
+                lora_b = {a: _full(state[f"{layer_name}.lora_B.{a}.weight"]) for a in adapters}
+                weight = merge_lora_delta(layer, weight, lora_a, lora_b)
+            yield weight
+
+    def export_hf(self, directory: Path | None, tokenizer, max_shard_bytes: int) -> None:
+        """An HF directory (LoRA merged) written by rank 0, one gathered tensor at a time."""
+        items = self._merged_items()
+        tensors = self._merged_tensors(items)
+        if self.rank != 0:
+            self._drain(tensors)
+            return
+        plan = [(name, tuple(t.shape), t.dtype) for name, t, _ in items]
+        dtypes = {d for _, _, d in plan if d.is_floating_point}
+        write_hf_config(hf_model(self.loaded.module).config, tokenizer, directory,
+                        next(iter(dtypes)) if len(dtypes) == 1 else None, self.loaded.architecture)
+        write_hf_weights_stream(directory, plan, tensors, max_shard_bytes)
+
+    def save_adapter(self, directory: Path) -> None:
+        """peft's adapter directory: only what peft saves is gathered (the adapters, and the
+        output embedding when LoRA trains it), never the whole base model."""
+        from peft import get_peft_model_state_dict
+
+        module = self.loaded.module
+        sharded = module.state_dict(keep_vars=True)
+        kept = get_peft_model_state_dict(module, state_dict=sharded)  # peft picks the names
+        wanted = {id(t) for t in kept.values()}
+        state = {n: _full(t) for n, t in sharded.items() if id(t) in wanted}
+        if self.rank == 0:
+            module.save_pretrained(str(directory), state_dict=state)
+            if self.loaded.tokenizer is not None:
+                self.loaded.tokenizer.save_pretrained(str(directory))
