@@ -8,7 +8,9 @@ dispatcher, shared by every fsdp engine the script creates (each gets its own en
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
+import sys
 import os
 import threading
 from typing import Any
@@ -39,12 +41,38 @@ class DistSession:
         return torch.device("cuda", self.local_rank) if self.device_type == "cuda" else torch.device("cpu")
 
 
+#: glibc ``mallopt`` parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: Host allocations at least this large are mmap-ed, and so go back to the OS when freed.
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def release_freed_host_memory() -> bool:
+    """Make this process hand large freed host buffers back to the OS (glibc only).
+
+    FSDP all-gathers each block's parameters into fresh buffers of a few to tens of MB and
+    frees them after use. glibc's dynamic mmap threshold soon rises above that size, so the
+    freed buffers stay in the heap as resident memory: on the 100M-parameter benchmark
+    (docs/performance.md) each rank then peaked at the local engine's full RSS (1.01x);
+    with mmap-ed large buffers the peak is 0.65x. Returns whether it applied.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
+        return False
+
+
 def init_session(
     *, rank: int, world_size: int, local_rank: int, device_type: str, timeout_s: float,
     store: Any = None, control_group: bool = False,
 ) -> DistSession:
     """Join the process group (from ``store``, or from the launcher's env variables)."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    release_freed_host_memory()
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
