@@ -18,14 +18,8 @@ import torch
 pytest.importorskip("skyrl_sdk_fsdp")
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # the family builders
 
-from fsdp_testutil import (
-    ONE_PER_MICRO_BATCH,
-    assert_arrays_close,
-    assert_outputs_close,
-    local_grads,
-    make_sft_data,
-    torch_threads,
-)
+from fsdp_testutil import ONE_PER_MICRO_BATCH  # noqa: E402
+from skyrl_sdk.testing import assert_outputs_close, assert_tensors_close, grads_of, make_sft_data, torch_threads  # noqa: E402
 from safetensors.torch import load_file
 
 import skyrl_sdk
@@ -64,12 +58,12 @@ def test_sharded_load_equals_local(family, source, lora, tmp_path):
         # the initial weights: bit-identical (read from the same files / drawn from the same seed)
         fsdp.save_weights_for_sampler(tmp_path / "f0")
         local.save_weights_for_sampler(tmp_path / "l0")
-        assert_arrays_close(_files(tmp_path / "f0" / "model.safetensors"),
+        assert_tensors_close(_files(tmp_path / "f0" / "model.safetensors"),
                             _files(tmp_path / "l0" / "model.safetensors"), atol=0.0, what="initial export")
         data = make_sft_data(LENGTHS, seed=3)
         out_f, out_l = fsdp.forward_backward(data), local.forward_backward(data)
         assert_outputs_close(out_f, out_l, atol=1e-5)
-        assert_arrays_close(fsdp.engine.gradients(), local_grads(local), atol=1e-6, rtol=1e-5, what="grad")
+        assert_tensors_close(fsdp.engine.gradients(), grads_of(local), atol=1e-6, rtol=1e-5, what="grad")
         adam = types.AdamParams(learning_rate=1e-3)
         fsdp.optim_step(adam)
         local.optim_step(adam)
@@ -78,7 +72,7 @@ def test_sharded_load_equals_local(family, source, lora, tmp_path):
         fsdp.save_state(tmp_path / "fs")
         local.save_state(tmp_path / "ls")
         for name in ("model.safetensors", "optimizer.safetensors"):
-            assert_arrays_close(_files(tmp_path / "fs" / name), _files(tmp_path / "ls" / name), atol=1e-5, what=name)
+            assert_tensors_close(_files(tmp_path / "fs" / name), _files(tmp_path / "ls" / name), atol=1e-5, what=name)
     finally:
         fsdp.close()
         local.close()
@@ -96,10 +90,10 @@ def test_sharded_critic_on_tied_softcapped_family(tmp_path):
                                             "returns": rng.normal(size=n).astype(np.float32)}) for n in LENGTHS]
         out_f, out_l = fsdp.forward_backward(data), local.forward_backward(data)
         assert_outputs_close(out_f, out_l, atol=1e-5)
-        assert_arrays_close(fsdp.engine.gradients(), local_grads(local), atol=1e-6, rtol=1e-5, what="grad")
+        assert_tensors_close(fsdp.engine.gradients(), grads_of(local), atol=1e-6, rtol=1e-5, what="grad")
         fsdp.save_weights_for_sampler(tmp_path / "f")
         local.save_weights_for_sampler(tmp_path / "l")
-        assert_arrays_close(_files(tmp_path / "f" / "model.safetensors"),
+        assert_tensors_close(_files(tmp_path / "f" / "model.safetensors"),
                             _files(tmp_path / "l" / "model.safetensors"), atol=0.0, what="critic export")
     finally:
         fsdp.close()
