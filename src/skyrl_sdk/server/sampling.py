@@ -157,8 +157,10 @@ class Sampling:
             backend = get_backend()
             with RNG_LOCK:
                 outs = backend.sample([j.payload.prompt for j in jobs], first.params, first.num_samples,
-                                      first.prompt_logprobs)
-            return [Result.proto(proto.sample_output_to_proto(o, j.payload.prompt_logprobs_last_n))
+                                      prompt_logprobs=first.prompt_logprobs,
+                                      topk_prompt_logprobs=first.topk_prompt_logprobs)
+            return [Result.proto(proto.sample_output_to_proto(o, j.payload.prompt_logprobs_last_n,
+                                                              j.payload.topk_prompt_logprobs))
                     for o, j in zip(outs, jobs, strict=True)]
 
         def run() -> Result | None:
@@ -167,7 +169,7 @@ class Sampling:
         key = None
         if spec.params.seed is None:
             key = (target_key, snapshot.version if snapshot else None, spec.params, spec.num_samples,
-                   spec.prompt_logprobs)
+                   spec.prompt_logprobs, spec.topk_prompt_logprobs)
         job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=spec)
         return job
 
