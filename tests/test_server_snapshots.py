@@ -136,9 +136,9 @@ def test_snapshot_bigger_than_the_budget_is_written_to_disk(tmp_path):
 
 
 # ---- full fine-tuning (raw HTTP: the tinker client creates LoRA models only) -------------------
-def _fwdbwd(model_id: str, seq_id: int) -> bytes:
+def _fwdbwd(model_id: str, seq_id: int, data_seed: int) -> bytes:
     msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
-    for d in make_sft_data([8, 5], seed=seq_id):
+    for d in make_sft_data([8, 5], seed=data_seed):
         m = msg.data.add()
         m.model_input.add().encoded_text.tokens = np.asarray(d.model_input.to_ints(), np.int32).tobytes()
         for key, v in d.loss_fn_inputs.items():
@@ -179,22 +179,28 @@ def test_full_fine_tuning_snapshot_is_the_full_weights_in_memory(tmp_path):
                 "model_id": model_id, "seq_id": seq, "sampling_session_seq_id": sampling_seq}).json()
             ).json()["sampling_session_id"]
 
-        pinned = snapshot_session(1, 0)
+        def step(seq: int, data_seed: int) -> None:
+            _ok(http, http.post("/api/v1/forward_backward", content=_fwdbwd(model_id, seq, data_seed),
+                                headers={"Content-Type": "application/x-protobuf"}).json())
+            _ok(http, http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": seq + 1,
+                                                            "adam_params": {"learning_rate": 5e-2}}).json())
+
+        step(1, 0)  # pin a trained version (a fresh sampler copy would not equal it by chance)
+        pinned = snapshot_session(3, 0)
         before = _seqs(_raw_sample(http, pinned, 1))
-        with Backend("tiny") as fresh:  # the same weights, sampled directly
-            want = fresh.sample([PROMPT], {"max_tokens": 6, "seed": 3, "temperature": 1.0}, 2)[0]
+        with Backend("tiny") as solo:  # the same weights, trained and sampled in process
+            solo.forward_backward(make_sft_data([8, 5], seed=0), "cross_entropy")
+            solo.optim_step(types.AdamParams(learning_rate=5e-2))
+            want = solo.sample([PROMPT], {"max_tokens": 6, "seed": 3, "temperature": 1.0}, 2)[0]
         assert [t for t, _ in before] == [list(s.tokens) for s in want.sequences]
         for (_, lp), s in zip(before, want.sequences, strict=True):
             np.testing.assert_allclose(lp, s.logprobs, atol=1e-5)
-        _ok(http, http.post("/api/v1/forward_backward", content=_fwdbwd(model_id, 2),
-                            headers={"Content-Type": "application/x-protobuf"}).json())
-        _ok(http, http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 3,
-                                                        "adam_params": {"learning_rate": 5e-2}}).json())
+        step(4, 1)
         after_step = _seqs(_raw_sample(http, pinned, 2))  # from the in-memory snapshot
         assert [t for t, _ in after_step] == [t for t, _ in before]
         for (_, a), (_, b) in zip(after_step, before, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5)
-        live = _seqs(_raw_sample(http, snapshot_session(4, 1), 0))
+        live = _seqs(_raw_sample(http, snapshot_session(6, 1), 0))
         assert abs(live[0][1][0] - before[0][1][0]) > 1e-6  # the trained weights differ
         stats = srv.runtime.sampling.snapshots.stats()
         assert (stats["count"], stats["bytes"]) == (1, weight_bytes("tiny", 4))
@@ -212,3 +218,18 @@ def test_snapshot_memory_flag():
     for bad in ("lots", "0", "-1GiB"):
         with pytest.raises(InputError, match="--snapshot-memory"):
             ServerConfig.from_args(parse(["serve", f"--snapshot-memory={bad}"]))
+
+
+def test_unshared_lora_snapshot_loads_into_a_sampler_copy(tmp_path):
+    """share_base=False: the adapter's tensors go into an own LoRA copy (same names, no disk)."""
+    with ServerThread(tmp_path / "state", share_base=False) as srv:
+        sc = srv.service_client()
+        tc = sc.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+        train_step(tc, 0)  # pin a trained version (a fresh adapter would not equal it by chance)
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        first = sample(sampler)
+        train_step(tc, 1)
+        assert_same_samples(sample(sampler), first)
+        assert srv.runtime.sampling.snapshots.stats()["bytes"] == adapter_bytes()
+        assert scratch_files(srv) == []
+        sc.close("success").result()
