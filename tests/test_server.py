@@ -303,9 +303,9 @@ def test_sampling_params_stop_and_paths(service, server):
 
 def test_unsupported_sampling_option_is_a_user_error(service):
     sampler = service.create_sampling_client(base_model="tiny").result()
-    with pytest.raises(tinker.RequestFailedError, match="top-k"):
+    with pytest.raises(tinker.RequestFailedError, match="top-k sample logprobs"):
         sampler.sample(tt.ModelInput.from_ints([1, 2, 3]), 1, tt.SamplingParams(max_tokens=2),
-                       topk_prompt_logprobs=2).result(timeout=30)
+                       topk_sample_logprobs=2).result(timeout=30)
 
 
 # ---- errors ----------------------------------------------------------------------------------

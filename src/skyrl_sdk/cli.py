@@ -283,6 +283,9 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                         "wait on disk (default: no limit)")
     p.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="memory the loaded models may take, e.g. 8GiB (default: no limit)")
+    p.add_argument("--snapshot-memory", default=None, metavar="SIZE",
+                   help="memory for in-memory weight snapshots of ephemeral sampling clients, least "
+                        "recently used evicted beyond it (default 2GiB)")
     p.add_argument("--lazy", action="store_true",
                    help="check models and engine config without loading the weights at start "
                         "(big models: they load when a client first asks)")

@@ -18,6 +18,8 @@ API_KEY_ENV = "SKYRL_SDK_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 DEFAULT_SESSION_TIMEOUT_S = 300.0
 DEFAULT_MAX_NUM_SAMPLES = 256
+#: ``--snapshot-memory`` when not given: in-memory weight snapshots of ephemeral sampling sessions
+DEFAULT_SNAPSHOT_MEMORY = 2 * 1024**3
 #: the owner of everything when the server has one key (``--api-key``) or none
 DEFAULT_OWNER = "default"
 
@@ -109,6 +111,10 @@ class ServerConfig:
     max_lora_adapters: int | None = None
     #: bytes the loaded models may take (shared bases, adapters, own copies); None: no limit
     max_memory: int | None = attrs.field(default=None, converter=lambda v: parse_bytes(v))
+    #: bytes of in-memory weight snapshots (ephemeral sampling sessions) over all models; the
+    #: least recently used beyond it are evicted (docs/server.md)
+    snapshot_memory: int = attrs.field(default=DEFAULT_SNAPSHOT_MEMORY,
+                                       converter=lambda v: parse_bytes(v, "--snapshot-memory"))
     #: extra flags merged into the answer to the client's ``/client/config`` (e.g.
     #: ``{"fwdbwd_max_chunk_len": 256}``; see ``tinker.types.ClientConfigResponse``)
     client_config: dict[str, Any] = attrs.field(factory=dict)
@@ -117,7 +123,8 @@ class ServerConfig:
     def from_args(cls, args: Any) -> ServerConfig:
         """From ``skyrl-sdk serve``'s argparse namespace (host, port, model, engine,
         engine_config, state_dir, api_key, api_keys, session_timeout, max_seq_len,
-        max_num_samples, max_lora_adapters, max_memory). The API key falls back to $SKYRL_SDK_API_KEY."""
+        max_num_samples, max_lora_adapters, max_memory, snapshot_memory). The API key falls back to
+        $SKYRL_SDK_API_KEY."""
         api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
         keys_file = getattr(args, "api_keys", None)
         limits = {"session_timeout_s": getattr(args, "session_timeout", None),
@@ -131,6 +138,7 @@ class ServerConfig:
         return cls(
             api_keys=read_api_keys(keys_file) if keys_file else {},
             max_memory=getattr(args, "max_memory", None),
+            snapshot_memory=getattr(args, "snapshot_memory", None) or DEFAULT_SNAPSHOT_MEMORY,
             **{k: v for k, v in limits.items() if v is not None},
             models=getattr(args, "model", None),
             engine=getattr(args, "engine", None) or "local",

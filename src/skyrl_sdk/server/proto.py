@@ -191,7 +191,14 @@ def _group_by_layout(arrays: list[dict[str, np.ndarray]]) -> list[list[dict[str,
 
 
 # ---- sampling ---------------------------------------------------------------------------------
-def sample_output_to_proto(out: SampleOutput, last_n: int | None = None) -> bytes:
+#: an empty top-k cell on the wire (``tinker.types.topk_logprobs``: token 0, this logprob)
+TOPK_EMPTY_LOGPROB = -99999.0
+
+
+def sample_output_to_proto(out: SampleOutput, last_n: int | None = None, topk: int = 0) -> bytes:
+    """Our output as a protobuf ``SampleResponse``. ``last_n``: only the last n prompt
+    positions are scored (earlier ones read as not computed, in both prompt-logprob fields);
+    ``topk``: the top-k width asked for (the matrix's width when no row has pairs)."""
     msg = pb.SampleResponse()
     for seq in out.sequences:
         s = msg.sequences.add()
@@ -203,4 +210,23 @@ def sample_output_to_proto(out: SampleOutput, last_n: int | None = None) -> byte
         if last_n is not None:
             lps = [math.nan] * (len(lps) - last_n) + lps[len(lps) - last_n:]
         msg.prompt_logprobs = np.asarray(lps, dtype=np.float32).tobytes()
+    if out.topk_prompt_logprobs is not None:
+        _topk_to_proto(out.topk_prompt_logprobs, last_n, topk, msg.topk_prompt_logprobs)
     return msg.SerializeToString()
+
+
+def _topk_to_proto(rows: list[list[tuple[int, float]] | None], last_n: int | None, width: int, msg: Any) -> None:
+    """Rows of (token, logprob) pairs as Tinker's dense ``TopkLogprobs`` (n x k, row-major;
+    a position not computed, or a short row's tail, is the empty cell)."""
+    n, k = len(rows), max((len(r) for r in rows if r), default=width)
+    ids = np.zeros((n, k), dtype=np.int32)
+    lps = np.full((n, k), TOPK_EMPTY_LOGPROB, dtype=np.float32)
+    first = 0 if last_n is None else n - last_n
+    for i in range(first, n):
+        if rows[i]:
+            ids[i, : len(rows[i])] = [t for t, _ in rows[i]]
+            lps[i, : len(rows[i])] = [lp for _, lp in rows[i]]
+    msg.token_ids = ids.tobytes()
+    msg.logprobs = lps.tobytes()
+    msg.k = k
+    msg.length = n

@@ -32,6 +32,7 @@ from .futures import FutureRecord, FutureStore, Job, Result, Sequencer, Worker
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions
+from .snapshots import WeightsSnapshot
 from .store import SEGMENT_TO_KIND, Store, TinkerPath
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ class TrainingModel:
     error: str | None = None
     version: int = 0
     pinned: set = attrs.Factory(set)
-    snapshots: collections.OrderedDict[int, Path] = attrs.Factory(collections.OrderedDict)
+    #: pinned version -> its snapshot (in memory, or a scratch directory)
+    snapshots: collections.OrderedDict[int, WeightsSnapshot | Path] = attrs.Factory(collections.OrderedDict)
     dropped: set = attrs.Factory(set)
     #: why the model was released (None while it is live)
     closed: str | None = None
@@ -418,6 +420,7 @@ class Runtime:
                 model = self.models.get(row["label"])
                 row["model_id"] = row["label"] if model is not None and model.owner == owner else None
                 del row["label"], row["adapter"]
+        doc["snapshots"] = self.sampling.snapshots.stats()
         return doc
 
     # ---- shutdown ------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ used evicted past ``max_sampler_backends``.
 Weights versions: a training model's ``version`` grows with every ``optim_step`` and
 ``load_weights``. An ephemeral ``snapshot`` session pins the version it was created at and
 samples the live model while it is still at that version; before the weights change, a
-pinned version is exported once to a scratch HF directory that its sessions then sample
-from (the last ``max_ephemeral_snapshots`` per model are kept). ``inflight`` sessions
-always sample the live weights.
+pinned version is snapshotted once, in memory (:mod:`.snapshots`), and its sessions then
+sample a sampler built from that snapshot (the last ``max_ephemeral_snapshots`` per model
+are kept, within the ``snapshot_memory`` byte budget over all models). ``inflight``
+sessions always sample the live weights.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from . import proto
 from .config import ServerConfig
 from .futures import Job, Result, Worker
 from .served import RNG_LOCK, ServedModels
+from .snapshots import SnapshotCache, WeightsSnapshot, load_tensors, supports_memory_snapshots, take_tensors
 from .store import Store, TinkerPath
 from .wire import SampleSpec
 
@@ -74,6 +76,7 @@ class Sampling:
         self.sessions: dict[str, SamplingSession] = {}
         self._targets: collections.OrderedDict[tuple, SamplerTarget] = collections.OrderedDict()
         self._targets_lock = threading.Lock()
+        self.snapshots = SnapshotCache(config.snapshot_memory)
 
     # ---- sessions -------------------------------------------------------------------------------
     def create(self, owner: str, session_id: str | None, sid: str, model_path: Any, base_model: Any
@@ -115,11 +118,10 @@ class Sampling:
                                f"server restarts)")
         return s
 
-    @staticmethod
-    def drop_snapshots(model: TrainingModel) -> None:
-        """(the model's worker, on release) Delete its snapshot files; its sessions then fail."""
-        for d in model.snapshots.values():
-            shutil.rmtree(d, ignore_errors=True)
+    def drop_snapshots(self, model: TrainingModel) -> None:
+        """(the model's worker, on release) Drop its snapshots and their samplers; its sessions then fail."""
+        while model.snapshots:
+            self._drop_snapshot(model, *model.snapshots.popitem(last=False))
 
     # ---- running samples ------------------------------------------------------------------------
     def submit(self, session: SamplingSession, spec: SampleSpec, done: Callable[[Result], None]) -> None:
@@ -145,7 +147,7 @@ class Sampling:
                 raise InputError(f"sampling session {snapshot.sid}: its weights snapshot was dropped (only the last "
                                  f"{self.config.max_ephemeral_snapshots} per model are kept); create a new "
                                  f"sampling client")
-            target = self._snapshot_target(model, model.snapshots[v])
+            target = self._snapshot_target(model, model.snapshots[v], snapshot.sid)
             for j in jobs:
                 target.worker.put(self._sample_job(j.payload, j.done, target.get, target.key, None))
             return [None] * len(jobs)
@@ -157,8 +159,10 @@ class Sampling:
             backend = get_backend()
             with RNG_LOCK:
                 outs = backend.sample([j.payload.prompt for j in jobs], first.params, first.num_samples,
-                                      first.prompt_logprobs)
-            return [Result.proto(proto.sample_output_to_proto(o, j.payload.prompt_logprobs_last_n))
+                                      prompt_logprobs=first.prompt_logprobs,
+                                      topk_prompt_logprobs=first.topk_prompt_logprobs)
+            return [Result.proto(proto.sample_output_to_proto(o, j.payload.prompt_logprobs_last_n,
+                                                              j.payload.topk_prompt_logprobs))
                     for o, j in zip(outs, jobs, strict=True)]
 
         def run() -> Result | None:
@@ -167,70 +171,105 @@ class Sampling:
         key = None
         if spec.params.seed is None:
             key = (target_key, snapshot.version if snapshot else None, spec.params, spec.num_samples,
-                   spec.prompt_logprobs)
+                   spec.prompt_logprobs, spec.topk_prompt_logprobs)
         job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=spec)
         return job
 
     # ---- snapshots ------------------------------------------------------------------------------
     def before_weight_change(self, model: TrainingModel) -> None:
-        """(the model's worker) Export the current weights if an ephemeral session pins them."""
+        """(the model's worker) Snapshot the current weights if an ephemeral session pins them:
+        in memory, or on disk for an engine without memory snapshots or one too big for the budget."""
         v = model.version
         if v not in model.pinned or v in model.snapshots:
             return
-        directory = self.store.scratch_dir("snapshots", self.store.run_dirname(model.model_id), f"v{v}")
-        if self._shares_snapshot(model):  # the adapter's state: its sampler is an adapter on the shared base
-            model.backend.save_state(directory, overwrite=True)
+        tensors, nbytes = None, 0
+        if supports_memory_snapshots(model.backend):
+            tensors, nbytes = take_tensors(model.backend, self.snapshots.max_bytes)
+        if tensors is not None:
+            snap = WeightsSnapshot(model.model_id, v, nbytes, tensors)
+            model.snapshots[v] = snap
+            for old in self.snapshots.add(snap):  # evicted by the byte budget: their samplers go too
+                self._evict(("memory", *old.key))
         else:
-            model.backend.save_weights_for_sampler(directory, overwrite=True)
-        model.snapshots[v] = directory
+            directory = self.store.scratch_dir("snapshots", self.store.run_dirname(model.model_id), f"v{v}")
+            if self._shares_snapshot(model):  # the adapter's state: its sampler is an adapter on the shared base
+                model.backend.save_state(directory, overwrite=True)
+            else:
+                model.backend.save_weights_for_sampler(directory, overwrite=True)
+            model.snapshots[v] = directory
         model.pinned.discard(v)
         while len(model.snapshots) > self.config.max_ephemeral_snapshots:
-            old_v, old_dir = model.snapshots.popitem(last=False)
+            old_v, old = model.snapshots.popitem(last=False)
             model.dropped.add(old_v)
-            self._evict(("dir", str(old_dir)))
-            self._evict(("state", str(old_dir)))
-            shutil.rmtree(old_dir, ignore_errors=True)
+            self._drop_snapshot(model, old_v, old)
+
+    def _drop_snapshot(self, model: TrainingModel, version: int, snap: WeightsSnapshot | Path) -> None:
+        if isinstance(snap, WeightsSnapshot):
+            self.snapshots.remove(snap)
+            self._evict(("memory", model.model_id, version))
+            return
+        self._evict(("dir", str(snap)))
+        self._evict(("state", str(snap)))
+        shutil.rmtree(snap, ignore_errors=True)
 
     def _shares_snapshot(self, model: TrainingModel) -> bool:
         return model.lora is not None and self.served.shares(model.base_model)
 
-    def _snapshot_target(self, model: TrainingModel, directory: Path) -> SamplerTarget:
-        if self._shares_snapshot(model):
-            return self._target(("state", str(directory)), model.base_model, (directory, model.lora))
-        return self._target(("dir", str(directory)), str(directory), None)
+    def _snapshot_target(self, model: TrainingModel, snap: WeightsSnapshot | Path, sid: str) -> SamplerTarget:
+        shared = self._shares_snapshot(model)
+        if isinstance(snap, WeightsSnapshot):
+            self.snapshots.tensors(snap, sid)  # fails now if evicted; marks it used
+
+            def load():
+                backend = self.served.sampler_backend(model.base_model, model.lora, own_copy=not shared)
+                try:
+                    load_tensors(backend, self.snapshots.tensors(snap, sid))
+                except BaseException:
+                    backend.close()
+                    raise
+                return backend
+
+            return self._target(("memory", *snap.key), load)
+        if shared:
+            return self._target(("state", str(snap)), self._state_loader(model.base_model, snap, model.lora))
+        return self._target(("dir", str(snap)), self._state_loader(str(snap)))
 
     # ---- the sampler-backend cache --------------------------------------------------------------
     def _target_for(self, session: SamplingSession) -> SamplerTarget:
         if session.kind == "base":
-            return self._target(("base", session.base_model), session.base_model, None)
+            return self._target(("base", session.base_model), self._state_loader(session.base_model))
         tp = TinkerPath.parse(session.model_path)
         _, directory = self.store.resolve_checkpoint(session.model_path, session.owner)
         if tp.kind == "sampler":
-            return self._target(("dir", str(directory)), str(directory), None)
+            return self._target(("dir", str(directory)), self._state_loader(str(directory)))
         run = self.store.run(tp.run_id, session.owner)
-        return self._target(("state", str(directory)), session.base_model,
-                            (directory, lora_config_from_any(run["lora"]) if run else None))
+        lora = lora_config_from_any(run["lora"]) if run else None
+        return self._target(("state", str(directory)), self._state_loader(session.base_model, directory, lora))
 
-    def _target(self, key: tuple, model: str, state: tuple[Path, Any] | None) -> SamplerTarget:
+    def _state_loader(self, model: str, directory: Path | None = None, lora: Any = None) -> Callable[[], Any]:
+        """A sampler of ``model`` (a served model or an exported directory), with a training state
+        loaded from ``directory`` when given."""
+
+        def load():
+            if directory is None:
+                return self.served.sampler_backend(model)
+            backend = self.served.sampler_backend(model, lora, own_copy=lora is None)
+            try:
+                backend.load_state(directory, optimizer=False)
+            except BaseException:
+                backend.close()
+                raise
+            return backend
+
+        return load
+
+    def _target(self, key: tuple, load: Callable[[], Any]) -> SamplerTarget:
         """Get or create a sampler backend (safe from any thread: dict ops only)."""
         with self._targets_lock:
             target = self._targets.get(key)
             if target is not None:
                 self._targets.move_to_end(key)
                 return target
-
-            def load():
-                if state is None:
-                    return self.served.sampler_backend(model)
-                directory, lora = state
-                backend = self.served.sampler_backend(model, lora, own_copy=lora is None)
-                try:
-                    backend.load_state(directory, optimizer=False)
-                except BaseException:
-                    backend.close()
-                    raise
-                return backend
-
             target = SamplerTarget(key, Worker(f"sampler-{uuid.uuid4().hex[:8]}", self.config.max_sample_batch), load)
             self._targets[key] = target
             evict = list(self._targets)[: max(0, len(self._targets) - self.config.max_sampler_backends)]

@@ -30,8 +30,9 @@ from ..types import SamplingParams
 from .store import check_name, check_run_id, iso
 
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+#: widest ``topk_prompt_logprobs`` one sample request may ask for (Tinker's top-k width bound)
+MAX_TOPK_PROMPT_LOGPROBS = 20
 UNSUPPORTED_SAMPLE_FIELDS = {
-    "topk_prompt_logprobs": "top-k prompt logprobs",
     "topk_sample_logprobs": "top-k sample logprobs",
     "prompt_alt_tokens_k": "prompt_alt_tokens_k",
 }
@@ -162,6 +163,8 @@ class SampleSpec:
     num_samples: int
     prompt_logprobs: bool
     prompt_logprobs_last_n: int | None
+    #: per prompt position, this many most likely (token, logprob) pairs (0: none)
+    topk_prompt_logprobs: int = 0
 
     def check_length(self, limit: int | None) -> None:
         """The prompt plus ``max_tokens`` must fit the model's sequence limit."""
@@ -186,6 +189,11 @@ def parse_sample_request(body: Mapping[str, Any], max_num_samples: int) -> Sampl
     num_samples = body.get("num_samples", 1)
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= max_num_samples:
         raise InputError(f"num_samples: expected an integer in 1..{max_num_samples}, got {num_samples!r}")
+    topk = body.get("topk_prompt_logprobs")
+    topk = 0 if topk is None else topk
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= MAX_TOPK_PROMPT_LOGPROBS:
+        raise InputError(f"topk_prompt_logprobs: expected an integer in 0..{MAX_TOPK_PROMPT_LOGPROBS}, "
+                         f"got {topk!r}")
     params = sampling_params_from_json(body.get("sampling_params") or {})
     plp = flag(body, "prompt_logprobs")
     last_n = body.get("prompt_logprobs_last_n")
@@ -195,7 +203,7 @@ def parse_sample_request(body: Mapping[str, Any], max_num_samples: int) -> Sampl
         if not isinstance(last_n, int) or isinstance(last_n, bool) or not 1 <= last_n <= prompt.size - 1:
             raise InputError(f"prompt_logprobs_last_n: expected 1..{prompt.size - 1}, got {last_n!r}")
     return SampleSpec(prompt=prompt, params=params, num_samples=num_samples, prompt_logprobs=plp,
-                      prompt_logprobs_last_n=last_n)
+                      prompt_logprobs_last_n=last_n, topk_prompt_logprobs=topk)
 
 
 def sampling_params_from_json(obj: Mapping[str, Any]) -> SamplingParams:
