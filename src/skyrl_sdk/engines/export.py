@@ -48,11 +48,15 @@ def merged_lora_state_dict(peft_module, state: dict[str, torch.Tensor] | None = 
 
 def export_hf_directory(
     config, state: dict[str, torch.Tensor], tokenizer, directory: Path, max_shard_bytes: int,
-    architecture: str | None = None,
+    architecture: str | None = None, dtype: torch.dtype | None = None,
 ) -> None:
+    """Write ``state`` as a model directory; ``dtype`` (the engine's compute dtype) casts
+    every floating tensor, so a bf16-mixed run exports bf16 weights, not its fp32 masters."""
     from transformers import GenerationConfig
 
     state, _ = dedupe_shared(state)  # tied embeddings: keep the first name only
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     config = copy.deepcopy(config)
     if architecture:
         config.architectures = [architecture]

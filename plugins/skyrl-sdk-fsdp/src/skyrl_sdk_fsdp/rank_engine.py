@@ -74,8 +74,9 @@ class RankEngine:
             raise errors.InputError("engine_config['device']: CUDA ranks need a process group started with CUDA")
         self.device = torch.device("cuda", session.local_rank) if device_type == "cuda" else torch.device("cpu")
         lora_cfg = LoraConfig(**lora) if lora is not None else None
-        self.loaded = load_model(model, role=role, lora=lora_cfg, seed=seed, dtype=self.config.torch_dtype,
-                                 device=self.device)
+        # the sharded parameters are the masters (float32 unless master_dtype says otherwise)
+        self.loaded = load_model(model, role=role, lora=lora_cfg, seed=seed,
+                                 dtype=self.config.master_torch_dtype, device=self.device)
         module = self.loaded.module
         total, trainable = count_parameters(module)
         # names that alias an earlier tensor (tied embeddings), found before sharding
@@ -87,7 +88,11 @@ class RankEngine:
         self.mesh = init_device_mesh(self.device.type, (session.world_size,))
         scoring = ShardedScoringModel(module, role)
         scoring.chunk_elements = self.config.logprob_chunk_elements
-        loss_scale = parallelize(scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward)
+        loss_scale = parallelize(
+            scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward,
+            compute_dtype=self.config.torch_dtype if self.config.mixed_precision else None,
+            gradient_checkpointing=self.config.gradient_checkpointing,
+        )
         self.runner = ShardedRunner(
             scoring, group=self.mesh.get_group(), device=self.device,
             micro_batch_tokens=self.config.micro_batch_tokens, batching=self.config.batching,
@@ -256,7 +261,7 @@ class RankEngine:
         if self.rank == 0:
             export_hf_directory(
                 hf_model(module).config, state, self.loaded.tokenizer, directory, self.config.max_shard_bytes,
-                architecture=self.loaded.architecture,
+                architecture=self.loaded.architecture, dtype=self.config.torch_dtype,
             )
         return None
 
@@ -273,7 +278,7 @@ class RankEngine:
         tmp = Path(tempfile.mkdtemp(prefix="skyrl-fsdp-sampler-"))
         try:
             export_hf_directory(hf_model(self.loaded.module).config, state, None, tmp, self.config.max_shard_bytes,
-                                architecture=self.loaded.architecture)
+                                architecture=self.loaded.architecture, dtype=self.config.torch_dtype)
             del state
             model = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=self.config.torch_dtype)
         finally:
