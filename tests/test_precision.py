@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from skyrl_sdk.testing import assert_tensors_close, make_sft_data, torch_threads, weights_of
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
 from skyrl_sdk.logprobs import target_logprobs
+from skyrl_sdk.testing import assert_tensors_close, make_sft_data, torch_threads, weights_of
 
 MIXED = {"dtype": "bfloat16"}
 PURE_BF16 = {"dtype": "bfloat16", "master_dtype": "bfloat16"}
