@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("skyrl_sdk_fsdp")
 
-from fsdp_testutil import (  # noqa: E402
+from fsdp_testutil import (
     LENGTHS,
     ONE_PER_MICRO_BATCH,
     assert_arrays_close,
@@ -17,10 +17,10 @@ from fsdp_testutil import (  # noqa: E402
     make_sft_data,
     torch_threads,
 )
-from safetensors import safe_open  # noqa: E402
+from safetensors import safe_open
 
-import skyrl_sdk  # noqa: E402
-from skyrl_sdk import types  # noqa: E402
+import skyrl_sdk
+from skyrl_sdk import types
 
 pytestmark = pytest.mark.distributed
 
