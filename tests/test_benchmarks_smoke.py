@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "scaling"]
+BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "scaling",
+              "mixed_precision", "activation_checkpointing", "qwen_0p5b"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")
