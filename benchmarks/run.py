@@ -5,6 +5,7 @@
     python -m benchmarks.run --smoke --json  # seconds-long check that everything runs (CI)
     python -m benchmarks.run --only step_time,peak_memory
     python -m benchmarks.run --plot docs/performance_scaling.png
+    python -m benchmarks.run --only qwen_0p5b --device cuda   # the ~0.5B model on a GPU
 
 Progress goes to stderr; the tables or the JSON document to stdout. The exit status is 1
 when a benchmark raised (a benchmark whose component is missing reports "not available").
@@ -25,7 +26,20 @@ from pathlib import Path
 if __package__ in (None, ""):  # ``python benchmarks/run.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import fsdp, fsdp_loading, input_path, memory, sampling, scaling, server, step, tenancy  # noqa: E402
+from benchmarks import (  # noqa: E402
+    checkpointing,
+    fsdp,
+    fsdp_loading,
+    input_path,
+    memory,
+    precision,
+    qwen,
+    sampling,
+    scaling,
+    server,
+    step,
+    tenancy,
+)
 from benchmarks.common import MODEL_10M, MODEL_32K, MODEL_SMOKE, set_threads  # noqa: E402
 
 BENCHMARKS = {
@@ -38,6 +52,9 @@ BENCHMARKS = {
     scaling.NAME: scaling,
     sampling.NAME: sampling,
     tenancy.NAME: tenancy,
+    precision.NAME: precision,
+    checkpointing.NAME: checkpointing,
+    qwen.NAME: qwen,
 }
 
 
@@ -61,6 +78,7 @@ class Context:
         self.scaling_reps = 1 if self.smoke else (args.reps or 3)
         self.sampling_reps = 1 if self.smoke else (args.reps or 2)  # a full rep is ~1 min per side
         self.quiet = args.quiet
+        self.device = args.device
 
     def log(self, msg: str) -> None:
         if not self.quiet:
@@ -70,7 +88,7 @@ class Context:
         return {k: v for k, v in vars(self).items() if k not in ("workdir", "quiet")}
 
 
-def environment(threads: int) -> dict:
+def environment(threads: int, device: str = "cpu") -> dict:
     import torch
     import transformers
 
@@ -84,7 +102,8 @@ def environment(threads: int) -> dict:
         "transformers": transformers.__version__,
         "skyrl_sdk": skyrl_sdk.__version__,
         "torch_threads": threads,
-        "device": "cpu",
+        "device": device,
+        "cuda_device": torch.cuda.get_device_name() if device.startswith("cuda") else None,
     }
 
 
@@ -142,6 +161,10 @@ def targets(results: dict) -> list[dict]:
     elif r:
         rows.append({"benchmark": fsdp_loading.NAME, "metric": "fsdp loading", "target": fsdp_loading.TARGET,
                      "verdict": r.get("status")})
+    for module in (precision, checkpointing, qwen):  # these report their own rows
+        r = results.get(module.NAME, {})
+        if r.get("status") == "ok":
+            rows.extend(module.targets(r))
     return rows
 
 
@@ -160,7 +183,7 @@ def human(doc: dict) -> str:
     lines.append("|---|---|---|---|---|")
     for t in doc["targets"]:
         value = f"{t['median']:.3g} ({t['min']:.3g}-{t['max']:.3g})" if "median" in t else "-"
-        target = f"<= {t['target']}" if t.get("target") is not None else "-"
+        target = f"{t.get('target_op', '<=')} {t['target']}" if t.get("target") is not None else "-"
         lines.append(f"| {t['benchmark']} | {t['metric']} | {value} | {target} | {t['verdict']} |")
     if doc.get("plot"):
         lines.append(f"\nplot: {doc['plot']}")
@@ -176,6 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per comparison (default: per benchmark)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: min(2, cores))")
     p.add_argument("--engine-config", default=None, help="JSON engine_config for the SDK side (default: defaults)")
+    p.add_argument("--device", default="cpu",
+                   help="device of the qwen_0p5b benchmark: cpu or cuda (the others run on CPU)")
     p.add_argument("--plot", default=None, help="write the scaling plot (PNG) here")
     p.add_argument("--workdir", default=None, help="where model directories are created (default: a temp dir)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -195,8 +220,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="skyrl-bench-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         ctx = Context(args, workdir)
-        doc = {"suite": "skyrl-sdk benchmarks", "smoke": args.smoke, "environment": environment(args.threads),
-               "settings": ctx.settings(), "benchmarks": {}}
+        doc = {"suite": "skyrl-sdk benchmarks", "smoke": args.smoke,
+               "environment": environment(args.threads, args.device), "settings": ctx.settings(), "benchmarks": {}}
         t_start = time.perf_counter()
         for name in names:
             ctx.log(f"{name} ...")

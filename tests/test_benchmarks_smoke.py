@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 #: every benchmark registered in benchmarks/run.py must run in smoke mode
 BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "fsdp_loading", "scaling",
-              "sampling", "tenancy"]
+              "sampling", "tenancy", "mixed_precision", "activation_checkpointing", "qwen_0p5b"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")

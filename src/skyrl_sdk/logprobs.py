@@ -15,11 +15,16 @@ plain linear output layer (the usual case) a fused autograd function does it:
 
 Heads with logit scaling or soft-capping, LoRA-wrapped or hooked heads take the generic
 path (autograd through the head, chunks under activation checkpointing).
+
+Mixed precision: the head's matmul runs in the compute dtype (autocast's, or the bf16
+parameters FSDP2 gathers), as every other matmul; everything after it (log-softmax,
+logsumexp, gather, entropy and their gradients) is float32, and so are the returned
+log-probabilities.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +75,19 @@ class _Entropy(torch.autograd.Function):
     def backward(ctx, grad_entropy):
         logits, entropy = ctx.saved_tensors
         return _entropy_grad_(torch.softmax(logits.float(), dim=-1), entropy, grad_entropy.float()).to(logits.dtype)
+
+
+def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's when it is on (mixed precision), else
+    the operands'. The log-softmax, logsumexp, gather and entropy are float32 either way."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 def _plain_linear(head) -> torch.nn.Linear | None:
@@ -131,10 +149,12 @@ class _LinearLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, chunk: int, want_entropy: bool):
         num_tokens = hidden.shape[0]
         keep = num_tokens <= chunk  # one chunk: keep the probabilities, no recompute
+        ctx.compute_dtype = compute = matmul_dtype(hidden, weight)
+        w, b = _cast(weight, compute), _cast(bias, compute)
         lps, ents, lses, probs = [], [], [], None
         for start in range(0, num_tokens, chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
-            logits = F.linear(h, weight, bias).float()
+            logits = F.linear(_cast(h, compute), w, b).float()
             lp, ent, lse, probs = _logprobs_inplace(logits, t, want_entropy, keep)
             del logits
             lps.append(lp)
@@ -165,12 +185,15 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = grad_b = None
         chunk = ctx.chunk
+        compute = ctx.compute_dtype  # the forward's matmul dtype (autocast is off in backward)
+        w, b = _cast(weight, compute), _cast(bias, compute)
         for start in range(0, hidden.shape[0], chunk):
             h, t, g = hidden[start : start + chunk], targets[start : start + chunk], grad_lp[start : start + chunk]
+            h = _cast(h, compute)
             if ctx.keep:
                 probs = saved
             else:  # recompute this chunk's probabilities from the saved logsumexp
-                probs = F.linear(h, weight, bias).float()
+                probs = F.linear(h, w, b).float()
                 probs.sub_(saved[start : start + chunk].unsqueeze(-1)).exp_()
             if grad_entropy is not None:  # the entropy bonus: add its exact gradient
                 ent_part = _entropy_grad_(
@@ -181,17 +204,22 @@ class _LinearLogprobs(torch.autograd.Function):
                 dlogits.add_(ent_part)
                 del ent_part
             del probs
-            if dlogits.dtype != weight.dtype:
-                dlogits = dlogits.to(weight.dtype)
+            dlogits = _cast(dlogits, compute)
             if need_h:
-                torch.mm(dlogits, weight, out=grad_h[start : start + chunk])
+                if grad_h.dtype == compute:
+                    torch.mm(dlogits, w, out=grad_h[start : start + chunk])
+                else:
+                    grad_h[start : start + chunk] = dlogits @ w
+            # weight / bias gradients: summed over chunks in float32 (a bf16 sum would round)
             if need_w:
-                part = dlogits.t() @ h.to(weight.dtype)
-                grad_w = part if grad_w is None else grad_w.add_(part)
+                part = dlogits.t() @ h
+                grad_w = part.float() if grad_w is None else grad_w.add_(part)
             if need_b:
                 part = dlogits.sum(0)
-                grad_b = part if grad_b is None else grad_b.add_(part)
+                grad_b = part.float() if grad_b is None else grad_b.add_(part)
             del dlogits
+        grad_w = _cast(grad_w, weight.dtype)
+        grad_b = _cast(grad_b, None if bias is None else bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None
 
 
@@ -221,9 +249,11 @@ def target_logprobs(
             lp, ent = _LinearLogprobs.apply(hidden, proj.weight, proj.bias, targets, chunk, want_entropy)
             return lp, (ent if want_entropy else None)
         with torch.no_grad():
+            compute = matmul_dtype(hidden, proj.weight)
+            w, b = _cast(proj.weight, compute), _cast(proj.bias, compute)
             lps, ents = [], []
             for start in range(0, num_tokens, chunk):
-                logits = F.linear(hidden[start : start + chunk], proj.weight, proj.bias).float()
+                logits = F.linear(_cast(hidden[start : start + chunk], compute), w, b).float()
                 lp, ent, _, _ = _logprobs_inplace(logits, targets[start : start + chunk], want_entropy, False)
                 lps.append(lp)
                 ents.append(ent)

@@ -8,6 +8,7 @@ from ..checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, load_tenso
 from ..losses.resolve import ResolvedLoss
 from ..metrics import MetricAccumulator
 from ..models import LoadedModel, hf_model, load_model, load_tokenizer
+from .activation_checkpointing import enable_activation_checkpointing, transformer_blocks
 from .base import Engine, EngineInfo, EngineResult, scores_key
 from .config import EngineConfig
 from .export import export_hf_directory, full_state_dict, merged_lora_state_dict
@@ -22,6 +23,8 @@ __all__ = [
     # building blocks
     "LoadedModel", "load_model", "load_tokenizer", "hf_model", "ScoringModel", "ModelRunner",
     "MetricAccumulator", "count_parameters", "generate",
+    # memory: activation checkpointing per transformer block
+    "transformer_blocks", "enable_activation_checkpointing",
     # multi-process engines: calls as plain data
     "loss_to_plain", "loss_from_plain", "datums_to_plain", "datums_from_plain",
     # checkpoints and exports

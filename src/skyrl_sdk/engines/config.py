@@ -11,6 +11,9 @@ import torch
 from ..errors import InputError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Compute dtypes the engines run. float16 would need a dynamic loss scaler (its 5-bit
+#: exponent underflows small gradients); bfloat16 has float32's range and needs none.
+_COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 def _positive(instance, attribute, value):
@@ -18,12 +21,23 @@ def _positive(instance, attribute, value):
         raise InputError(f"engine_config[{attribute.name!r}]: expected a positive integer, got {value!r}")
 
 
+def _bool(instance, attribute, value):
+    if not isinstance(value, bool):
+        raise InputError(f"engine_config[{attribute.name!r}]: expected true or false, got {value!r}")
+
+
 @attrs.frozen
 class EngineConfig:
     """Options every built-in engine understands.
 
     - ``device``: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1", ...
-    - ``dtype``: parameter dtype, "float32" (default) or "bfloat16" (CUDA).
+    - ``dtype``: the *compute* dtype, "float32" (default) or "bfloat16" (matmuls in bf16;
+      master weights, gradients and AdamW moments stay float32: mixed precision).
+    - ``master_dtype``: dtype of the stored weights, gradients and AdamW moments:
+      "float32" (default) or, only with ``dtype="bfloat16"``, "bfloat16" (pure bf16: half
+      the memory, but updates smaller than a weight's bf16 spacing round away: lossy).
+    - ``gradient_checkpointing``: recompute each transformer block in backward instead of
+      keeping its activations (less memory, ~one more forward of compute).
     - ``micro_batch_tokens``: token budget of one micro-batch (padded tokens for buckets).
     - ``batching``: "bucket" (length-sorted, padded) or "pack" (one packed row).
     - ``logprob_chunk_elements``: tokens x vocab above which logprobs are chunked.
@@ -33,6 +47,8 @@ class EngineConfig:
 
     device: str = "auto"
     dtype: str = "float32"
+    master_dtype: str = "float32"
+    gradient_checkpointing: bool = attrs.field(default=False, validator=_bool)
     micro_batch_tokens: int = attrs.field(default=8192, validator=_positive)
     batching: str = "bucket"
     logprob_chunk_elements: int = attrs.field(default=2**27, validator=_positive)
@@ -41,14 +57,39 @@ class EngineConfig:
     extra: dict = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise InputError(f"engine_config['dtype']: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "float16":
+            raise InputError(
+                "engine_config['dtype']: 'float16' is not supported: it needs a dynamic loss scaler, "
+                "which the engines do not have; use 'bfloat16' (same speed, float32's range, no scaler)"
+            )
+        if self.dtype not in _COMPUTE_DTYPES:
+            raise InputError(f"engine_config['dtype']: expected one of {list(_COMPUTE_DTYPES)}, got {self.dtype!r}")
+        if self.master_dtype not in ("float32", "bfloat16"):
+            raise InputError(
+                f"engine_config['master_dtype']: expected 'float32' or 'bfloat16', got {self.master_dtype!r}"
+            )
+        if self.master_dtype == "bfloat16" and self.dtype != "bfloat16":
+            raise InputError(
+                "engine_config['master_dtype']: 'bfloat16' masters need dtype='bfloat16' "
+                f"(got dtype={self.dtype!r}): the compute dtype cannot be wider than the stored weights"
+            )
         if self.batching not in ("bucket", "pack"):
             raise InputError(f"engine_config['batching']: expected 'bucket' or 'pack', got {self.batching!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The compute dtype (what matmuls run in, what sampler weights are exported in)."""
         return _DTYPES[self.dtype]
+
+    @property
+    def master_torch_dtype(self) -> torch.dtype:
+        """The dtype of the stored parameters, gradients and AdamW moments."""
+        return _DTYPES[self.master_dtype]
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Compute in a narrower dtype than the masters (autocast / FSDP2 param_dtype)."""
+        return self.torch_dtype != self.master_torch_dtype
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

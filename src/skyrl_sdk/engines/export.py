@@ -169,9 +169,13 @@ def write_hf_config(config, tokenizer, directory: Path, dtype: torch.dtype | Non
 
 def export_hf_directory(
     config, state: dict[str, torch.Tensor], tokenizer, directory: Path, max_shard_bytes: int,
-    architecture: str | None = None,
+    architecture: str | None = None, dtype: torch.dtype | None = None,
 ) -> None:
+    """Write ``state`` as a model directory; ``dtype`` (the engine's compute dtype) casts
+    every floating tensor, so a bf16-mixed run exports bf16 weights, not its fp32 masters."""
     state, _ = dedupe_shared(state)  # tied embeddings: keep the first name only
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
     write_hf_config(config, None, directory, next(iter(dtypes)) if len(dtypes) == 1 else None, architecture)
     write_hf_weights(state, directory, max_shard_bytes)

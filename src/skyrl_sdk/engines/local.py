@@ -16,6 +16,7 @@ from ..hookspecs import hookimpl
 from ..losses.resolve import ResolvedLoss
 from ..models import LoadedModel, hf_model, load_model
 from ..types import AdamParams, Datum, LoraConfig, SampleOutput, SamplingParams
+from .activation_checkpointing import enable_activation_checkpointing
 from .base import EngineInfo, EngineResult
 from .config import EngineConfig
 from .export import export_hf_directory, full_state_dict, merged_lora_state_dict
@@ -38,9 +39,12 @@ class LocalEngine:
         if self.config.world_size != 1:
             raise InputError("engine_config['world_size']: the local engine runs 1 rank; use engine='fsdp'")
         self.device = self.config.torch_device()
+        # the parameters are the master weights (float32 unless master_dtype says otherwise)
         self.loaded: LoadedModel = load_model(
-            model, role=role, lora=lora, seed=seed, dtype=self.config.torch_dtype, device=self.device
+            model, role=role, lora=lora, seed=seed, dtype=self.config.master_torch_dtype, device=self.device
         )
+        if self.config.gradient_checkpointing:
+            enable_activation_checkpointing(self.loaded.module)
         scoring = ScoringModel(self.loaded.module, role)
         scoring.chunk_elements = self.config.logprob_chunk_elements
         self.runner = ModelRunner(
@@ -49,6 +53,7 @@ class LocalEngine:
             micro_batch_tokens=self.config.micro_batch_tokens,
             batching=self.config.batching,
             pad_id=self.loaded.pad_token_id,
+            autocast_dtype=self.config.torch_dtype if self.config.mixed_precision else None,
         )
         total, trainable = count_parameters(self.loaded.module)
         eos = self.loaded.eos_token_id
@@ -108,7 +113,7 @@ class LocalEngine:
         state = merged_lora_state_dict(module) if self.loaded.lora is not None else full_state_dict(module)
         export_hf_directory(
             hf_model(module).config, state, self.tokenizer, directory, self.config.max_shard_bytes,
-            architecture=self.loaded.architecture,
+            architecture=self.loaded.architecture, dtype=self.config.torch_dtype,
         )
 
     # ---- sampling ---------------------------------------------------------------------

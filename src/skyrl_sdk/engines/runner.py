@@ -5,6 +5,7 @@ The local engine uses it directly; the FSDP engine runs one per rank on a sharde
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -15,8 +16,8 @@ from tqdm.auto import tqdm
 
 from ..batching import make_micro_batches, pack_inputs
 from ..losses import LossInput
-from ..losses.run import run_loss
 from ..losses.resolve import ResolvedLoss
+from ..losses.run import run_loss
 from ..metrics import Metric, MetricAccumulator
 from ..types import AdamParams, Datum
 from .base import EngineResult, scores_key
@@ -41,6 +42,7 @@ class ModelRunner:
         batching: str = "bucket",
         pad_id: int = 0,
         loss_scale: float = 1.0,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.scoring = scoring
         self.device = device
@@ -49,6 +51,9 @@ class ModelRunner:
         self.pad_id = pad_id
         #: multiplies every backward (e.g. to undo a data-parallel mean reduction)
         self.loss_scale = loss_scale
+        #: mixed precision: the model's forward runs under ``torch.autocast`` in this dtype
+        #: while parameters, gradients and AdamW moments keep theirs (float32)
+        self.autocast_dtype = autocast_dtype
         self.optimizer: torch.optim.Optimizer | None = None
         self.step_count = 0
 
@@ -64,6 +69,17 @@ class ModelRunner:
             p.grad = None
 
     # ---- forward / backward -----------------------------------------------------------
+    def compute_precision(self) -> contextlib.AbstractContextManager:
+        """The context the model's forward runs in: autocast to the compute dtype, or nothing.
+
+        Only the forward is wrapped: autocast records its casts in the graph, so backward
+        runs in the same dtypes, and gradients land in the parameters' own dtype (float32).
+        Log-softmax, entropy and losses run in float32 whatever the compute dtype.
+        """
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
     def plan(self, data: Sequence[Datum]) -> list:
         """The micro-batches this runner will use for ``data``."""
         return make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)
@@ -105,13 +121,14 @@ class ModelRunner:
         targets = inputs.get("target_tokens")
         grad_ctx = torch.enable_grad() if backward else torch.no_grad()
         with grad_ctx:
-            scores, entropy = self.scoring(
-                mb.input_ids.to(dev),
-                None if mb.attention_mask is None else mb.attention_mask.to(dev),
-                None if mb.position_ids is None else mb.position_ids.to(dev),
-                mb.flat_index.to(dev),
-                targets,
-            )
+            with self.compute_precision():
+                scores, entropy = self.scoring(
+                    mb.input_ids.to(dev),
+                    None if mb.attention_mask is None else mb.attention_mask.to(dev),
+                    None if mb.position_ids is None else mb.position_ids.to(dev),
+                    mb.flat_index.to(dev),
+                    targets,
+                )
             kwargs = dict(
                 inputs=inputs,
                 segment_ids=mb.segment_ids.to(dev),

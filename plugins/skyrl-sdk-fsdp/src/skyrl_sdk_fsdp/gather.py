@@ -111,14 +111,22 @@ class StreamingGather:
                 weight = merge_lora_delta(layer, weight, lora_a, lora_b)
             yield weight
 
-    def export_hf(self, directory: Path | None, tokenizer, max_shard_bytes: int) -> None:
-        """An HF directory (LoRA merged) written by rank 0, one gathered tensor at a time."""
+    def export_hf(self, directory: Path | None, tokenizer, max_shard_bytes: int,
+                  dtype: torch.dtype | None = None) -> None:
+        """An HF directory (LoRA merged) written by rank 0, one gathered tensor at a time;
+        ``dtype`` (the compute dtype of a mixed-precision run) casts the floating tensors."""
         items = self._merged_items()
         tensors = self._merged_tensors(items)
         if self.rank != 0:
             self._drain(tensors)
             return
-        plan = [(name, tuple(t.shape), t.dtype) for name, t, _ in items]
+
+        def cast(t: torch.dtype) -> torch.dtype:
+            return dtype if dtype is not None and t.is_floating_point else t
+
+        plan = [(name, tuple(t.shape), cast(t.dtype)) for name, t, _ in items]
+        if dtype is not None:
+            tensors = (t.to(dtype) if t.is_floating_point() else t for t in tensors)
         dtypes = {d for _, _, d in plan if d.is_floating_point}
         write_hf_config(hf_model(self.loaded.module).config, tokenizer, directory,
                         next(iter(dtypes)) if len(dtypes) == 1 else None, self.loaded.architecture)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from skyrl_sdk.engines import ScoringModel, hf_model
+from skyrl_sdk.engines import ScoringModel, enable_activation_checkpointing, transformer_blocks
 
 
 class ShardedScoringModel(ScoringModel):
@@ -23,30 +23,27 @@ class ShardedScoringModel(ScoringModel):
         return scores, entropy
 
 
-def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of an HF model (its ``_no_split_modules`` classes)."""
-    inner = hf_model(module)
-    names = set(getattr(inner, "_no_split_modules", None) or ())
-    blocks = [m for m in module.modules() if type(m).__name__ in names]
-    if blocks:
-        return blocks
-    for m in module.modules():  # fallback: the longest ModuleList is the block stack
-        if isinstance(m, torch.nn.ModuleList) and len(m) > len(blocks):
-            blocks = list(m)
-    return blocks
-
-
-def parallelize(scoring: ShardedScoringModel, mesh, *, reshard_after_forward: bool = True) -> int:
+def parallelize(
+    scoring: ShardedScoringModel, mesh, *, reshard_after_forward: bool = True,
+    compute_dtype: torch.dtype | None = None, gradient_checkpointing: bool = False,
+) -> int:
     """``fully_shard`` every transformer block, then the root; gradients reduce by SUM.
 
+    ``compute_dtype`` (when narrower than the parameters) turns on FSDP2 mixed precision;
+    ``gradient_checkpointing`` checkpoints every block first (before ``fully_shard``).
     Returns the loss scale the runner must apply (1, or world size on a torch without
     ``set_force_sum_reduction_for_comms``, whose reduce-scatter averages).
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if gradient_checkpointing:
+        enable_activation_checkpointing(scoring.model)
+    policy = MixedPrecisionPolicy()
+    if compute_dtype is not None:
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in transformer_blocks(scoring.model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(scoring, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(scoring, mesh=mesh, mp_policy=policy)
     loss_scale = 1
     for m in scoring.modules():
         if not isinstance(m, FSDPModule):

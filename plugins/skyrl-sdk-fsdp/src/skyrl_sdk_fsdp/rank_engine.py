@@ -68,8 +68,9 @@ class RankEngine:
         self.mesh = init_device_mesh(self.device.type, (session.world_size,))
         # meta device on every rank (rank 0 alone builds the full model when the weights
         # cannot be read slice by slice): no rank holds a full copy while sharding
+        # the sharded parameters are the masters (float32 unless master_dtype says otherwise)
         self.loaded, source = load_rank_model(model=model, role=role, lora=lora_cfg, seed=seed,
-                                              dtype=self.config.torch_dtype, rank=self.rank,
+                                              dtype=self.config.master_torch_dtype, rank=self.rank,
                                               group=self.mesh.get_group())
         module = self.loaded.module
         total, trainable = count_parameters(module)
@@ -82,7 +83,11 @@ class RankEngine:
         full = dict(hf_model(module).state_dict()) if source == "rank0" and self.rank == 0 else {}
         scoring = ShardedScoringModel(module, role)
         scoring.chunk_elements = self.config.logprob_chunk_elements
-        loss_scale = parallelize(scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward)
+        loss_scale = parallelize(
+            scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward,
+            compute_dtype=self.config.torch_dtype if self.config.mixed_precision else None,
+            gradient_checkpointing=self.config.gradient_checkpointing,
+        )
         materialize(self.loaded, source, self.device, full)
         del full
         self.weights_source = source
@@ -237,7 +242,8 @@ class RankEngine:
         if self.loaded.lora is not None and not merge_lora:
             self.gather.save_adapter(directory)
             return None
-        self.gather.export_hf(directory, self.loaded.tokenizer, self.config.max_shard_bytes)
+        self.gather.export_hf(directory, self.loaded.tokenizer, self.config.max_shard_bytes,
+                              dtype=self.config.torch_dtype)
         return None
 
     def _sampler_model(self):
@@ -247,7 +253,8 @@ class RankEngine:
         self._sampler = None
         tmp = Path(tempfile.mkdtemp(prefix="skyrl-fsdp-sampler-")) if self.rank == 0 else None
         try:
-            self.gather.export_hf(tmp, None, self.config.max_shard_bytes)  # collective: every rank
+            self.gather.export_hf(tmp, None, self.config.max_shard_bytes,  # collective: every rank
+                                  dtype=self.config.torch_dtype)
             if self.rank != 0:
                 return None
             from transformers import AutoModelForCausalLM
