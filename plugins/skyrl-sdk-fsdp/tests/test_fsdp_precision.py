@@ -8,15 +8,8 @@ import pytest
 
 pytest.importorskip("skyrl_sdk_fsdp")
 
-from fsdp_testutil import (
-    LENGTHS,
-    ONE_PER_MICRO_BATCH,
-    assert_arrays_close,
-    assert_outputs_close,
-    local_grads,
-    make_sft_data,
-    torch_threads,
-)
+from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH  # noqa: E402
+from skyrl_sdk.testing import assert_outputs_close, assert_tensors_close, grads_of, make_sft_data, torch_threads  # noqa: E402
 from safetensors import safe_open
 
 import skyrl_sdk
@@ -78,4 +71,4 @@ def test_gradient_checkpointing_gives_the_local_gradients():
         out_f = fsdp.forward_backward(data, "cross_entropy")
         out_l = local.forward_backward(data, "cross_entropy")
         assert_outputs_close(out_f, out_l, atol=1e-5)
-        assert_arrays_close(fsdp.engine.gradients(), local_grads(local), atol=1e-6, rtol=1e-6, what="grad")
+        assert_tensors_close(fsdp.engine.gradients(), grads_of(local), atol=1e-6, rtol=1e-6, what="grad")
