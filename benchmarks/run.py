@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # ``python benchmarks/run.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import fsdp, input_path, memory, sampling, scaling, server, step  # noqa: E402
+from benchmarks import fsdp, grpo, input_path, memory, sampling, scaling, server, step  # noqa: E402
 from benchmarks.common import MODEL_10M, MODEL_32K, MODEL_SMOKE, set_threads  # noqa: E402
 
 BENCHMARKS = {
@@ -36,6 +36,7 @@ BENCHMARKS = {
     fsdp.NAME: fsdp,
     scaling.NAME: scaling,
     sampling.NAME: sampling,
+    grpo.NAME: grpo,
 }
 
 
@@ -125,6 +126,11 @@ def targets(results: dict) -> list[dict]:
         g = r["sdk_peak_growth_gib"]
         add(sampling.NAME, "SDK sampler peak RSS growth (GiB)", {"median": g, "min": g, "max": g},
             r["target_peak_gib"], r["verdict_memory"])
+    r = results.get(grpo.NAME, {})
+    for side in ("backend", "server") if r.get("status") == "ok" else ():
+        v = r["sides"][side]["ratio_to_trl"]
+        add(grpo.NAME, f"RL step-time ratio ({side} / TRL GRPOTrainer)", {"median": v, "min": v, "max": v},
+            r["target"], r["sides"][side]["verdict"])
     return rows
 
 
