@@ -30,6 +30,7 @@ from benchmarks import (  # noqa: E402
     checkpointing,
     fsdp,
     fsdp_loading,
+    grpo,
     input_path,
     memory,
     precision,
@@ -55,6 +56,7 @@ BENCHMARKS = {
     precision.NAME: precision,
     checkpointing.NAME: checkpointing,
     qwen.NAME: qwen,
+    grpo.NAME: grpo,
 }
 
 
@@ -165,6 +167,11 @@ def targets(results: dict) -> list[dict]:
         r = results.get(module.NAME, {})
         if r.get("status") == "ok":
             rows.extend(module.targets(r))
+    r = results.get(grpo.NAME, {})
+    for side in ("backend", "server") if r.get("status") == "ok" else ():
+        v = r["sides"][side]["ratio_to_trl"]
+        add(grpo.NAME, f"RL step-time ratio ({side} / TRL GRPOTrainer)", {"median": v, "min": v, "max": v},
+            r["target"], r["sides"][side]["verdict"])
     return rows
 
 

@@ -39,10 +39,10 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, state_dir: str, threads: int) -> None:
+    def __init__(self, state_dir: str, threads: int, model: str = "tiny") -> None:
         self.port = _free_port()
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TINKER_TELEMETRY": "0"}
-        cmd = [sys.executable, "-m", "skyrl_sdk.cli", "serve", "--model", "tiny", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "skyrl_sdk.cli", "serve", "--model", model, "--port", str(self.port),
                "--state-dir", state_dir, "--api-key", API_KEY]
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)

@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 #: every benchmark registered in benchmarks/run.py must run in smoke mode
 BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "fsdp_loading", "scaling",
-              "sampling", "tenancy", "mixed_precision", "activation_checkpointing", "qwen_0p5b"]
+              "sampling", "tenancy", "mixed_precision", "activation_checkpointing", "qwen_0p5b", "grpo"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")
@@ -59,5 +59,31 @@ def test_smoke_mode_emits_valid_json(tmp_path):
     assert ("input_path", "input path / step time") in metrics
     assert ("sampling", "time ratio (SDK sampler / plain generate)") in metrics
     assert {"server_round_trip", "fsdp"} <= {t["benchmark"] for t in doc["targets"]}
+    if doc["benchmarks"]["grpo"]["status"] == "ok":
+        assert ("grpo", "RL step-time ratio (backend / TRL GRPOTrainer)") in metrics
     for t in doc["targets"]:
         assert {"benchmark", "metric", "target", "verdict"} <= set(t)
+
+
+def test_grpo_smoke_runs_every_side_and_plots(tmp_path):
+    """The GRPO benchmark on its own: three sides, the same steps and samples, a plot."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("trl")
+    plot = tmp_path / "grpo.png"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.grpo", "--smoke", "--steps", "3", "--quiet",
+                           "--plot", str(plot)], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert result["status"] == "ok" and result["settings"]["steps"] == 3
+    assert set(result["sides"]) == {"trl", "backend", "server"}
+    for name, side in result["sides"].items():
+        assert len(side["reward"]) == 3, name  # one mean reward per step, on every side
+        assert all(-10 < r <= 1.0 for r in side["reward"]), name  # the reward's range for 4-token answers
+        assert side["step_s"]["n"] == 2 and side["step_s"]["median"] > 0, name  # the first step is warm-up
+        assert side["total_s"] >= sum(side["step_s"]["values"]), name
+    for name in ("backend", "server"):
+        side, trl = result["sides"][name], result["sides"]["trl"]
+        assert side["ratio_to_trl"] == pytest.approx(side["step_s"]["median"] / trl["step_s"]["median"])
+        assert side["verdict"] == ("met" if side["ratio_to_trl"] <= 0.5 else "NOT met")
+    assert result["plot"] == str(plot) and plot.stat().st_size > 1000
