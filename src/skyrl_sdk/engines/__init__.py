@@ -11,7 +11,18 @@ from ..models import LoadedModel, hf_model, load_model, load_tokenizer
 from .activation_checkpointing import enable_activation_checkpointing, transformer_blocks
 from .base import Engine, EngineInfo, EngineResult, scores_key
 from .config import EngineConfig
-from .export import export_hf_directory, full_state_dict, merged_lora_state_dict
+from ..models import TINY_NAME
+from ..weight_files import read_rows, tensor_shapes, weight_files
+from .export import (
+    TensorPlan,
+    export_hf_directory,
+    full_state_dict,
+    merge_lora_delta,
+    merged_lora_state_dict,
+    write_hf_config,
+    write_hf_weights_stream,
+    write_tensor_stream,
+)
 from .modules import ScoringModel, count_parameters
 from .plain import datums_from_plain, datums_to_plain, loss_from_plain, loss_to_plain
 from .runner import ModelRunner
@@ -31,6 +42,9 @@ __all__ = [
     "WEIGHTS_FILE", "OPTIMIZER_FILE", "save_tensors", "load_tensors", "dedupe_shared",
     "StateLayout", "TensorSpec", "CheckedState", "check_state_files", "check_engine_metadata",
     "export_hf_directory", "full_state_dict", "merged_lora_state_dict",
+    # streaming (one tensor at a time) exports and sliced loading, for sharded engines
+    "TensorPlan", "merge_lora_delta", "write_hf_config", "write_hf_weights_stream", "write_tensor_stream",
+    "TINY_NAME", "weight_files", "read_rows", "tensor_shapes",
 ]
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from skyrl_sdk.engines import hf_model
-from skyrl_sdk.engines.export import (
+from skyrl_sdk.engines import (
     TensorPlan,
+    hf_model,
     merge_lora_delta,
     write_hf_config,
     write_hf_weights_stream,
