@@ -81,7 +81,7 @@ def test_registered_through_the_entry_point_and_not_imported_by_the_core():
     assert not [f for f in core.rglob("*.py") if "skyrl_sdk_fsdp" in f.read_text()]
 
 
-PUBLIC_CORE_MODULES = {"skyrl_sdk", "skyrl_sdk.engines", "skyrl_sdk.types", "skyrl_sdk.errors"}
+PUBLIC_CORE_MODULES = {"skyrl_sdk", "skyrl_sdk.engines", "skyrl_sdk.types", "skyrl_sdk.errors", "skyrl_sdk.checks"}
 
 
 def _core_imports(file: Path):

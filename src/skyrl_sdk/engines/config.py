@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import torch
 
+from ..checks import check_number
 from ..errors import InputError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -17,8 +18,7 @@ _COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 def _positive(instance, attribute, value):
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InputError(f"engine_config[{attribute.name!r}]: expected a positive integer, got {value!r}")
+    check_number(f"engine_config[{attribute.name!r}]", value, low=1, integer=True)
 
 
 def _bool(instance, attribute, value):

@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from skyrl_sdk.checks import check_number
 from skyrl_sdk.errors import InputError
 
 #: Engine-specific keys (passed to ``EngineConfig.from_mapping(extra_keys=...)``).
@@ -27,11 +28,10 @@ SHARDED_DIR = "sharded"
 
 
 def _number(name: str, value: Any, *, allow_none: bool = False) -> float | None:
+    """A positive finite number of seconds (the SDK's one number rule)."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InputError(f"engine_config[{name!r}]: expected a positive number of seconds, got {value!r}")
-    return float(value)
+    return check_number(f"engine_config[{name!r}] (seconds)", value, low=0.0, low_open=True)
 
 
 @attrs.frozen
@@ -73,8 +73,8 @@ class FSDPOptions:
         if not isinstance(reshard, bool):
             raise InputError(f"engine_config['reshard_after_forward']: expected a bool, got {reshard!r}")
         threads = extra.get("threads_per_rank")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise InputError(f"engine_config['threads_per_rank']: expected a positive integer, got {threads!r}")
+        if threads is not None:
+            check_number("engine_config['threads_per_rank']", threads, low=1, integer=True)
         return cls(
             launcher=launcher,
             timeout_s=_number("timeout_s", extra.get("timeout_s", 1800.0)),
