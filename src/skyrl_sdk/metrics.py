@@ -66,10 +66,6 @@ def metric_min(x: torch.Tensor, mask: torch.Tensor | None = None) -> Metric:
     return Metric(_f(x.min()) if x.numel() else math.inf, float(x.numel()))
 
 
-# TODO(lead): remove these old names once every caller uses the metric_* names.
-total, mean, maximum, minimum = metric_sum, metric_mean, metric_max, metric_min
-
-
 class MetricAccumulator:
     """Combines metric contributions from micro-batches, calls or ranks."""
 
