@@ -12,8 +12,9 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -61,7 +62,7 @@ def summary(values: Sequence[float]) -> dict[str, Any]:
 
 def ratio_summary(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
     """Per-repetition ratios a_i / b_i (each pair measured back to back)."""
-    return summary([x / y for x, y in zip(a, b)])
+    return summary([x / y for x, y in zip(a, b, strict=True)])
 
 
 def fmt_range(s: Mapping[str, Any], digits: int = 3, unit: str = "") -> str:

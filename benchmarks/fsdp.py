@@ -9,8 +9,15 @@ ranks share the cores and add collectives, so FSDP is expected to be slower ther
 from __future__ import annotations
 
 from .common import (
-    SdkSide, alternate, check_verdict, make_model_dir, make_sft_rows, num_parameters, ratio_summary,
-    rows_to_datums, summary,
+    SdkSide,
+    alternate,
+    check_verdict,
+    make_model_dir,
+    make_sft_rows,
+    num_parameters,
+    ratio_summary,
+    rows_to_datums,
+    summary,
 )
 
 NAME = "fsdp"

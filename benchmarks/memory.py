@@ -46,7 +46,7 @@ def run(ctx) -> dict:
             for side in (["sdk", "hand"] if rep % 2 == 0 else ["hand", "sdk"]):
                 samples[side].extend(_worker(ctx, [side], model_dir, batch, seq))
     mib = {side: [s["peak_delta_bytes"] / 2**20 for s in samples[side]] for side in samples}
-    ratios = [a / b for a, b in zip(mib["sdk"], mib["hand"])]
+    ratios = [a / b for a, b in zip(mib["sdk"], mib["hand"], strict=True)]
     ratio = summary(ratios)
     ctx.log(f"{NAME}: ratio {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})")
     logits_mib = batch * seq * spec["vocab"] * 4 / 2**20

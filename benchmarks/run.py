@@ -26,7 +26,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # ``python benchmarks/run.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import (  # noqa: E402
+from benchmarks import (
     checkpointing,
     fsdp,
     fsdp_loading,
@@ -41,7 +41,7 @@ from benchmarks import (  # noqa: E402
     step,
     tenancy,
 )
-from benchmarks.common import MODEL_10M, MODEL_32K, MODEL_SMOKE, set_threads  # noqa: E402
+from benchmarks.common import MODEL_10M, MODEL_32K, MODEL_SMOKE, set_threads
 
 BENCHMARKS = {
     step.NAME: step,

@@ -64,7 +64,7 @@ def plot(result: dict, path) -> str:
     ax.plot(x, ideal, "--", color="grey", label="linear in tokens")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
-    ax.set_xlabel("tokens per step (seq len %d)" % result["tokens"][0]["seq_len"])
+    ax.set_xlabel(f"tokens per step (seq len {result['tokens'][0]['seq_len']})")
     ax.set_ylabel("seconds per step (fwd+bwd+AdamW)")
     ax.set_title("step time vs tokens")
     ax.legend()
@@ -73,7 +73,7 @@ def plot(result: dict, path) -> str:
     y = [r["tokens_per_s"] for r in result["seq_len"]]
     ax.plot(x, y, marker="o")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length (%d tokens per step)" % result["seq_len"][0]["tokens"])
+    ax.set_xlabel(f"sequence length ({result['seq_len'][0]['tokens']} tokens per step)")
     ax.set_ylabel("tokens / s")
     ax.set_ylim(bottom=0)
     ax.set_title("throughput vs sequence length")

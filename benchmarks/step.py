@@ -5,8 +5,16 @@ from __future__ import annotations
 import numpy as np
 
 from .common import (
-    HandLoop, SdkSide, alternate, check_verdict, make_model_dir, make_sft_rows, num_parameters,
-    ratio_summary, rows_to_datums, summary,
+    HandLoop,
+    SdkSide,
+    alternate,
+    check_verdict,
+    make_model_dir,
+    make_sft_rows,
+    num_parameters,
+    ratio_summary,
+    rows_to_datums,
+    summary,
 )
 
 NAME = "step_time"
@@ -35,7 +43,7 @@ def run(ctx) -> dict:
             rows = make_sft_rows(lengths, spec["vocab"], seed=7)
             datums = rows_to_datums(rows)
             times, cpu = alternate(
-                {"sdk": lambda: sdk.step(datums), "hand": lambda: hand.step(rows)},
+                {"sdk": lambda datums=datums: sdk.step(datums), "hand": lambda rows=rows: hand.step(rows)},
                 reps=ctx.reps, warmup=ctx.warmup,
             )
             ratio = ratio_summary(times["sdk"], times["hand"])

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import skyrl_sdk
-
 from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data
 
 
@@ -29,7 +28,7 @@ def test_rl_loss_gradients_do_not_depend_on_micro_batching(loss_fn, config, dial
             assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-5), key
         assert a.metrics["loss:sum"] != 0.0
         assert_tensors_close(grads_of(split), grads_of(whole), atol=2e-5, rtol=1e-4)
-        for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs):
+        for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs, strict=True):
             np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=2e-5)
 
 

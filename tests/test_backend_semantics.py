@@ -9,7 +9,6 @@ import torch
 import skyrl_sdk
 from skyrl_sdk import errors, types
 from skyrl_sdk.models import load_model
-
 from skyrl_sdk.testing import assert_tensors_close, grads_of, weights_of
 
 
@@ -30,9 +29,9 @@ def test_logprobs_match_hf_forward_with_unshifted_targets(sft_data):
     with skyrl_sdk.Backend(model="tiny", seed=0) as backend:
         out = backend.forward(sft_data, "cross_entropy")
     ref = hf_reference_logprobs(sft_data)
-    for got, want in zip(out.loss_fn_outputs, ref):
+    for got, want in zip(out.loss_fn_outputs, ref, strict=True):
         np.testing.assert_allclose(got["logprobs"].to_numpy(), want.numpy(), atol=2e-5)
-    expected_loss = -sum(float((torch.from_numpy(d.loss_fn_inputs["weights"].array) * r).sum()) for d, r in zip(sft_data, ref))
+    expected_loss = -sum(float((torch.from_numpy(d.loss_fn_inputs["weights"].array) * r).sum()) for d, r in zip(sft_data, ref, strict=True))
     assert out.metrics["loss:sum"] == pytest.approx(expected_loss, rel=1e-5)
     assert out.metrics["num_tokens:sum"] == sum(d.model_input.length for d in sft_data)
     assert out.loss_fn_output_type == "ArrayRecord"
@@ -61,7 +60,7 @@ def test_invariant_to_micro_batching_and_packing(sft_data, config):
         out_ref = ref.forward_backward(sft_data)
         out = other.forward_backward(sft_data)
         assert out.metrics["loss:sum"] == pytest.approx(out_ref.metrics["loss:sum"], rel=1e-5)
-        for x, y in zip(out.loss_fn_outputs, out_ref.loss_fn_outputs):
+        for x, y in zip(out.loss_fn_outputs, out_ref.loss_fn_outputs, strict=True):
             np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=2e-5)
         assert_tensors_close(grads_of(other), grads_of(ref), atol=2e-5, rtol=1e-4)
         ref.optim_step(types.AdamParams(learning_rate=1e-3))
@@ -74,7 +73,7 @@ def test_packed_rows_do_not_attend_across_sequences(sft_data):
     with skyrl_sdk.Backend(seed=0, engine_config={"batching": "pack", "micro_batch_tokens": 100000}) as packed:
         out = packed.forward(sft_data)
     ref = hf_reference_logprobs(sft_data)
-    for got, want in zip(out.loss_fn_outputs, ref):
+    for got, want in zip(out.loss_fn_outputs, ref, strict=True):
         np.testing.assert_allclose(got["logprobs"].to_numpy(), want.numpy(), atol=2e-5)
 
 
@@ -185,7 +184,7 @@ def test_chunked_logprobs_equal_unchunked(sft_data):
     with skyrl_sdk.Backend(seed=0) as full, skyrl_sdk.Backend(seed=0, engine_config={"logprob_chunk_elements": 320 * 5}) as chunked:
         a = full.forward_backward(sft_data)
         b = chunked.forward_backward(sft_data)
-        for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs):
+        for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs, strict=True):
             np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-6)
         assert a.metrics["entropy_loss:sum"] == pytest.approx(b.metrics["entropy_loss:sum"], rel=1e-6)
         assert_tensors_close(grads_of(full), grads_of(chunked), atol=5e-6, rtol=1e-5)

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from skyrl_sdk.testing import assert_tensors_close, make_sft_data, weights_of
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
+from skyrl_sdk.testing import assert_tensors_close, make_sft_data, weights_of
 
 ADAM = types.AdamParams(learning_rate=5e-3, beta1=0.85, beta2=0.98, weight_decay=0.01, grad_clip_norm=1.0)
 

@@ -11,11 +11,11 @@ import shutil
 
 import pytest
 import torch
-from skyrl_sdk.testing import make_sft_data
 from safetensors.torch import load_file, save_file
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
+from skyrl_sdk.testing import make_sft_data
 
 ADAM = types.AdamParams(learning_rate=5e-3, weight_decay=0.01, grad_clip_norm=1.0)
 HEAD = "lm_head.weight"

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 import torch
-from skyrl_sdk.testing import make_sft_data
 from safetensors.torch import load_file
 
 import skyrl_sdk
 from skyrl_sdk import checkpoint, errors, types
+from skyrl_sdk.testing import make_sft_data
 
 ADAM = types.AdamParams(learning_rate=5e-3)
 

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
@@ -15,6 +14,7 @@ from skyrl_sdk.logprobs import target_logprobs
 from skyrl_sdk.losses import evaluate_loss
 from skyrl_sdk.losses.regularizers import kl_estimate
 from skyrl_sdk.models import load_model
+from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data
 
 LP = np.array([-0.3, -2.0, -0.01, -5.0, -1.0, -30.0, -0.5], dtype=np.float64)
 REF = np.array([-0.5, -1.0, -0.02, -1.0, -1.0, -0.1, -28.0], dtype=np.float64)

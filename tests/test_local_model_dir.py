@@ -9,7 +9,6 @@ import torch
 import skyrl_sdk
 from skyrl_sdk import types
 from skyrl_sdk.models import TINY_DIR, load_tokenizer, tiny_config
-
 from skyrl_sdk.testing import assert_tensors_close, make_sft_data, weights_of
 
 
@@ -47,7 +46,7 @@ def test_tied_model_trains_saves_exports_and_resumes(tied_model_dir, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert exported.get_input_embeddings().weight is exported.get_output_embeddings().weight
     with torch.no_grad():
-        for d, w in zip(data, want):
+        for d, w in zip(data, want, strict=True):
             logits = exported(input_ids=torch.from_numpy(d.model_input.to_numpy()).unsqueeze(0)).logits[0]
             lp = torch.log_softmax(logits.float(), -1).gather(
                 1, torch.from_numpy(d.loss_fn_inputs["target_tokens"].array).unsqueeze(1)).squeeze(1)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data, make_sft_data
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
 from skyrl_sdk.models import load_model
+from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data, make_sft_data
 
 REDUCTIONS = ["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 MAX_SEQ_LEN = 32

@@ -635,7 +635,7 @@ SEGMENT_LENGTHS = (11, 17, 14)
 def packed_data(seed, *, weights: bool, offsets=(-0.4, 0.0, 0.4)):
     """Three datums of different lengths (and different sequence ratios), concatenated."""
     parts = [make_data(seed * 10 + i, weights=weights, n=n, offset=o)
-             for i, (n, o) in enumerate(zip(SEGMENT_LENGTHS, offsets))]
+             for i, (n, o) in enumerate(zip(SEGMENT_LENGTHS, offsets, strict=True))]
     for _, inp in parts:
         inp["advantages"][:3] = 0.0
         inp["logprobs"][:3] = 0.0

@@ -6,7 +6,6 @@ entry point in a temporary directory on ``sys.path``), found like a pip-installe
 
 from __future__ import annotations
 
-
 import pytest
 
 import skyrl_sdk

@@ -18,12 +18,12 @@ import torch
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
-from _server_harness import API_KEY, ServerThread  # noqa: E402
-from skyrl_sdk.testing import make_rl_data, make_sft_data  # noqa: E402
-from tinker import types as tt  # noqa: E402
-from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
+from tinker import types as tt
+from tinker.proto import tinker_public_pb2 as pb
 
-from skyrl_sdk import Backend, types  # noqa: E402
+from _server_harness import API_KEY, ServerThread
+from skyrl_sdk import Backend, types
+from skyrl_sdk.testing import make_rl_data, make_sft_data
 
 RANK, LORA_SEED = 4, 7
 CHUNK = 2  # the server tells the client to send at most 2 datums per forward_backward request
@@ -415,7 +415,7 @@ def test_two_clients_at_once(server):
                 tc.optim_step(tt.AdamParams(learning_rate=1e-2))
             results[i] = tc.forward([to_tinker(d) for d in data], "cross_entropy").result().metrics["loss:sum"]
             sc.close("success").result()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]

@@ -16,9 +16,8 @@ import pytest
 pytest.importorskip("tinker")
 cookbook = pytest.importorskip("tinker_cookbook", reason="pip install --no-deps tinker-cookbook (see docs/server.md)")
 
-from _server_harness import API_KEY, ServerThread  # noqa: E402
-
-from skyrl_sdk import Backend  # noqa: E402
+from _server_harness import API_KEY, ServerThread
+from skyrl_sdk import Backend
 
 
 @pytest.fixture(scope="module")

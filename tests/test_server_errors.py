@@ -13,11 +13,11 @@ import pytest
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
-from _server_harness import ServerThread  # noqa: E402
-from tinker import types as tt  # noqa: E402
+from tinker import types as tt
 
-from skyrl_sdk.errors import DatumError, InputError, PluginError, UnknownError  # noqa: E402
-from skyrl_sdk.server.futures import Result  # noqa: E402
+from _server_harness import ServerThread
+from skyrl_sdk.errors import DatumError, InputError, PluginError, UnknownError
+from skyrl_sdk.server.futures import Result
 
 
 def _category(exc: BaseException) -> tuple[str, str]:

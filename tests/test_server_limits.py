@@ -15,9 +15,10 @@ import pytest
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
-from _server_harness import API_KEY, ServerThread, raw_client, wait_result  # noqa: E402
-from tinker import types as tt  # noqa: E402
-from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
+from tinker import types as tt
+from tinker.proto import tinker_public_pb2 as pb
+
+from _server_harness import API_KEY, ServerThread, raw_client, wait_result
 
 MAX_SEQ, MAX_SAMPLES, MAX_BODY = 64, 8, 2**20
 PROTO = {"Content-Type": "application/x-protobuf"}

@@ -13,12 +13,12 @@ import pytest
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
-from _server_harness import ServerThread, raw_client, wait_result  # noqa: E402
-from tinker import types as tt  # noqa: E402
-from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
+from tinker import types as tt
+from tinker.proto import tinker_public_pb2 as pb
 
-from skyrl_sdk.errors import InputError  # noqa: E402
-from skyrl_sdk.server.config import read_api_keys  # noqa: E402
+from _server_harness import ServerThread, raw_client, wait_result
+from skyrl_sdk.errors import InputError
+from skyrl_sdk.server.config import read_api_keys
 
 ALICE, BOB = "tml-alice", "tml-bob"
 

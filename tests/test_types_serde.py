@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from skyrl_sdk import coerce, plugins, serde, types
-from skyrl_sdk.errors import AdamParamsError, DatumError, InputError
 from skyrl_sdk.coerce import data_from_any
+from skyrl_sdk.errors import AdamParamsError, DatumError, InputError
 from skyrl_sdk.validation import validate_data
-
 
 
 def _tinker():
@@ -370,8 +369,8 @@ def test_lora_config_from_dict_errors_name_the_field(raw, match):
     ({"beta1": "0.5"}, "AdamParams.beta1"),
 ])
 def test_adam_params_from_dict_errors_name_the_field(raw, match):
-    from skyrl_sdk.errors import AdamParamsError
     from skyrl_sdk.coerce import adam_params_from_any
+    from skyrl_sdk.errors import AdamParamsError
 
     with pytest.raises(AdamParamsError, match=match):
         adam_params_from_any(raw)

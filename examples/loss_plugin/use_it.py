@@ -12,8 +12,7 @@ import argparse
 import torch
 
 import skyrl_sdk
-from skyrl_sdk import types
-from skyrl_sdk import evaluate_loss
+from skyrl_sdk import evaluate_loss, types
 from skyrl_sdk.rl import datum_from_sample, group_advantages
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import errors, types  # noqa: E402
-from .checks import number_validator  # noqa: E402
-from .hookspecs import hookimpl  # noqa: E402
+from . import errors, types
+from .checks import number_validator
+from .hookspecs import hookimpl
+
 #: Names that pull in torch, resolved on first use so ``import skyrl_sdk`` stays cheap.
 _LAZY = {
     "Backend": "backend",

@@ -6,7 +6,8 @@ things with the same messages. No per-element Python loops.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import numpy as np
 

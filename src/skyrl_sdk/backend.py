@@ -11,19 +11,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
 from . import __version__
 from .checkpoint import atomic_directory, read_json, reject_symlinks, write_json
+from .coerce import (
+    adam_params_from_any,
+    data_from_any,
+    lora_config_from_any,
+    prompts_from_any,
+    sampling_params_from_any,
+)
 from .errors import CheckpointError, InputError, UnknownNameError
-from .coerce import adam_params_from_any, data_from_any, lora_config_from_any, prompts_from_any, sampling_params_from_any
 from .losses.prepare import add_prepared_inputs
 from .losses.resolve import ResolvedLoss, resolve_loss
 from .losses.terms import with_call_normalizers
+from .metrics import MetricAccumulator
 from .plugins import get_registry
 from .types import (
     AdamParams,
@@ -39,7 +47,6 @@ from .types import (
     TensorData,
 )
 from .validation import check_same_keys, token_range_problem, validate_data
-from .metrics import MetricAccumulator
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +117,7 @@ class Backend:
                     self.model_name, self.engine_name, role, self.lora, time.perf_counter() - t0)
 
     # ---- context manager --------------------------------------------------------------
-    def __enter__(self) -> "Backend":
+    def __enter__(self) -> Backend:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -244,7 +251,9 @@ class Backend:
                                         topk_prompt_logprobs=topk_prompt_logprobs)
 
     # ---- saving -----------------------------------------------------------------------
-    def save_weights_for_sampler(self, path: str | Path, *, merge_lora: bool = True, overwrite: bool = False) -> SaveWeightsForSamplerOutput:
+    def save_weights_for_sampler(
+        self, path: str | Path, *, merge_lora: bool = True, overwrite: bool = False
+    ) -> SaveWeightsForSamplerOutput:
         """Write a Hugging Face model directory (LoRA merged unless ``merge_lora=False``)."""
         with self._lock:
             self._check_open()

@@ -16,7 +16,8 @@ Two layouts, both exact (a datum is never split, so SUM losses add up):
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import attrs
 import numpy as np

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .errors import InputError
 

@@ -8,7 +8,8 @@ read as "all defaults".
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -26,7 +27,9 @@ def _fields_of(obj: Any, cls: type, what: str, primary: str) -> dict[str, Any]:
         return {k: v for k, v in obj.model_dump().items() if k in {f.name for f in attrs.fields(cls)}}
     if hasattr(obj, primary) and not isinstance(obj, (str, bytes, int, float)):
         return {f.name: getattr(obj, f.name) for f in attrs.fields(cls) if hasattr(obj, f.name)}
-    raise TypeError(f"{what}: expected {cls.__name__}, a mapping or an object with its fields, got {type(obj).__name__}")
+    raise TypeError(
+        f"{what}: expected {cls.__name__}, a mapping or an object with its fields, got {type(obj).__name__}"
+    )
 
 
 def _build(cls: type, fields: dict[str, Any], what: str, error_cls: type[InputError]) -> Any:

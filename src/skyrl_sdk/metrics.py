@@ -8,7 +8,7 @@ exactly the value one big batch would have given.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 import torch

@@ -15,8 +15,7 @@ from typing import Any
 
 import uvicorn  # the [server] extra: imported here so `skyrl-sdk serve` can say what to install
 
-from .errors import InputError, SkyrlError
-from .errors import did_you_mean
+from .errors import InputError, SkyrlError, did_you_mean
 from .server.app import _is_loopback, create_app
 from .server.config import ServerConfig
 

@@ -40,7 +40,9 @@ def make_sft_data(lengths: Sequence[int], seed: int = 0, vocab: int = 256, shift
     return data
 
 
-def make_rl_data(lengths: Sequence[int], seed: int = 0, vocab: int = 256, with_logprobs: bool = True) -> list[types.Datum]:
+def make_rl_data(
+    lengths: Sequence[int], seed: int = 0, vocab: int = 256, with_logprobs: bool = True
+) -> list[types.Datum]:
     """RL datums: the first third of each sequence is "prompt" (advantage 0), sampler logprobs near -5.8."""
     rng = np.random.default_rng(seed)
     data = []
@@ -65,7 +67,9 @@ def weights_of(backend: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in backend.engine.runner.named_trainable()}
 
 
-def assert_tensors_close(a: Mapping[str, Any], b: Mapping[str, Any], atol: float, rtol: float = 0.0, what: str = "") -> None:
+def assert_tensors_close(
+    a: Mapping[str, Any], b: Mapping[str, Any], atol: float, rtol: float = 0.0, what: str = ""
+) -> None:
     """Same keys, and every pair of tensors (torch or numpy) close; the message names the key."""
     assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(set(a) ^ set(b))[:5]}"
     for k in a:
@@ -85,7 +89,9 @@ def assert_outputs_close(out_a: types.ForwardBackwardOutput, out_b: types.Forwar
             np.testing.assert_allclose(x[k].to_numpy(), y[k].to_numpy(), atol=atol, rtol=0, err_msg=f"datum {i} {k}")
 
 
-def assert_metrics_close(a: Mapping[str, float], b: Mapping[str, float], rtol: float = 1e-5, atol: float = 1e-5) -> None:
+def assert_metrics_close(
+    a: Mapping[str, float], b: Mapping[str, float], rtol: float = 1e-5, atol: float = 1e-5
+) -> None:
     """Same metric keys, values close."""
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     for k in a:

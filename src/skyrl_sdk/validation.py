@@ -5,7 +5,7 @@ Messages name the datum index, the key, what was expected and what came.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -67,7 +67,8 @@ def _check_ratio_bound(array: np.ndarray, key: str, index: int) -> None:
         pos = int(bad[0])
         expected = "0 <= value <= 1" if key == "clip_low_threshold" else "value >= 1"
         raise DatumError(
-            f"expected an absolute ratio bound with {expected}, got {float(array[pos]):.6g} at position {pos}", index=index, key=key
+            f"expected an absolute ratio bound with {expected}, got {float(array[pos]):.6g} at position {pos}",
+            index=index, key=key,
         )
 
 

@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("skyrl_sdk_fsdp")
 psutil = pytest.importorskip("psutil")
 
-import skyrl_sdk  # noqa: E402
-from skyrl_sdk.errors import EngineError  # noqa: E402
-from skyrl_sdk.testing import make_sft_data  # noqa: E402
+import skyrl_sdk
+from skyrl_sdk.errors import EngineError
+from skyrl_sdk.testing import make_sft_data
 
 pytestmark = pytest.mark.distributed
 

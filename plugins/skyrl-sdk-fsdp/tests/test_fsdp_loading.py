@@ -18,14 +18,14 @@ import torch
 pytest.importorskip("skyrl_sdk_fsdp")
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # the family builders
 
-from fsdp_testutil import ONE_PER_MICRO_BATCH  # noqa: E402
-from skyrl_sdk.testing import assert_outputs_close, assert_tensors_close, grads_of, make_sft_data, torch_threads  # noqa: E402
+from fsdp_testutil import ONE_PER_MICRO_BATCH
 from safetensors.torch import load_file
 
 import skyrl_sdk
 from arch_models import make_family_dir
 from skyrl_sdk import types
 from skyrl_sdk.engines.export import SafetensorsStream, write_hf_weights_stream, write_tensor_stream
+from skyrl_sdk.testing import assert_outputs_close, assert_tensors_close, grads_of, make_sft_data, torch_threads
 
 LENGTHS = [7, 12, 3, 9]
 

@@ -8,12 +8,12 @@ import pytest
 
 pytest.importorskip("skyrl_sdk_fsdp")
 
-from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH  # noqa: E402
-from skyrl_sdk.testing import assert_outputs_close, assert_tensors_close, grads_of, make_sft_data, torch_threads  # noqa: E402
+from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH
 from safetensors import safe_open
 
 import skyrl_sdk
 from skyrl_sdk import types
+from skyrl_sdk.testing import assert_outputs_close, assert_tensors_close, grads_of, make_sft_data, torch_threads
 
 pytestmark = pytest.mark.distributed
 

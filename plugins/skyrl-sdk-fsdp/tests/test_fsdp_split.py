@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("skyrl_sdk_fsdp")
 
-from skyrl_sdk.errors import InputError  # noqa: E402
-from skyrl_sdk_fsdp.options import FSDPOptions, launcher_env  # noqa: E402
-from skyrl_sdk_fsdp.split import split_by_tokens  # noqa: E402
+from skyrl_sdk.errors import InputError
+from skyrl_sdk_fsdp.options import FSDPOptions, launcher_env
+from skyrl_sdk_fsdp.split import split_by_tokens
 
 
 def _check_partition(parts, n):

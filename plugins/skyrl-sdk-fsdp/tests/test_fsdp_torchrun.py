@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("skyrl_sdk_fsdp")
 
-from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH, saved_weights  # noqa: E402
+from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH, saved_weights
 
-import skyrl_sdk  # noqa: E402
-from skyrl_sdk import types  # noqa: E402
-from skyrl_sdk.testing import assert_tensors_close, make_sft_data, torch_threads  # noqa: E402
+import skyrl_sdk
+from skyrl_sdk import types
+from skyrl_sdk.testing import assert_tensors_close, make_sft_data, torch_threads
 
 pytestmark = pytest.mark.distributed
 

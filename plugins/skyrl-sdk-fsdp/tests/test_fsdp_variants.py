@@ -8,13 +8,13 @@ import pytest
 pytest.importorskip("skyrl_sdk_fsdp")
 pytest.importorskip("peft")
 
-from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from fsdp_testutil import LENGTHS, ONE_PER_MICRO_BATCH
+from safetensors.torch import load_file
 
-import skyrl_sdk  # noqa: E402
-from skyrl_sdk import types  # noqa: E402
-from skyrl_sdk.errors import CheckpointError  # noqa: E402
-from skyrl_sdk.testing import (  # noqa: E402
+import skyrl_sdk
+from skyrl_sdk import types
+from skyrl_sdk.errors import CheckpointError
+from skyrl_sdk.testing import (
     assert_metrics_close,
     assert_outputs_close,
     assert_tensors_close,

@@ -10,8 +10,11 @@ import torch
 
 pytest.importorskip("skyrl_sdk_reinforce", reason="pip install -e plugins/skyrl-sdk-reinforce")
 
-from skyrl_sdk import errors, plugins  # noqa: E402
-from skyrl_sdk import evaluate_loss  # noqa: E402
+from skyrl_sdk import (
+    errors,
+    evaluate_loss,
+    plugins,
+)
 
 
 def _case(n: int = 7, seed: int = 0):
@@ -24,8 +27,8 @@ def _case(n: int = 7, seed: int = 0):
 
 def _reference(lp, adv, weights):
     """Loss and d loss / d lp written out by hand (no autograd, no skyrl code)."""
-    value = -sum(float(a) * float(l) * float(w) for a, l, w in zip(adv, lp, weights))
-    grad = [-float(a) * float(w) for a, w in zip(adv, weights)]
+    value = -sum(float(a) * float(x) * float(w) for a, x, w in zip(adv, lp, weights, strict=True))
+    grad = [-float(a) * float(w) for a, w in zip(adv, weights, strict=True)]
     return value, torch.tensor(grad)
 
 

@@ -7,12 +7,11 @@ plugin needs is importable from ``skyrl_sdk.engines``; the modules behind it are
 from ..checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, load_tensors, save_tensors
 from ..losses.resolve import ResolvedLoss
 from ..metrics import MetricAccumulator
-from ..models import LoadedModel, hf_model, load_model, load_tokenizer
+from ..models import TINY_NAME, LoadedModel, hf_model, load_model, load_tokenizer
+from ..weight_files import read_rows, tensor_shapes, weight_files
 from .activation_checkpointing import enable_activation_checkpointing, transformer_blocks
 from .base import Engine, EngineInfo, EngineResult, scores_key
 from .config import EngineConfig
-from ..models import TINY_NAME
-from ..weight_files import read_rows, tensor_shapes, weight_files
 from .export import (
     TensorPlan,
     export_hf_directory,

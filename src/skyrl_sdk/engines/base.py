@@ -18,8 +18,6 @@ from ..losses.resolve import ResolvedLoss
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
 
 
-
-
 @attrs.frozen(eq=False)
 class EngineResult:
     """Per-datum outputs (caller's order; name -> numpy array) and metric state."""

@@ -15,7 +15,7 @@ rolled back if any weight or moment became non-finite (or torch refused the step
 from __future__ import annotations
 
 import copy
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -9,7 +9,8 @@ whatever the micro-batching, packing or number of ranks.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import attrs
 import torch

@@ -12,9 +12,9 @@ import attrs
 import torch
 
 from .. import metrics as M
+from ..checks import number_validator
 from ..hookspecs import hookimpl
 from .base import LossInput, LossOutput
-from ..checks import number_validator
 
 
 @attrs.frozen

@@ -7,7 +7,7 @@ facade.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..errors import DatumError, did_you_mean
 from .base import LossSpec

@@ -24,7 +24,6 @@ Conventions shared by every loss here:
 
 from __future__ import annotations
 
-
 import math
 
 import attrs

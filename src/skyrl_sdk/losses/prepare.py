@@ -7,7 +7,7 @@ so every micro-batch and rank scores exactly what one big batch would have.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch

@@ -117,6 +117,6 @@ def resolve_loss(
         optional = tuple(k for k in spec.optional_inputs if k not in extra)
         spec = attrs.evolve(spec, required_inputs=spec.required_inputs + extra, optional_inputs=optional)
     return ResolvedLoss(
-        spec=spec, config=build_config(spec, config, loss_label(loss_fn, spec.name)), requested_name=loss_fn, dialect=dialect, terms=terms,
-        plugin=registry.owners.get(("loss", spec.name)),
+        spec=spec, config=build_config(spec, config, loss_label(loss_fn, spec.name)), requested_name=loss_fn,
+        dialect=dialect, terms=terms, plugin=registry.owners.get(("loss", spec.name)),
     )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -55,7 +56,9 @@ class TensorData:
         return cls(as_numpy(tensor, dtype, "TensorData"))
 
     @classmethod
-    def from_list(cls, data: Sequence[Any], dtype: TensorDtype = "float32", shape: Sequence[int] | None = None) -> TensorData:
+    def from_list(
+        cls, data: Sequence[Any], dtype: TensorDtype = "float32", shape: Sequence[int] | None = None
+    ) -> TensorData:
         array = as_numpy(data, dtype, "TensorData")
         if shape is not None:
             array = array.reshape(tuple(shape))

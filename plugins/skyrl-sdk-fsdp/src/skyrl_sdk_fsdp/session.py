@@ -10,8 +10,8 @@ from __future__ import annotations
 import atexit
 import ctypes
 import datetime
-import sys
 import os
+import sys
 import threading
 from typing import Any
 
