@@ -49,9 +49,11 @@ def test_sampled_logprobs_agree_with_forward(backend):
         np.testing.assert_allclose(sampled, forward, atol=1e-4)
 
 
-def test_bf16_logprobs_agree_with_forward():
-    with skyrl_sdk.Backend(seed=0, engine_config={"dtype": "bfloat16"}) as b:
-        assert next(b.engine.loaded.module.parameters()).dtype == torch.bfloat16
+@pytest.mark.parametrize("master_dtype", ["bfloat16", "float32"], ids=["pure_bf16", "bf16_mixed"])
+def test_bf16_logprobs_agree_with_forward(master_dtype):
+    cfg = {"dtype": "bfloat16", "master_dtype": master_dtype}
+    with skyrl_sdk.Backend(seed=0, engine_config=cfg) as b:
+        assert next(b.engine.loaded.module.parameters()).dtype == getattr(torch, master_dtype)
         prompts = [[1, 2, 3, 4, 5, 6, 7], [50, 60]]
         outs = b.sample(prompts, types.SamplingParams(max_tokens=10, seed=5, stop=[]), num_samples=2,
                         prompt_logprobs=True)

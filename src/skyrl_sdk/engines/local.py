@@ -125,11 +125,12 @@ class LocalEngine:
 
         if self.loaded.role != "policy":
             raise InputError("sampling needs a policy model; this Backend's role is 'critic'")
-        return generate(
-            self.loaded.module, self.tokenizer, prompts, params, num_samples,
-            device=self.device, eos_token_id=self.info.eos_token_id, pad_token_id=self.runner.pad_id,
-            prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
-        )
+        with self.runner.compute_precision():  # sample in the dtype forward computes in
+            return generate(
+                self.loaded.module, self.tokenizer, prompts, params, num_samples,
+                device=self.device, eos_token_id=self.info.eos_token_id, pad_token_id=self.runner.pad_id,
+                prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+            )
 
     def close(self) -> None:
         self.runner.optimizer = None

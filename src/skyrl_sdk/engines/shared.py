@@ -96,8 +96,14 @@ class SharedModel:
         self.device = self.config.torch_device()
         self.model_name, self.role, self.seed = str(model), role, seed
         self.max_adapters = max_adapters
-        self.loaded = load_model(model, role=role, lora=None, seed=seed, dtype=self.config.torch_dtype,
+        # fp32 masters under a narrower compute dtype, exactly as the local engine does
+        self.loaded = load_model(model, role=role, lora=None, seed=seed, dtype=self.config.master_torch_dtype,
                                  device=self.device)
+        self._runner_options = dict(
+            device=self.device, micro_batch_tokens=self.config.micro_batch_tokens, batching=self.config.batching,
+            pad_id=self.loaded.pad_token_id,
+            autocast_dtype=self.config.torch_dtype if self.config.mixed_precision else None,
+        )
         base = self.loaded.module
         #: the transformers model itself: peft injects adapter layers into it in place, and it
         #: stays valid when no adapter is left (the peft wrapper then has no active config)
@@ -113,9 +119,7 @@ class SharedModel:
         self.scoring.chunk_elements = self.config.logprob_chunk_elements
         self.gate = FairGate()
         #: the runner of read-only uses of the base (no trainable parameters)
-        self.base_runner = AdapterRunner(self.scoring, [], device=self.device,
-                                         micro_batch_tokens=self.config.micro_batch_tokens,
-                                         batching=self.config.batching, pad_id=self.loaded.pad_token_id)
+        self.base_runner = AdapterRunner(self.scoring, [], **self._runner_options)
         self.adapters: dict[str, Adapter] = {}
         self._names = itertools.count(1)
         self._clock = itertools.count(1)
@@ -169,9 +173,7 @@ class SharedModel:
             self.module.to(self.device)
             self.module.eval()
             params = [(solo_name(n, name), p) for n, p in self.module.named_parameters() if name in n.split(".")]
-            runner = AdapterRunner(self.scoring, params, device=self.device,
-                                   micro_batch_tokens=self.config.micro_batch_tokens, batching=self.config.batching,
-                                   pad_id=self.loaded.pad_token_id)
+            runner = AdapterRunner(self.scoring, params, **self._runner_options)
             adapter = Adapter(name, label or name, lora, runner, sum(p.numel() for _, p in params),
                               last_used=next(self._clock))
             with self._lock:

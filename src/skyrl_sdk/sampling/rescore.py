@@ -20,9 +20,13 @@ RESCORE_TOKENS = 8192
 
 
 def needs_rescoring(module: torch.nn.Module) -> bool:
-    """True when some floating-point weight is below float32 precision."""
-    return any(p.is_floating_point() and p.dtype != torch.float32 and p.dtype != torch.float64
-               for p in module.parameters())
+    """True when some floating-point weight is below float32 precision, or when the decode
+    loop runs under autocast to a narrower compute dtype (mixed precision)."""
+    if any(p.is_floating_point() and p.dtype != torch.float32 and p.dtype != torch.float64
+           for p in module.parameters()):
+        return True
+    device = next((p.device.type for p in module.parameters()), "cpu")
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in (torch.bfloat16, torch.float16)
 
 
 def rescore(
