@@ -182,13 +182,7 @@ class AdapterEngine(_OnSharedBase):
             with torch.no_grad():
                 for key, p in mine.items():
                     p.copy_(checked.weights[key])
-            self.runner.zero_grad()
-            if optimizer:
-                self.runner.load_optimizer_tensors(checked.moments)
-                self.runner.step_count = step
-            else:
-                self.runner.optimizer = None
-                self.runner.step_count = 0
+            self.runner.restore_after_load(checked.moments if optimizer else None, step)
 
     def _save_adapter(self, module, directory: Path) -> None:
         """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""

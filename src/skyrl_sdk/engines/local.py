@@ -95,13 +95,7 @@ class LocalEngine:
         step, _ = check_engine_metadata(metadata, str(directory))
         checked = check_state_files(directory, self.state_layout(), optimizer=optimizer, keep=True)
         self.loaded.module.load_state_dict(checked.weights, strict=False)
-        self.runner.zero_grad()
-        if optimizer:
-            self.runner.load_optimizer_tensors(checked.moments)
-            self.runner.step_count = step
-        else:
-            self.runner.optimizer = None
-            self.runner.step_count = 0
+        self.runner.restore_after_load(checked.moments if optimizer else None, step)
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         module = self.loaded.module

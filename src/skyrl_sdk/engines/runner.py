@@ -222,6 +222,17 @@ class ModelRunner:
             out[f"{name}::step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
         return out
 
+    def restore_after_load(self, moments: dict[str, torch.Tensor] | None, step: int) -> None:
+        """After a checkpoint's weights are in: drop pending gradients, then take its AdamW
+        moments and step count, or (``moments=None``) start a fresh optimizer at step 0."""
+        self.zero_grad()
+        if moments is None:
+            self.optimizer = None
+            self.step_count = 0
+            return
+        self.load_optimizer_tensors(moments)
+        self.step_count = int(step)
+
     def load_optimizer_tensors(
         self, tensors: dict[str, torch.Tensor],
         from_full: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
