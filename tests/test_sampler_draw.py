@@ -77,3 +77,11 @@ def test_seeded_generator_reproduces_and_seeds_differ():
     b = _frequencies(params, seed=7)[1]
     c = _frequencies(params, seed=8)[1]
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    """logits / 1e-300 overflows to inf (softmax NaN): such rows take the most likely token."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 0.5], [3.0, 0.0, 0.0, 0.0]])
+    tokens, logprobs = choose(logits, SamplingParams(temperature=1e-300), request_generator(0, torch.device("cpu")))
+    assert tokens.tolist() == [1, 0]
+    assert torch.allclose(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1))

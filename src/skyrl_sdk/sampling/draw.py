@@ -69,5 +69,9 @@ def choose(
     else:
         plain = params.temperature == 1.0 and params.top_k < 0 and params.top_p >= 1.0
         probs = logp.exp() if plain else torch.softmax(_filtered_scores(logits, params), dim=-1)
+        # a temperature so small that logits / temperature overflows is greedy in the limit
+        overflow = ~torch.isfinite(probs).all(dim=-1)
         tokens = _inverse_cdf(probs, generator)
+        if overflow.any():
+            tokens = torch.where(overflow, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(1, tokens.unsqueeze(-1)).squeeze(-1)
