@@ -51,3 +51,11 @@ def test_no_module_is_over_450_lines():
     files = list((ROOT / "src").rglob("*.py")) + list(ROOT.glob("plugins/*/src/**/*.py"))
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 450}
     assert not long, f"modules over 450 lines: {long}"
+
+
+def test_tox_runs_every_server_test_file():
+    """tox runs the server tests in their own pytest process from an explicit list: a new
+    tests/test_server*.py file must be on it, or no run would collect it."""
+    tox = (ROOT / "tox.ini").read_text()
+    listed = set(re.findall(r"tests/test_server\w*\.py", tox))
+    assert listed == {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_server*.py")}
