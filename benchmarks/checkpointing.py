@@ -8,25 +8,17 @@ the same worker's wall time of that forward_backward gives the compute it costs.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-from .common import REPO, make_model_dir, make_sft_rows, num_parameters, ratio_summary, summary
+from .common import make_model_dir, make_sft_rows, num_parameters, ratio_summary, run_worker, summary
 
 NAME = "activation_checkpointing"
 SIDES = {"plain": {}, "checkpointed": {"gradient_checkpointing": True}}
 
 
 def _worker(ctx, model_dir, batch, seq, engine_config) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.memory_worker", "--model", str(model_dir), "--batch", str(batch),
+    return run_worker("benchmarks.memory_worker", ["--model", str(model_dir), "--batch", str(batch),
            "--seq", str(seq), "--threads", str(ctx.threads), "--sides", "sdk",
-           "--engine-config", json.dumps({**ctx.engine_config, **engine_config})]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])[0]
+           "--engine-config", json.dumps({**ctx.engine_config, **engine_config})], "memory")[0]
 
 
 def _in_process(ctx, model_dir, batch, seq, engine_config) -> dict:

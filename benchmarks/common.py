@@ -8,8 +8,10 @@ per-repetition ratios: on shared 2-core machines absolute times drift, ratios mu
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -265,3 +267,23 @@ class SdkSide:
 def emit(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
+
+
+def proc_status(field: str, pid: int | str = "self") -> int:
+    """A byte count from ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``, ...)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/{pid}/status")
+
+
+def run_worker(module: str, args: Sequence[str], what: str, timeout: int = 1800) -> Any:
+    """Run ``python -m <module> <args>`` in a fresh process (a clean memory baseline) and
+    return the JSON document on its last stdout line."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -12,11 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
-from .common import REPO, check_verdict, make_model_dir, make_sft_rows, num_parameters, rows_to_datums
+from .common import (
+    check_verdict,
+    make_model_dir,
+    make_sft_rows,
+    num_parameters,
+    proc_status,
+    rows_to_datums,
+    run_worker,
+)
 
 NAME = "fsdp_loading"
 TARGET = 0.55
@@ -26,14 +32,6 @@ MODEL_100M = dict(vocab=32000, hidden=768, intermediate=2048, layers=8, heads=12
 MODEL_SMOKE = dict(vocab=512, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tie=False)
 
 
-def _status(pid: int | str, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/{pid}/status")
-
-
 def _worker(side: str, model: str, threads: int) -> dict:
     import torch
 
@@ -41,7 +39,7 @@ def _worker(side: str, model: str, threads: int) -> dict:
     from skyrl_sdk import types
 
     torch.set_num_threads(threads)
-    idle = _status("self", "VmRSS")  # interpreter + torch + transformers + skyrl_sdk imported
+    idle = proc_status("VmRSS", "self")  # interpreter + torch + transformers + skyrl_sdk imported
     datums = rows_to_datums(make_sft_rows([64] * 4, 256, seed=5))
     cfg = {"world_size": WORLD_SIZE, "threads_per_rank": threads} if side == "fsdp" else {}
     t0 = time.perf_counter()
@@ -50,18 +48,13 @@ def _worker(side: str, model: str, threads: int) -> dict:
         b.optim_step(types.AdamParams(learning_rate=1e-4))
         seconds = time.perf_counter() - t0
         pids = list(b.engine.rank_pids) if side == "fsdp" else [os.getpid()]
-        peaks = [_status(p, "VmHWM") for p in pids]
+        peaks = [proc_status("VmHWM", p) for p in pids]
     return {"side": side, "idle_rss_bytes": idle, "peak_rss_bytes": peaks, "seconds": seconds}
 
 
 def _spawn(side: str, model_dir, threads: int) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.fsdp_loading", "--worker", side, "--model", str(model_dir),
-           "--threads", str(threads)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{side} worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker("benchmarks.fsdp_loading", ["--worker", side, "--model", str(model_dir),
+           "--threads", str(threads)], f"{side}")
 
 
 def run(ctx) -> dict:

@@ -9,27 +9,18 @@ allocator's peak (``torch.cuda.max_memory_allocated``) would be the equivalent.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-from .common import REPO, check_verdict, make_model_dir, num_parameters, summary
+from .common import check_verdict, make_model_dir, num_parameters, run_worker, summary
 
 NAME = "peak_memory"
 TARGET = 0.5
 
 
 def _worker(ctx, sides, model_dir, batch, seq) -> list[dict]:
-    cmd = [
-        sys.executable, "-m", "benchmarks.memory_worker", "--model", str(model_dir), "--batch", str(batch),
-        "--seq", str(seq), "--threads", str(ctx.threads), "--sides", ",".join(sides),
-        "--engine-config", json.dumps(ctx.engine_config),
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker("benchmarks.memory_worker", [
+        "--model", str(model_dir), "--batch", str(batch), "--seq", str(seq), "--threads", str(ctx.threads),
+        "--sides", ",".join(sides), "--engine-config", json.dumps(ctx.engine_config),
+    ], "memory")
 
 
 def run(ctx) -> dict:

@@ -7,15 +7,7 @@ import gc
 import json
 import time
 
-from .common import HandLoop, SdkSide, make_sft_rows, rows_to_datums, set_threads
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from .common import HandLoop, SdkSide, make_sft_rows, proc_status, rows_to_datums, set_threads
 
 
 def reset_peak() -> int:
@@ -23,7 +15,7 @@ def reset_peak() -> int:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status("VmRSS")
+    return proc_status("VmRSS")
 
 
 def measure(side: str, model: str, rows, engine_config: dict | None = None) -> dict:
@@ -41,7 +33,7 @@ def measure(side: str, model: str, rows, engine_config: dict | None = None) -> d
     t0 = time.perf_counter()
     run()
     seconds = time.perf_counter() - t0
-    peak = _status("VmHWM")
+    peak = proc_status("VmHWM")
     return {"side": side, "baseline_bytes": base, "peak_bytes": peak, "peak_delta_bytes": peak - base,
             "seconds": seconds, "torch_threads": torch.get_num_threads()}
 

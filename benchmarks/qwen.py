@@ -15,12 +15,7 @@ skipped when the machine has not enough memory available.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-from .common import REPO
+from .common import run_worker
 
 NAME = "qwen_0p5b"
 MODES = {"lora": {"steps": 2}, "full": {"steps": 1}}
@@ -31,12 +26,7 @@ QWEN_0P5B_PARAMS = 494_032_768
 
 
 def _python(args: list[str], timeout: int = 3600) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.qwen_worker", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"qwen worker failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker("benchmarks.qwen_worker", args, "qwen", timeout=timeout)
 
 
 def _available_bytes() -> int | None:

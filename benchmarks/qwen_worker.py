@@ -18,8 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import TINY_ASSETS, make_sft_rows, rows_to_datums, set_threads
-from .memory_worker import _status
+from .common import TINY_ASSETS, make_sft_rows, proc_status, rows_to_datums, set_threads
 
 #: Qwen2.5-0.5B's shape (its config.json, random weights): 494M parameters, tied embeddings.
 QWEN_0P5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -86,14 +85,14 @@ def run(args) -> dict:
     clock = Clock(args.device)
     if clock.cuda:
         torch.cuda.reset_peak_memory_stats()
-    rss_start = _status("VmRSS")
+    rss_start = proc_status("VmRSS")
     config = json.loads((Path(args.model) / "config.json").read_text())
     engine_config = {"device": args.device, "dtype": "bfloat16", "gradient_checkpointing": args.checkpointing,
                      "micro_batch_tokens": args.batch * args.seq}
     lora = types.LoraConfig(rank=16, alpha=32.0) if args.mode == "lora" else None
     backend, load_s = clock.time(lambda: Backend(model=args.model, lora=lora, engine_config=engine_config))
     info = backend.get_info()
-    rss_loaded = _status("VmRSS")
+    rss_loaded = proc_status("VmRSS")
     rows = make_sft_rows([args.seq] * args.batch, config["vocab_size"], seed=11)
     datums = rows_to_datums(rows)
     adam = types.AdamParams(learning_rate=1e-5 if lora is None else 1e-4)
@@ -118,7 +117,7 @@ def run(args) -> dict:
         "torch_threads": torch.get_num_threads(), "load_s": load_s, "steps": steps,
         "loss_per_token": losses, "export_s": export_s, "export_bytes": export_bytes,
         "sample_s": sample_s, "sampled_tokens": len(samples[0].sequences[0].tokens),
-        "rss_start_bytes": rss_start, "rss_after_load_bytes": rss_loaded, "peak_rss_bytes": _status("VmHWM"),
+        "rss_start_bytes": rss_start, "rss_after_load_bytes": rss_loaded, "peak_rss_bytes": proc_status("VmHWM"),
     }
     if clock.cuda:
         result["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()

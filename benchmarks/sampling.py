@@ -9,12 +9,7 @@ after ``clear_refs``) minus the RSS before the batch; target <= 0.5 GiB for the 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-from .common import REPO, alternate, check_verdict, make_model_dir, num_parameters, ratio_summary, summary
+from .common import alternate, check_verdict, make_model_dir, num_parameters, ratio_summary, run_worker, summary
 from .sampling_sides import PlainGenerate, SdkSampler, make_prompts
 
 NAME = "sampling"
@@ -29,15 +24,10 @@ def sizes(smoke: bool) -> dict:
 
 
 def _memory(ctx, model_dir, side: str, size: dict) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.sampling_worker", "--model", str(model_dir), "--side", side,
+    return run_worker("benchmarks.sampling_worker", ["--model", str(model_dir), "--side", side,
            "--prompts", str(size["prompts"]), "--samples", str(size["samples"]),
            "--new-tokens", str(size["new_tokens"]), "--prompt-len", str(size["prompt_len"]),
-           "--threads", str(ctx.threads)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"sampling worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+           "--threads", str(ctx.threads)], "sampling")
 
 
 def run(ctx) -> dict:

@@ -6,8 +6,8 @@ import argparse
 import json
 import time
 
-from .common import set_threads
-from .memory_worker import _status, reset_peak
+from .common import proc_status, set_threads
+from .memory_worker import reset_peak
 from .sampling_sides import PlainGenerate, SdkSampler, make_prompts
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     t0 = time.perf_counter()
     tokens = side.sample(prompts, args.samples, args.new_tokens)
     seconds = time.perf_counter() - t0
-    peak = _status("VmHWM")
+    peak = proc_status("VmHWM")
     print(json.dumps({"side": args.side, "peak_delta_bytes": peak - base, "seconds": seconds, "tokens": tokens}))
 
 

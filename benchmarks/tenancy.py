@@ -14,15 +14,11 @@
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
-from .common import ADAM, REPO, make_model_dir, make_sft_rows, num_parameters, rows_to_datums
+from .common import ADAM, make_model_dir, make_sft_rows, num_parameters, rows_to_datums, run_worker
 
 NAME = "tenancy"
 TARGET_MEMORY = 0.15
@@ -33,13 +29,8 @@ MODEL_34M = dict(vocab=32000, hidden=384, intermediate=1024, layers=6, heads=6, 
 
 
 def _memory(ctx, model_dir, mode: str, clients: int) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.tenancy_worker", "--model", str(model_dir), "--mode", mode,
-           "--clients", str(clients), "--threads", str(ctx.threads or 1)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"tenancy worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_worker("benchmarks.tenancy_worker", ["--model", str(model_dir), "--mode", mode,
+           "--clients", str(clients), "--threads", str(ctx.threads or 1)], "tenancy")
     rss = res["rss"]
     res["extra_client_bytes"] = [b - a for a, b in zip(rss, rss[1:], strict=False)]
     return res

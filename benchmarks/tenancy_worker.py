@@ -12,15 +12,14 @@ import ctypes
 import gc
 import json
 
-from .common import ADAM, make_sft_rows, rows_to_datums, set_threads
-from .memory_worker import _status
+from .common import ADAM, make_sft_rows, proc_status, rows_to_datums, set_threads
 
 
 def _rss() -> int:
     """RSS after returning freed heap pages to the OS (else allocator slack dominates the deltas)."""
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return _status("VmRSS")
+    return proc_status("VmRSS")
 
 
 def main() -> None:
