@@ -65,7 +65,7 @@ def settled(check, timeout=10.0):
 def test_rl_loop_snapshots_in_memory_sample_old_weights_and_stay_bounded(tmp_path):
     """The cookbook's pattern for 20 steps: a sampling client per step, sample, train. Each
     step's old client, sampled after the weights changed, reproduces its own samples exactly."""
-    with ServerThread(tmp_path / "state") as srv:
+    with ServerThread(tmp_path / "state", share_base=True) as srv:
         sc = srv.service_client()
         tc = sc.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
         runtime = srv.runtime
@@ -100,7 +100,7 @@ def test_rl_loop_snapshots_in_memory_sample_old_weights_and_stay_bounded(tmp_pat
 
 def test_budget_evicts_least_recently_used_snapshot_with_a_clear_error(tmp_path):
     per = adapter_bytes()
-    with ServerThread(tmp_path / "state", snapshot_memory=int(2.5 * per)) as srv:  # two snapshots fit
+    with ServerThread(tmp_path / "state", share_base=True, snapshot_memory=int(2.5 * per)) as srv:  # two snapshots fit
         sc = srv.service_client()
         tc = sc.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
         clients, results = [], []
@@ -123,7 +123,7 @@ def test_budget_evicts_least_recently_used_snapshot_with_a_clear_error(tmp_path)
 
 
 def test_snapshot_bigger_than_the_budget_is_written_to_disk(tmp_path):
-    with ServerThread(tmp_path / "state", snapshot_memory=1024) as srv:
+    with ServerThread(tmp_path / "state", share_base=True, snapshot_memory=1024) as srv:
         sc = srv.service_client()
         tc = sc.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
         sampler = tc.save_weights_and_get_sampling_client().result()
@@ -168,7 +168,7 @@ def _seqs(msg: pb.SampleResponse):
 
 
 def test_full_fine_tuning_snapshot_is_the_full_weights_in_memory(tmp_path):
-    with ServerThread(tmp_path / "state") as srv, raw_client(srv) as http:
+    with ServerThread(tmp_path / "state", share_base=True) as srv, raw_client(srv) as http:
         sid = http.post("/api/v1/create_session", json={}).json()["session_id"]
         fut = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0,
                                                        "base_model": "tiny"}).json()

@@ -23,7 +23,7 @@ RANK = 4
 def server(tmp_path_factory):
     base = weight_bytes("tiny", 4)
     # room for the shared base and a sampler copy, not for a full fine-tuning copy (4x)
-    with ServerThread(tmp_path_factory.mktemp("state"), api_keys={BOB: "bob"}, max_lora_adapters=1,
+    with ServerThread(tmp_path_factory.mktemp("state"), api_keys={BOB: "bob"}, share_base=True, max_lora_adapters=1,
                       max_memory=3 * base) as srv:
         yield srv
 
