@@ -8,9 +8,8 @@ import warnings
 import pytest
 import torch
 
-from skyrl_sdk.errors import DatumError, LossConfigError, UnknownLossError, UnknownNameError
+from skyrl_sdk.errors import DatumError, LossConfigError, UnknownLossError, UnknownNameError, did_you_mean
 from skyrl_sdk.losses import evaluate_loss
-from skyrl_sdk.registry import did_you_mean
 
 LP = torch.zeros(3)
 

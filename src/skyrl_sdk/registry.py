@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from .errors import DuplicateRegistrationError, PluginError, did_you_mean  # noqa: F401  (re-exported)
+from .errors import DuplicateRegistrationError, PluginError
 from .losses.base import LossSpec
 from .metrics import check_metric_key  # noqa: F401  (re-exported for plugin authors)
 
