@@ -109,14 +109,13 @@ def worker_main() -> None:
         return
     import torch.distributed as dist
 
+    from . import control
     from .session import TorchrunJob
 
     job = TorchrunJob.get()
     group = job.session.control_group
     while True:
-        out = [None]
-        dist.scatter_object_list(out, None, src=0, group=group)
-        engine_id, op, payload = out[0]
+        engine_id, op, payload = control.receive(group)
         if op == "exit":
             break
         reply = job.dispatcher.handle(engine_id, op, payload)

@@ -141,14 +141,14 @@ class TorchrunJob:
             if self.closed:
                 return
             self.closed = True
+        from . import control
+
         try:
-            out = [None]
-            dist.scatter_object_list(out, [(None, "exit", None)] * self.session.world_size, src=0,
-                                     group=self.session.control_group)
+            control.send([(None, "exit", None)] * self.session.world_size, self.session.control_group)
         except Exception:  # peers already gone: torchrun tears the job down anyway
             pass
-        # Shut the process groups down now, in order: left to interpreter teardown, gloo's
-        # threads were now and then destroyed while joinable, aborting rank 0 (SIGABRT).
+        control.keep_last_message_alive()
+        # Shut the process groups down now, in order, rather than leave it to interpreter teardown.
         try:
             dist.destroy_process_group()
         except Exception:

@@ -8,8 +8,8 @@ Two transports with one interface, ``request(op, payloads) -> list[result]``:
   The controller hosts the TCP store the ranks rendezvous through. While waiting it polls
   every rank's socket *and* its process, so a rank that dies is seen within a second.
 - :class:`CollectiveTransport` (``launcher="torchrun"``): this process is rank 0; requests
-  go to ranks 1..N-1 with ``scatter_object_list`` and answers come back with
-  ``gather_object`` over a gloo control group; rank 0 runs its own share in-process.
+  go to ranks 1..N-1 with :mod:`.control` and answers come back with ``gather_object``
+  over a gloo control group; rank 0 runs its own share in-process.
 
 Answers are ``("ok", result)`` or ``("error", details)``. When every rank failed "cleanly"
 (before its first collective) with the same error, the engine is still consistent and the
@@ -279,10 +279,10 @@ class CollectiveTransport(_Transport):
     def _exchange(self, op: str, payloads: Sequence[Any]):
         import torch.distributed as dist
 
+        from . import control
+
         group = self.job.session.control_group
-        out = [None]
-        dist.scatter_object_list(out, [(self.engine_id, op, p) for p in payloads], src=0, group=group)
-        local = self.job.dispatcher.handle(*out[0])
+        local = self.job.dispatcher.handle(*control.send([(self.engine_id, op, p) for p in payloads], group))
         gathered: list = [None] * self.world_size
         dist.gather_object(local, gathered, dst=0, group=group)
         return dict(enumerate(gathered)), {}, False
