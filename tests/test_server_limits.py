@@ -252,6 +252,10 @@ def test_config_from_cli_flags(tmp_path):
     assert (config.api_keys, config.session_timeout_s, config.max_seq_len, config.max_num_samples) == (
         {API_KEY: "alice"}, 30.0, 512, 4)
     assert ServerConfig().session_timeout_s == 300.0
+    # one shared base per model unless asked otherwise
+    assert config.share_base and ServerConfig().share_base
+    assert ServerConfig.from_args(build_parser().parse_args(["serve", "--share-base"])).share_base
+    assert not ServerConfig.from_args(build_parser().parse_args(["serve", "--no-share-base"])).share_base
 
 
 def test_server_start_cleans_interrupted_saves_and_protects_its_state_dir(tmp_path):

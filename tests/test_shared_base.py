@@ -67,6 +67,36 @@ def test_base_is_shared_not_copied():
         assert b.get_info().num_trainable_parameters == sum(p.numel() for _, p in b.engine.runner.named_trainable())
 
 
+def test_stats_read_tensors_only_in_the_adapters_turn(data, monkeypatch):
+    """stats() is asked from any thread (the server's memory check, its logs) while another
+    thread runs a backward that replaces ``p.grad`` in C++ without the GIL; reading the
+    tensors then corrupted the heap (glibc abort, 3 server test runs in 8). Every read of an
+    adapter's tensors must come from the thread that holds the base's turn; the byte counts
+    still follow the gradients and AdamW state."""
+    from skyrl_sdk.engines import offload, shared
+
+    readers: list[bool] = []
+    real = offload.adapter_bytes
+
+    def spy(runner):
+        gate = base.shared.gate
+        readers.append(gate._owner == threading.get_ident())
+        return real(runner)
+
+    monkeypatch.setattr(offload, "adapter_bytes", spy)
+    assert shared.offload is offload
+    with SharedBase("tiny") as base, base.backend(LORA_A) as a:
+        trainable = a.engine.runner.named_trainable()
+        params = sum(p.numel() * 4 for _, p in trainable)
+        assert base.stats()["adapters"][0]["bytes"] == params
+        a.forward_backward(data[0], "cross_entropy")
+        assert base.stats()["adapters"][0]["bytes"] == 2 * params  # weights + gradients
+        a.optim_step(ADAM)
+        # weights, AdamW's two moments and its step counter (a float32 scalar per tensor)
+        assert base.stats()["adapters"][0]["bytes"] == 3 * params + 4 * len(trainable)
+    assert readers and all(readers)
+
+
 def test_interleaved_adapters_equal_solo_backends(data, tmp_path):
     solo_a, solo_b = Backend("tiny", lora=LORA_A), Backend("tiny", lora=LORA_B)
     with SharedBase("tiny") as base:

@@ -278,8 +278,9 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="longest sequence accepted (default: each model's max_position_embeddings)")
     p.add_argument("--max-num-samples", type=int, default=None, metavar="N",
                    help="most samples one sample request may ask for (default 256)")
-    p.add_argument("--share-base", action="store_true",
-                   help="LoRA clients of a model share one copy of its weights (docs/server.md)")
+    p.add_argument("--share-base", action=argparse.BooleanOptionalAction, default=None,
+                   help="LoRA clients of a model share one copy of its weights (default: on; "
+                        "--no-share-base gives each client its own copy; docs/server.md)")
     p.add_argument("--max-lora-adapters", type=int, default=None, metavar="N",
                    help="LoRA adapters per shared base kept in memory; the least recently used beyond N "
                         "wait on disk (default: no limit)")

@@ -73,6 +73,10 @@ class Adapter:
     offloaded: Path | None = None
     last_used: int = 0
     closed: bool = False
+    #: bytes of its weights, pending gradients and AdamW state, measured at the end of its
+    #: last turn: only the turn's holder may read the tensors (a C++ backward on another
+    #: thread replaces ``p.grad`` without the GIL; reading it then corrupted the heap)
+    resident_bytes: int = 0
 
 
 def solo_name(key: str, adapter: str) -> str:
@@ -175,7 +179,7 @@ class SharedModel:
             params = [(solo_name(n, name), p) for n, p in self.module.named_parameters() if name in n.split(".")]
             runner = AdapterRunner(self.scoring, params, **self._runner_options)
             adapter = Adapter(name, label or name, lora, runner, sum(p.numel() for _, p in params),
-                              last_used=next(self._clock))
+                              last_used=next(self._clock), resident_bytes=offload.adapter_bytes(runner))
             with self._lock:
                 self.adapters[name] = adapter
             self._rebuild_scoring()
@@ -218,7 +222,10 @@ class SharedModel:
             if adapter.offloaded is not None:
                 self._reload(adapter)
             self.module.set_adapter(adapter.name)
-            yield
+            try:
+                yield
+            finally:
+                adapter.resident_bytes = offload.adapter_bytes(adapter.runner)
 
     @contextlib.contextmanager
     def _adapters_disabled(self) -> Iterator[None]:
@@ -274,13 +281,15 @@ class SharedModel:
 
     # ---- visibility -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """What is loaded: the base, each adapter (bytes in memory, or offloaded), offload counts."""
+        """What is loaded: the base, each adapter (bytes in memory, or offloaded), offload counts.
+
+        Any thread may ask, so it reads no tensor (see :attr:`Adapter.resident_bytes`)."""
         with self._lock:
             adapters = list(self.adapters.values())
         rows = [{
             "label": a.label, "adapter": a.name, "rank": a.lora.rank, "step": a.runner.step_count,
             "offloaded": a.offloaded is not None,
-            "bytes": 0 if a.offloaded is not None else offload.adapter_bytes(a.runner),
+            "bytes": 0 if a.offloaded is not None else a.resident_bytes,
         } for a in adapters]
         return {
             "model": self.model_name, "role": self.role, "dtype": self.config.dtype, "device": str(self.device),

@@ -104,10 +104,8 @@ class ServerConfig:
     session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
     max_seq_len: int | None = None
     max_num_samples: int = DEFAULT_MAX_NUM_SAMPLES
-    #: LoRA clients of a served model share one copy of its weights (local engine; docs/server.md).
-    #: Off by default in this release: an intermittent native abort when shared-base adapters
-    #: are released at shutdown is not diagnosed yet (in-process SharedBase is unaffected).
-    share_base: bool = False
+    #: LoRA clients of a served model share one copy of its weights (local engine; docs/server.md)
+    share_base: bool = True
     #: adapters per shared base whose tensors stay in memory (the least recently used beyond
     #: it wait in the state dir); None: no limit
     max_lora_adapters: int | None = None
@@ -138,7 +136,7 @@ class ServerConfig:
                 raise InputError(f"--{name.removesuffix('_s').replace('_', '-')}: expected a positive number, "
                                  f"got {value!r}")
         return cls(
-            share_base=bool(getattr(args, "share_base", False)),
+            share_base=getattr(args, "share_base", None) is not False,
             api_keys=read_api_keys(keys_file) if keys_file else {},
             max_memory=getattr(args, "max_memory", None),
             snapshot_memory=getattr(args, "snapshot_memory", None) or DEFAULT_SNAPSHOT_MEMORY,
