@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from skyrl_sdk.errors import InputError
 
+from . import control
 from .entrypoint import ENV_PREFIX
 
 
@@ -141,8 +142,6 @@ class TorchrunJob:
             if self.closed:
                 return
             self.closed = True
-        from . import control
-
         try:
             control.send([(None, "exit", None)] * self.session.world_size, self.session.control_group)
         except Exception:  # peers already gone: torchrun tears the job down anyway
