@@ -59,3 +59,12 @@ def test_tox_runs_every_server_test_file():
     tox = (ROOT / "tox.ini").read_text()
     listed = set(re.findall(r"tests/test_server\w*\.py", tox))
     assert listed == {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_server*.py")}
+
+
+def test_every_engine_author_name_is_documented():
+    """docs/engines.md names everything ``skyrl_sdk.engines`` exports (as code: `name...`)."""
+    import skyrl_sdk.engines
+
+    text = (ROOT / "docs" / "engines.md").read_text()
+    missing = [n for n in skyrl_sdk.engines.__all__ if not re.search(rf"`{re.escape(n)}\b", text)]
+    assert not missing, f"names in skyrl_sdk.engines.__all__ that docs/engines.md does not document: {missing}"

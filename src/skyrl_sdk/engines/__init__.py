@@ -22,6 +22,7 @@ from .export import (
     write_hf_weights_stream,
     write_tensor_stream,
 )
+from .local import LocalEngine
 from .modules import ScoringModel, count_parameters
 from .plain import datums_from_plain, datums_to_plain, loss_from_plain, loss_to_plain
 from .runner import ModelRunner
@@ -33,6 +34,8 @@ __all__ = [
     # building blocks
     "LoadedModel", "load_model", "load_tokenizer", "hf_model", "ScoringModel", "ModelRunner",
     "MetricAccumulator", "count_parameters", "generate",
+    # the built-in engine, to subclass when one step should differ
+    "LocalEngine",
     # memory: activation checkpointing per transformer block
     "transformer_blocks", "enable_activation_checkpointing",
     # multi-process engines: calls as plain data
