@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import skyrl_sdk
 from skyrl_sdk import types
 from skyrl_sdk.engines import enable_activation_checkpointing, transformer_blocks
-from skyrl_sdk.testing import assert_outputs_close, make_rl_data, make_sft_data, torch_threads
+from skyrl_sdk.testing import assert_outputs_close, grads_of, make_rl_data, make_sft_data, torch_threads
 
 DATA = make_sft_data([24, 31, 17, 40], seed=3)
 
@@ -18,10 +17,6 @@ DATA = make_sft_data([24, 31, 17, 40], seed=3)
 def one_thread():
     with torch_threads(1):
         yield
-
-
-def _grads(backend) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in backend.engine.runner.named_trainable() if p.grad is not None}
 
 
 def _assert_relative(a: dict, b: dict, tol: float) -> None:
@@ -47,7 +42,7 @@ def test_gradients_equal_without_checkpointing(role, lora, config, loss, data):
         cfg = {**config, "gradient_checkpointing": checkpointing}
         with skyrl_sdk.Backend(model="tiny", role=role, lora=lora, engine_config=cfg) as backend:
             out = backend.forward_backward(data, loss)
-            results.append((out, _grads(backend)))
+            results.append((out, grads_of(backend)))
     (out_plain, grads_plain), (out_ckpt, grads_ckpt) = results
     assert_outputs_close(out_ckpt, out_plain, atol=1e-6)
     _assert_relative(grads_ckpt, grads_plain, 1e-6)
@@ -62,7 +57,7 @@ def test_critic_gradients_equal_without_checkpointing():
         with skyrl_sdk.Backend(model="tiny", role="critic",
                                engine_config={"gradient_checkpointing": checkpointing}) as backend:
             backend.forward_backward(data, "value")
-            grads.append(_grads(backend))
+            grads.append(grads_of(backend))
     _assert_relative(grads[1], grads[0], 1e-6)
 
 

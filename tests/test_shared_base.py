@@ -64,7 +64,7 @@ def test_base_is_shared_not_copied():
         assert all(0 < r["bytes"] < 0.15 * stats["base_bytes"] for r in stats["adapters"])
         a.close()
         assert [r["rank"] for r in base.stats()["adapters"]] == [4]
-        assert b.get_info().num_trainable_parameters == sum(p.numel() for _, p in b.engine.runner.named_trainable())
+        assert b.get_info().num_trainable_parameters == sum(w.numel() for w in weights_of(b).values())
 
 
 def test_stats_read_tensors_only_in_the_adapters_turn(data, monkeypatch):
