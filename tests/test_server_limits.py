@@ -133,7 +133,7 @@ def test_sample_request_validated_before_num_samples(srv):
         assert f"{MAX_SEQ}-token limit" in _user_error(http, too_long)
         bad_param = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": [1, 2],
                                                        "sampling_params": {"temperature": "hot"}}).json()
-        assert "sampling_params.temperature" in _user_error(http, bad_param)
+        assert "SamplingParams.temperature" in _user_error(http, bad_param)
 
 
 def test_chunked_body_too_large_is_413(srv):

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import __version__
 from .checkpoint import atomic_directory, read_json, reject_symlinks, write_json
+from .checks import check_sample_counts
 from .coerce import (
     adam_params_from_any,
     data_from_any,
@@ -230,13 +231,9 @@ class Backend:
         and their logprobs (Tinker's field). Served by this Backend's sampler (``sampler=``).
         """
         params = sampling_params_from_any(sampling_params)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise InputError(f"num_samples: expected an integer >= 1, got {num_samples!r}")
+        num_samples, topk_prompt_logprobs = check_sample_counts(num_samples, topk_prompt_logprobs)
         if not isinstance(prompt_logprobs, bool):
             raise InputError(f"prompt_logprobs: expected true or false, got {prompt_logprobs!r}")
-        if isinstance(topk_prompt_logprobs, bool) or not isinstance(topk_prompt_logprobs, int) \
-                or topk_prompt_logprobs < 0:
-            raise InputError(f"topk_prompt_logprobs: expected an integer >= 0, got {topk_prompt_logprobs!r}")
         arrays = prompts_from_any(prompts)
         for i, tokens in enumerate(arrays):
             problem = token_range_problem(tokens, self.vocab_size)

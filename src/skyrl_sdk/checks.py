@@ -31,18 +31,36 @@ def check_number(
 
     Rejects bools, non-numbers, NaN and infinities; ``low``/``high`` are inclusive unless
     ``low_open``/``high_open``. numpy scalars are accepted and returned as Python numbers.
+    The message names ``what``, the whole expectation (kind and bounds) and the value.
     """
+    bounds = _bounds(low, high, low_open, high_open, integer)
     kind = "an integer" if integer else "a finite number"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
-        raise error(f"{what}: expected {kind}, got {value!r} ({type(value).__name__})")
+        raise error(f"{what}: expected {kind}{bounds}, got {value!r}")
     number = int(value) if integer else float(value)
     if not math.isfinite(number):
-        raise error(f"{what}: expected {kind}, got {value!r}")
-    if low is not None and (number <= low if low_open else number < low):
-        raise error(f"{what}: expected a value {'>' if low_open else '>='} {low}, got {value!r}")
-    if high is not None and (number >= high if high_open else number > high):
-        raise error(f"{what}: expected a value {'<' if high_open else '<='} {high}, got {value!r}")
+        raise error(f"{what}: expected {kind}{bounds}, got {value!r}")
+    if (low is not None and (number <= low if low_open else number < low)) or (
+            high is not None and (number >= high if high_open else number > high)):
+        raise error(f"{what}: expected {'an integer' if integer else 'a value'}{bounds}, got {value!r}")
     return number
+
+
+def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool, integer: bool) -> str:
+    """`` in 1..8`` (closed integer ranges), else `` >= 0.0``, `` > 0.0 and <= 1.0``, or ``""``."""
+    if integer and low is not None and high is not None and not (low_open or high_open):
+        return f" in {low}..{high}"
+    parts = [f"{'>' if low_open else '>='} {low}"] if low is not None else []
+    parts += [f"{'<' if high_open else '<='} {high}"] if high is not None else []
+    return " " + " and ".join(parts) if parts else ""
+
+
+def check_sample_counts(num_samples: Any, topk_prompt_logprobs: Any, *, max_num_samples: int | None = None,
+                        max_topk: int | None = None) -> tuple[int, int]:
+    """A sample call's ``num_samples`` (>= 1) and ``topk_prompt_logprobs`` (>= 0), checked alike
+    by ``Backend.sample`` and the server, which also bounds both from above."""
+    return (check_number("num_samples", num_samples, low=1, high=max_num_samples, integer=True),
+            check_number("topk_prompt_logprobs", topk_prompt_logprobs, low=0, high=max_topk, integer=True))
 
 
 def number_validator(

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import numpy as np
 
+from ..checks import check_number, check_sample_counts
 from ..errors import InputError
 from ..serde import model_input_from_json
 from ..types import SamplingParams
@@ -58,9 +59,7 @@ def integer(body: Mapping[str, Any], key: str, required: bool = True) -> int | N
     value = body.get(key)
     if value is None and not required:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InputError(f"{key}: expected a non-negative integer, got {value!r}")
-    return value
+    return check_number(key, value, low=0, integer=True)
 
 
 def flag(body: Mapping[str, Any], key: str) -> bool:
@@ -81,11 +80,7 @@ def _object(body: Mapping[str, Any], key: str) -> dict | None:
 
 def _ttl(body: Mapping[str, Any]) -> float | None:
     value = body.get("ttl_seconds")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise InputError(f"ttl_seconds: expected a positive number, got {value!r}")
-    return float(value)
+    return None if value is None else check_number("ttl_seconds", value, low=0, low_open=True)
 
 
 def session_id(body: Mapping[str, Any], key: str = "session_id") -> str:
@@ -186,51 +181,27 @@ def parse_sample_request(body: Mapping[str, Any], max_num_samples: int) -> Sampl
     prompt = model_input_from_json(body["prompt"]).to_numpy()
     if prompt.size == 0:
         raise InputError("sample: the prompt is empty")
-    num_samples = body.get("num_samples", 1)
-    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= max_num_samples:
-        raise InputError(f"num_samples: expected an integer in 1..{max_num_samples}, got {num_samples!r}")
     topk = body.get("topk_prompt_logprobs")
-    topk = 0 if topk is None else topk
-    if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= MAX_TOPK_PROMPT_LOGPROBS:
-        raise InputError(f"topk_prompt_logprobs: expected an integer in 0..{MAX_TOPK_PROMPT_LOGPROBS}, "
-                         f"got {topk!r}")
+    num_samples, topk = check_sample_counts(body.get("num_samples", 1), 0 if topk is None else topk,
+                                            max_num_samples=max_num_samples, max_topk=MAX_TOPK_PROMPT_LOGPROBS)
     params = sampling_params_from_json(body.get("sampling_params") or {})
     plp = flag(body, "prompt_logprobs")
     last_n = body.get("prompt_logprobs_last_n")
     if last_n is not None:
         if not plp:
             raise InputError("prompt_logprobs_last_n needs prompt_logprobs")
-        if not isinstance(last_n, int) or isinstance(last_n, bool) or not 1 <= last_n <= prompt.size - 1:
-            raise InputError(f"prompt_logprobs_last_n: expected 1..{prompt.size - 1}, got {last_n!r}")
+        last_n = check_number("prompt_logprobs_last_n", last_n, low=1, high=prompt.size - 1, integer=True)
     return SampleSpec(prompt=prompt, params=params, num_samples=num_samples, prompt_logprobs=plp,
                       prompt_logprobs_last_n=last_n, topk_prompt_logprobs=topk)
 
 
 def sampling_params_from_json(obj: Mapping[str, Any]) -> SamplingParams:
+    """``sampling_params``: SamplingParams checks every field it has (numbers through
+    :func:`~skyrl_sdk.checks.check_number`); other keys are ignored (a newer client may send more)."""
     if not isinstance(obj, Mapping):
         raise InputError(f"sampling_params: expected an object, got {type(obj).__name__}")
-    kwargs: dict[str, Any] = {}
-    for key in ("max_tokens", "temperature", "top_k", "top_p", "seed"):
-        value = obj.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InputError(f"sampling_params.{key}: expected a number, got {value!r}")
-        if key in ("temperature", "top_p"):
-            value = float(value)
-        elif not isinstance(value, int):
-            raise InputError(f"sampling_params.{key}: expected an integer, got {value!r}")
-        kwargs[key] = value
-    stop = obj.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None:
-        if not isinstance(stop, Sequence) or not all(
-            isinstance(s, str) or (isinstance(s, int) and not isinstance(s, bool)) for s in stop
-        ):
-            raise InputError(f"sampling_params.stop: expected strings or token ids, got {stop!r}")
-        kwargs["stop"] = tuple(stop)
-    return SamplingParams(**kwargs)
+    known = {f.name for f in attrs.fields(SamplingParams)}
+    return SamplingParams(**{k: v for k, v in obj.items() if k in known and v is not None})
 
 
 # ---- responses ----------------------------------------------------------------------------------
