@@ -194,6 +194,21 @@ def test_checkpoint_name_fullmatch_and_tinker_paths_in_errors(srv, model):
     assert srv.runtime.redact(f"cannot open {root}/scratch/x/y") == "cannot open <state-dir>/..."
 
 
+@pytest.mark.parametrize("route, body, says", [
+    ("save_weights_for_sampler", {}, "needs a path (a name) or a sampling_session_seq_id"),
+    ("save_weights_for_sampler", {"sampling_session_seq_id": "1"},
+     "sampling_session_seq_id: expected an integer >= 0, got '1'"),
+    ("save_weights_for_sampler", {"sampling_session_seq_id": 1, "kind": "frozen"}, "unknown kind 'frozen'"),
+    ("save_weights_for_sampler", {"path": "x", "ttl_seconds": 0}, "ttl_seconds: expected a value > 0, got 0"),
+    ("load_weights", {"path": "tinker://x/weights/y", "optimizer": "yes"}, "optimizer: expected true or false"),
+    ("load_weights", {"path": 3}, "expected a tinker:// path, got 3"),
+])
+def test_bad_save_and_load_fields_are_user_errors_naming_them(srv, model, route, body, says):
+    with raw_client(srv) as http:
+        answer = http.post(f"/api/v1/{route}", json={"model_id": model[1], **body}).json()
+        assert says in _user_error(http, answer)
+
+
 def test_retry_after_its_record_expired_is_refused(srv, model):
     rt = srv.runtime
     with raw_client(srv) as http:

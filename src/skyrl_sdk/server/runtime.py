@@ -201,15 +201,15 @@ class Runtime:
             return self._create(owner, req, plan, {"model_id": req.model_id, "path": req.path, "type": "load_weights"})
 
         def make(model: TrainingModel):
-            path, optimizer = body.get("path"), wire.flag(body, "optimizer")
-            _, directory = self.store.resolve_checkpoint(path, owner, kind="training")
+            req = wire.parse_load(body)
+            _, directory = self.store.resolve_checkpoint(req.path, owner, kind="training")
 
             def load() -> Result:
                 backend = model.require_backend()
                 self.sampling.before_weight_change(model)
-                backend.load_state(directory, optimizer=optimizer)
+                backend.load_state(directory, optimizer=req.optimizer)
                 model.version += 1
-                return Result.json({"path": path, "model_id": model.model_id, "type": "load_weights"})
+                return Result.json({"path": req.path, "model_id": model.model_id, "type": "load_weights"})
 
             return load
 
@@ -353,8 +353,8 @@ class Runtime:
 
     def save_weights_for_sampler(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
-            if body.get("path") is not None:
-                save = wire.parse_save(body)
+            req = wire.parse_sampler_save(body)
+            if (save := req.save) is not None:
                 tp = TinkerPath(model.model_id, "sampler", save.name)
                 directory = self.store.checkpoint_dir(tp)
 
@@ -364,16 +364,10 @@ class Runtime:
                     return Result.json({"path": str(tp), "type": "save_weights_for_sampler"})
 
                 return run_named
-            seq = body.get("sampling_session_seq_id")
-            if not isinstance(seq, int) or isinstance(seq, bool):
-                raise InputError("save_weights_for_sampler: needs a path (a name) or a sampling_session_seq_id")
-            kind = body.get("kind") or "snapshot"
-            if kind not in ("snapshot", "inflight"):
-                raise InputError(f"save_weights_for_sampler: unknown kind {kind!r} (snapshot or inflight)")
-            sid = f"{model.session_id}:sample:{seq}"
+            sid = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
 
             def run_ephemeral() -> Result:
-                self.sampling.add_ephemeral(model, sid, kind)
+                self.sampling.add_ephemeral(model, sid, req.kind)
                 return Result.json({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
             return run_ephemeral

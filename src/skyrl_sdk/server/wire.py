@@ -138,6 +138,45 @@ def parse_save(body: Mapping[str, Any]) -> Save:
     return Save(check_name(body.get("path")), flag(body, "overwrite"), _ttl(body), _object(body, "user_metadata"))
 
 
+@attrs.frozen
+class Load:
+    """load_weights into an existing model: which checkpoint (resolved by the store), and
+    whether its optimizer state comes too."""
+
+    path: Any
+    optimizer: bool
+
+
+def parse_load(body: Mapping[str, Any]) -> Load:
+    return Load(body.get("path"), flag(body, "optimizer"))
+
+
+#: sampling sessions save_weights_for_sampler makes without a path: pinned to the weights of
+#: the moment ("snapshot"), or always sampling the live weights ("inflight")
+SAMPLER_KINDS = ("snapshot", "inflight")
+
+
+@attrs.frozen
+class SamplerSave:
+    """save_weights_for_sampler: a named checkpoint (``save``), or else weights for the
+    sampling session ``sampling_session_seq_id`` of the given ``kind``."""
+
+    save: Save | None
+    sampling_session_seq_id: int | None = None
+    kind: str = "snapshot"
+
+
+def parse_sampler_save(body: Mapping[str, Any]) -> SamplerSave:
+    if body.get("path") is not None:
+        return SamplerSave(parse_save(body))
+    if body.get("sampling_session_seq_id") is None:
+        raise InputError("save_weights_for_sampler: needs a path (a name) or a sampling_session_seq_id")
+    kind = body.get("kind") or "snapshot"
+    if kind not in SAMPLER_KINDS:
+        raise InputError(f"save_weights_for_sampler: unknown kind {kind!r} (snapshot or inflight)")
+    return SamplerSave(None, integer(body, "sampling_session_seq_id"), kind)
+
+
 def parse_adam_params(body: Mapping[str, Any]) -> dict[str, Any]:
     """optim_step's ``adam_params`` as a dict of AdamParams fields."""
     if body.get("optimizer_params") is not None:
