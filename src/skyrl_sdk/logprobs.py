@@ -90,6 +90,13 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | N
     return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
 
 
+#: A head projection may define a method of this name, ``(hidden, targets, chunk,
+#: want_entropy) -> (lp, entropy)``, to run the fused path itself: an engine that wraps the
+#: projection (an FSDP2 unit, which gathers its weight only inside its own calls) installs
+#: one that calls :func:`linear_target_logprobs` within the wrapper's hooks.
+FUSED_METHOD = "fused_target_logprobs"
+
+
 def _plain_linear(head) -> torch.nn.Linear | None:
     """The head's nn.Linear when the fused path applies (no scale, softcap, wrapper or hook)."""
     proj = getattr(head, "proj", None)
@@ -98,6 +105,20 @@ def _plain_linear(head) -> torch.nn.Linear | None:
     if proj._forward_hooks or proj._forward_pre_hooks or torch.nn.modules.module._global_forward_hooks:
         return None
     return proj
+
+
+def _fused_entry(head) -> Callable | None:
+    """How to run the fused path for ``head``, or ``None`` for the generic one."""
+    if getattr(head, "scale", None) is not None or getattr(head, "softcap", None):
+        return None
+    entry = getattr(getattr(head, "proj", None), FUSED_METHOD, None)
+    if entry is not None:
+        return entry
+    proj = _plain_linear(head)
+    if proj is None:
+        return None
+    return lambda hidden, targets, chunk, want_entropy: linear_target_logprobs(
+        proj.weight, proj.bias, hidden, targets, chunk, want_entropy)
 
 
 def _logprobs_inplace(
@@ -223,6 +244,29 @@ class _LinearLogprobs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None
 
 
+def linear_target_logprobs(
+    weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor, targets: torch.Tensor,
+    chunk: int, want_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused path for a plain linear head, ``chunk`` tokens at a time: with gradients
+    through :class:`_LinearLogprobs`, without them chunk by chunk under no_grad. The entropy
+    is an empty tensor when not wanted."""
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    if grad:
+        return _LinearLogprobs.apply(hidden, weight, bias, targets, chunk, want_entropy)
+    with torch.no_grad():
+        compute = matmul_dtype(hidden, weight)
+        w, b = _cast(weight, compute), _cast(bias, compute)
+        lps, ents = [], []
+        for start in range(0, hidden.shape[0], chunk):
+            logits = F.linear(_cast(hidden[start : start + chunk], compute), w, b).float()
+            lp, ent, _, _ = _logprobs_inplace(logits, targets[start : start + chunk], want_entropy, False)
+            lps.append(lp)
+            ents.append(ent)
+        return torch.cat(lps), (torch.cat(ents) if want_entropy else lps[0].new_zeros(0))
+
+
 def target_logprobs(
     hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
@@ -241,23 +285,10 @@ def target_logprobs(
     vocab = max(1, vocab_size)
     chunked = num_tokens * vocab > chunk_elements
     chunk = max(1, min(chunk_elements, CHUNK_ELEMENTS) // vocab) if chunked else max(1, num_tokens)
-    proj = _plain_linear(head)
-    if proj is not None and num_tokens > 0:
-        grad = torch.is_grad_enabled() and (hidden.requires_grad or proj.weight.requires_grad
-                                            or (proj.bias is not None and proj.bias.requires_grad))
-        if grad:
-            lp, ent = _LinearLogprobs.apply(hidden, proj.weight, proj.bias, targets, chunk, want_entropy)
-            return lp, (ent if want_entropy else None)
-        with torch.no_grad():
-            compute = matmul_dtype(hidden, proj.weight)
-            w, b = _cast(proj.weight, compute), _cast(proj.bias, compute)
-            lps, ents = [], []
-            for start in range(0, num_tokens, chunk):
-                logits = F.linear(_cast(hidden[start : start + chunk], compute), w, b).float()
-                lp, ent, _, _ = _logprobs_inplace(logits, targets[start : start + chunk], want_entropy, False)
-                lps.append(lp)
-                ents.append(ent)
-            return torch.cat(lps), (torch.cat(ents) if want_entropy else None)
+    fused = _fused_entry(head) if num_tokens > 0 else None
+    if fused is not None:
+        lp, ent = fused(hidden, targets, chunk, want_entropy)
+        return lp, (ent if want_entropy else None)
     if not chunked:
         lp, ent = _score(head(hidden), targets, want_entropy)
         return lp, (ent if want_entropy else None)

@@ -189,3 +189,29 @@ def test_tied_embeddings(tmp_path):
     finally:
         fsdp.close()
         local.close()
+
+
+def test_which_modules_get_fsdp_units_of_their_own(tmp_path):
+    """Untied embedding and plain head: units of their own (the root would keep them gathered
+    for the whole step); a LoRA-wrapped head, a critic's value head or a tied pair: the root."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from skyrl_sdk.engines import ScoringModel, hf_model, load_model
+    from skyrl_sdk_fsdp.parallelize import _untied_embedding_and_head
+
+    def units(model, role="policy", lora=None):
+        loaded = load_model(model, role=role, lora=lora)
+        scoring = ScoringModel(loaded.module, role)
+        embedding, head = _untied_embedding_and_head(scoring)
+        inner = hf_model(loaded.module)
+        return (embedding is inner.get_input_embeddings(),
+                head is not None and head is inner.get_output_embeddings())
+
+    assert units("tiny") == (True, True)
+    assert units("tiny", lora=LORA) == (True, False)  # train_unembed: peft wraps lm_head
+    assert units("tiny", lora=types.LoraConfig(rank=4, train_unembed=False)) == (True, True)
+    assert units("tiny", role="critic") == (True, False)
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied")
+    assert units(str(tmp_path / "tied")) == (False, False)

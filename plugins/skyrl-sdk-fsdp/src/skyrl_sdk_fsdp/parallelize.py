@@ -1,15 +1,30 @@
 """Applying FSDP2 to a scoring model, from outside the training logic (as torchtitan does).
 
-:func:`parallelize` shards every transformer block, then the root, and makes gradients
-reduce by SUM; nothing else in the plugin knows how the model is sharded.
+:func:`parallelize` shards every transformer block, the input embedding and the output head
+(each its own unit when they are not tied), then the root, and makes gradients reduce by
+SUM; nothing else in the plugin knows how the model is sharded.
+
+Why the embedding and head get units of their own: in the root they (half of a 100M model's
+parameters at a 32k vocabulary) would stay gathered, with their unsharded gradients, for the
+whole step. As units, the embedding is gathered only around its own forward and backward,
+and the head's gradient is reduce-scattered as soon as backward leaves it.
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from skyrl_sdk.engines import ScoringModel, enable_activation_checkpointing, transformer_blocks
+from skyrl_sdk.engines import (
+    FUSED_METHOD,
+    ScoringModel,
+    enable_activation_checkpointing,
+    hf_model,
+    linear_target_logprobs,
+    transformer_blocks,
+)
 
 
 class ShardedScoringModel(ScoringModel):
@@ -34,7 +49,7 @@ def parallelize(
     Returns the loss scale the runner must apply (1, or world size on a torch without
     ``set_force_sum_reduction_for_comms``, whose reduce-scatter averages).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     if gradient_checkpointing:
         enable_activation_checkpointing(scoring.model)
@@ -43,6 +58,14 @@ def parallelize(
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in transformer_blocks(scoring.model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    embedding, head = _untied_embedding_and_head(scoring)
+    if embedding is not None:
+        fully_shard(embedding, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    if head is not None:
+        # last in forward, first in backward: keep it gathered in between (as FSDP2 does for a root)
+        fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        setattr(head, FUSED_METHOD, types.MethodType(_fused_target_logprobs, head))
+        register_fsdp_forward_method(head, FUSED_METHOD)
     fully_shard(scoring, mesh=mesh, mp_policy=policy)
     loss_scale = 1
     for m in scoring.modules():
@@ -56,6 +79,31 @@ def parallelize(
         else:  # pragma: no cover - older torch: undo the mean with a loss scale
             loss_scale = mesh.size()
     return loss_scale
+
+
+def _untied_embedding_and_head(scoring: ScoringModel) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The input embedding and the policy's plain linear head, when they share no weight.
+
+    A tied pair stays in the root (one parameter cannot live in two units); a head that is
+    not a plain ``nn.Linear`` (LoRA-wrapped, soft-capped, a critic's value head) stays there
+    too, since only the fused path is routed through the unit's hooks (``FUSED_METHOD``).
+    """
+    inner = hf_model(scoring.model)
+    embedding = inner.get_input_embeddings()
+    head = scoring.head.proj if scoring.role == "policy" else None
+    plain_head = (type(head) is torch.nn.Linear and scoring.head.scale is None and not scoring.head.softcap)
+    shared = {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()} if head is not None else set()
+    if shared:
+        return None, None
+    return embedding, (head if plain_head else None)
+
+
+def _fused_target_logprobs(self, hidden, targets, chunk, want_entropy):
+    """The head unit's fused scoring, called through FSDP2's forward hooks: ``self.weight`` is
+    the gathered weight here, and the gradient of ``hidden`` triggers the reduce-scatter."""
+    lp, entropy = linear_target_logprobs(self.weight, self.bias, hidden, targets, chunk, want_entropy)
+    # never a view out of an FSDP unit (see ShardedScoringModel); a copy of T floats
+    return (lp.clone() if lp._base is not None else lp), entropy
 
 
 def reshard(module: torch.nn.Module) -> None:
