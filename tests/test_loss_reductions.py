@@ -1,5 +1,5 @@
 """loss_reduction: each reduction against its formula, computed independently from the HF model,
-for several micro-batch layouts and (one case) the fsdp engine with 2 ranks."""
+for several micro-batch layouts and for the fsdp engine with 2 ranks (every reduction, KL and entropy terms)."""
 
 from __future__ import annotations
 
@@ -259,35 +259,99 @@ def test_critic_default_loss_is_value_and_skyrl_alias_and_reductions():
 # ---- fsdp, 2 ranks -----------------------------------------------------------------------
 
 
+FSDP_CASES = [  # (reduction, kl_coef, entropy_coef): every reduction, each with a KL and/or an entropy term
+    ("sum", 0.05, 0.0),
+    ("token_mean", 0.0, 0.01),
+    ("seq_mean_token_mean", 0.05, 0.02),
+    ("seq_mean_token_sum", 0.0, 0.02),
+    ("seq_mean_token_sum_norm", 0.1, 0.03),
+]
+
+
+def references_with_terms(data_by_kl, cases):
+    """Per case, the formula of ``terms.py`` by plain autograd on the HF model (one forward, one backward
+    per case): reduce(ppo) + kl_coef * reduce(m * k3) - entropy_coef * reduce(m * H).
+    Returns per case {metric: value} and the gradients by parameter name."""
+    model = load_model("tiny", seed=0).module
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    per_token = {}  # (with_kl) -> (pg, kl, entropy, masks), lists over datums
+    for with_kl, data in data_by_kl.items():
+        pg, kl, ent, masks = [], [], [], []
+        for d in data:
+            ids = torch.from_numpy(d.model_input.to_numpy()).unsqueeze(0)
+            logp_all = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            inputs = {k: v.array for k, v in d.loss_fn_inputs.items()}
+            lp = logp_all.gather(1, torch.from_numpy(inputs["target_tokens"]).unsqueeze(1)).squeeze(1)
+            m = torch.from_numpy(inputs["weights"])
+            pg.append(ppo_per_token(lp, inputs))
+            x = torch.from_numpy(inputs["logprobs"] - 0.2) - lp  # ref_logprobs - lp: k3
+            kl.append((torch.exp(x) - x - 1) * m)
+            ent.append(-(logp_all.exp() * logp_all).sum(-1) * m)
+            masks.append(inputs["weights"])
+        per_token[with_kl] = pg, kl, ent, masks
+    out = []
+    for reduction, kl_coef, entropy_coef in cases:
+        pg, kl, ent, masks = per_token[bool(kl_coef)]
+        pg_loss, kl_loss, entropy = (reduce_reference(x, masks, reduction) for x in (pg, kl, ent))
+        total = pg_loss + kl_coef * kl_loss - entropy_coef * entropy
+        grads = torch.autograd.grad(total, [p for _, p in params], retain_graph=True, allow_unused=True)
+        metrics = {"loss:sum": float(total.detach()), "total_loss:sum": float(total.detach()),
+                   "pg_loss:sum": float(pg_loss.detach())}
+        if kl_coef:
+            metrics["kl_loss:sum"] = float(kl_loss.detach())
+        if entropy_coef:
+            metrics["entropy_loss:sum"] = float(sum(e.sum() for e in ent).detach())
+        out.append((metrics, {n: g for (n, _), g in zip(params, grads, strict=True) if g is not None}))
+    return out
+
+
 @pytest.mark.distributed
 def test_fsdp_two_ranks_match_the_local_engine_and_the_formula(tmp_path):
-    """Normalizers are per call, so the 2-rank split changes nothing (KL term included)."""
+    """Normalizers are per call, so the 2-rank split changes nothing: every reduction, with KL and entropy
+    terms, on one local Backend and then one fsdp Backend (gradients zeroed between the cases)."""
     pytest.importorskip("skyrl_sdk_fsdp")
-    data = rl_data_with_weights([7, 12, 3, 20, 9], seed=4)
-    cfg = {"loss_reduction": "seq_mean_token_mean", "kl_coef": 0.05}
-    for d in data:
-        d.loss_fn_inputs["ref_logprobs"] = types.TensorData(d.loss_fn_inputs["logprobs"].array - 0.2)
+    no_kl = rl_data_with_weights([7, 12, 3, 20, 9], seed=4)
+    with_kl = [types.Datum(model_input=d.model_input,
+                           loss_fn_inputs={**d.loss_fn_inputs,
+                                           "ref_logprobs": types.TensorData(d.loss_fn_inputs["logprobs"].array - 0.2)})
+               for d in no_kl]
+    data_by_kl = {False: no_kl, True: with_kl}
+    configs = [config_for(r, kl_coef=kl, entropy_coef=ent) for r, kl, ent in FSDP_CASES]
+    names = [f"{r} kl_coef={kl} entropy_coef={ent}" for r, kl, ent in FSDP_CASES]
+
+    local_runs = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks' thread count: the same float rounding on both sides
     try:
         with skyrl_sdk.Backend(seed=0, engine_config={"micro_batch_tokens": 1}) as local:
             local.save_state(tmp_path / "init")
-            ref = local.forward_backward(data, "ppo", cfg)
-            ref_grads = {n: g.numpy() for n, g in grads_of(local).items()}
+            for (_, kl, _), cfg in zip(FSDP_CASES, configs, strict=True):
+                local.zero_grad()
+                out = local.forward_backward(data_by_kl[bool(kl)], "ppo", cfg)
+                local_runs.append((out.metrics, {n: g.numpy() for n, g in grads_of(local).items()}))
     finally:
         torch.set_num_threads(threads)
-    no_kl = [types.Datum(model_input=d.model_input,
-                         loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k != "ref_logprobs"})
-             for d in data]
-    ref_loss, _ = reference(no_kl, ppo_per_token, "seq_mean_token_mean")
-    assert ref.metrics["pg_loss:sum"] == pytest.approx(ref_loss, rel=2e-5)
+
+    # the local engine against the formula
+    for case, (metrics, grads), (expected, f_grads) in zip(
+            names, local_runs, references_with_terms(data_by_kl, FSDP_CASES), strict=True):
+        for key, value in expected.items():
+            assert metrics[key] == pytest.approx(value, rel=2e-5, abs=1e-6), (case, key)
+        assert_tensors_close(grads, f_grads, atol=2e-5, rtol=1e-4, what=case)
+
+    # fsdp with 2 ranks against the local engine
     with skyrl_sdk.Backend(model="tiny", engine="fsdp",
                            engine_config={"world_size": 2, "micro_batch_tokens": 1}) as fsdp:
         fsdp.load_state(tmp_path / "init")
-        out = fsdp.forward_backward(data, "ppo", cfg)
-        fsdp_grads = fsdp.engine.gradients()
-    for key in ("loss:sum", "pg_loss:sum", "kl_loss:sum"):
-        assert out.metrics[key] == pytest.approx(ref.metrics[key], rel=1e-5), key
-    assert fsdp_grads.keys() == ref_grads.keys()
-    for name, g in ref_grads.items():
-        np.testing.assert_allclose(np.asarray(fsdp_grads[name]), g, atol=1e-6, rtol=1e-5, err_msg=name)
+        for (_, kl, ent), cfg, case, (metrics, grads) in zip(FSDP_CASES, configs, names, local_runs, strict=True):
+            fsdp.zero_grad()
+            out = fsdp.forward_backward(data_by_kl[bool(kl)], "ppo", cfg)
+            keys = ["loss:sum", "total_loss:sum", "pg_loss:sum"] + ["kl_loss:sum"] * bool(kl) \
+                + ["entropy_loss:sum"] * bool(ent)
+            for key in keys:
+                assert out.metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), (case, key)
+            fsdp_grads = fsdp.engine.gradients()
+            assert fsdp_grads.keys() == grads.keys(), case
+            for name, g in grads.items():
+                np.testing.assert_allclose(np.asarray(fsdp_grads[name]), g, atol=1e-6, rtol=1e-5,
+                                           err_msg=f"{case}: {name}")
