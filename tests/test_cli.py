@@ -302,6 +302,8 @@ def test_serve_refuses_to_start_with_the_reason(argv, expected, tmp_path, capsys
     assert expected in err, err
     if "fsdpp" in argv:
         assert err.rstrip().endswith("did you mean 'fsdp'?")
+    if "devcie" in argv[-1]:
+        assert err.rstrip().endswith("did you mean 'device'?")
     assert not (tmp_path / "s").exists()
 
 

@@ -8,7 +8,15 @@ import warnings
 import pytest
 import torch
 
-from skyrl_sdk.errors import DatumError, LossConfigError, UnknownLossError, UnknownNameError, did_you_mean
+from skyrl_sdk import coerce
+from skyrl_sdk.errors import (
+    DatumError,
+    InputError,
+    LossConfigError,
+    UnknownLossError,
+    UnknownNameError,
+    did_you_mean,
+)
 from skyrl_sdk.losses import evaluate_loss
 
 LP = torch.zeros(3)
@@ -58,6 +66,65 @@ def test_no_suggestion_when_nothing_is_close():
     with pytest.raises(UnknownLossError) as exc:
         evaluate_loss("xyzzy_quux", LP, {}, dialect="tinker")
     assert "did you mean" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "build, field, typo, close",
+    [
+        (lambda: _engine_config({"devcie": "cpu"}), "engine_config: unknown key", "devcie", "device"),
+        (lambda: _engine("locl"), "unknown engine", "locl", "local"),
+        (lambda: _model("tny"), "model", "tny", "tiny"),
+        (lambda: coerce.adam_params_from_any({"learning_rat": 1e-3}), "AdamParams: unknown keys",
+         "learning_rat", "learning_rate"),
+        (lambda: coerce.lora_config_from_any({"rnak": 4}), "LoraConfig: unknown keys", "rnak", "rank"),
+        (lambda: coerce.sampling_params_from_any({"max_token": 4}), "SamplingParams: unknown keys",
+         "max_token", "max_tokens"),
+    ],
+)
+def test_misspelt_names_and_keys_get_a_suggestion(build, field, typo, close):
+    with pytest.raises(InputError) as exc:
+        build()
+    message = str(exc.value)
+    assert message.startswith(field) and repr(typo) in message, message
+    assert message.endswith(f"; did you mean {close!r}?"), message
+
+
+def test_each_close_key_is_suggested_and_a_far_one_is_not():
+    with pytest.raises(InputError) as exc:
+        coerce.adam_params_from_any({"learning_rat": 1e-3, "bta1": 0.9, "zzz": 1})
+    assert str(exc.value).endswith("; did you mean 'beta1' for 'bta1', 'learning_rate' for 'learning_rat'?")
+    for build in (lambda: coerce.adam_params_from_any({"zzz": 1}), lambda: _engine_config({"zzzzz": 1}),
+                  lambda: _model("/no/such/model")):
+        with pytest.raises(InputError) as exc:
+            build()
+        assert "did you mean" not in str(exc.value)
+
+
+def _engine_config(cfg):
+    from skyrl_sdk import Backend
+
+    return Backend(engine_config=cfg)  # the same check serves `skyrl-sdk serve --engine-config`
+
+
+def _engine(name):
+    from skyrl_sdk.plugins import get_registry
+
+    return get_registry().engine_spec(name)  # what `skyrl-sdk serve --engine` asks
+
+
+def _model(name):
+    from skyrl_sdk import Backend
+
+    return Backend(model=name)
+
+
+@pytest.mark.xfail(strict=True, reason="Backend builds its own unknown-engine message; it should ask "
+                                       "get_registry().engine_spec(engine) like serve does")
+def test_backend_suggests_the_close_engine():
+    from skyrl_sdk import Backend
+
+    with pytest.raises(UnknownNameError, match=r"unknown engine 'locl'.*did you mean 'local'\?"):
+        Backend(engine="locl")
 
 
 def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from .errors import ModelLoadError
+from .errors import ModelLoadError, did_you_mean
 from .types import LoraConfig
 from .value_head import VALUE_HEAD, ValueHeadModel, initial_value_head
 from .weight_files import read_rows, weight_files
@@ -171,7 +171,7 @@ def _load_config(name: str):
     if not path.is_dir():
         raise ModelLoadError(
             f"model {name!r}: not 'tiny' and not a local directory (no model hub is used; "
-            f"pass the path of a Hugging Face model directory)"
+            f"pass the path of a Hugging Face model directory){did_you_mean(name, [TINY_NAME])}"
         )
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model {name!r}: directory has no config.json")

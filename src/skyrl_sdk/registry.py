@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from .errors import DuplicateRegistrationError, PluginError
+from .errors import DuplicateRegistrationError, PluginError, UnknownNameError, did_you_mean
 from .losses.base import LossSpec
 from .metrics import check_metric_key  # noqa: F401  (re-exported for plugin authors)
 
@@ -145,6 +145,16 @@ class Registry:
         spec = EngineSpec(name=name, factory=factory, description=description)
         self._claim("engine", name, plugin)
         self.engines[name] = spec
+        return spec
+
+    def engine_spec(self, name: str) -> EngineSpec:
+        """The engine registered as ``name``, or :class:`UnknownNameError` listing the available
+        ones, with a "did you mean" for a typo (``Backend`` and ``skyrl-sdk serve`` say the same)."""
+        spec = self.engines.get(name) if isinstance(name, str) else None
+        if spec is None:
+            hint = " (engine 'fsdp' comes with: pip install skyrl-sdk-fsdp)" if name == "fsdp" else ""
+            raise UnknownNameError(f"unknown engine {name!r}; available: {sorted(self.engines)}"
+                                   f"{did_you_mean(name, self.engines)}{hint}")
         return spec
 
     # -- samplers ------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 import uvicorn  # the [server] extra: imported here so `skyrl-sdk serve` can say what to install
 
-from .errors import InputError, SkyrlError, did_you_mean
+from .errors import InputError, SkyrlError
 from .server.app import _is_loopback, create_app
 from .server.config import ServerConfig
 
@@ -33,11 +33,10 @@ def check_engine(engine: str) -> None:
     """The engine is registered (a plugin engine needs its package installed)."""
     from .plugins import get_registry
 
-    engines = get_registry().engines
-    if engine not in engines:
-        hint = " (engine 'fsdp' comes with: pip install skyrl-sdk-fsdp)" if engine == "fsdp" else ""
-        raise InputError(f"--engine: unknown engine {engine!r}; available: {sorted(engines)}"
-                         f"{did_you_mean(engine, engines)}{hint}")
+    try:
+        get_registry().engine_spec(engine)
+    except InputError as exc:
+        raise InputError(f"--engine: {exc}") from None
 
 
 def check_model_files(model: str) -> None:

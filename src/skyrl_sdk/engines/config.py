@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from ..checks import check_number
-from ..errors import InputError
+from ..errors import InputError, did_you_mean
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Compute dtypes the engines run. float16 would need a dynamic loss scaler (its 5-bit
@@ -110,7 +110,7 @@ class EngineConfig:
         extra = {k: cfg.pop(k) for k in list(cfg) if k in extra_keys}
         for key in cfg:
             if key not in known:
-                raise InputError(
-                    f"engine_config: unknown key {key!r}; accepted keys: {sorted(known | set(extra_keys))}"
-                )
+                accepted = sorted(known | set(extra_keys))
+                raise InputError(f"engine_config: unknown key {key!r}; accepted keys: {accepted}"
+                                 f"{did_you_mean(key, accepted)}")
         return cls(**cfg, extra=extra)
