@@ -36,6 +36,11 @@ class TensorSpec:
     def of(cls, tensor: torch.Tensor) -> TensorSpec:
         return cls(tuple(tensor.shape), tensor.dtype)
 
+    def problem(self, tensor: torch.Tensor, *, non_negative: bool = False) -> str | None:
+        """What makes a saved ``tensor`` unfit to fill this spec (``None``: nothing): its dtype,
+        its shape, then its values (finite; with ``non_negative`` also >= 0, as a second moment)."""
+        return _tensor_problem(tensor, self) or _value_problem(tensor, non_negative)
+
 
 @attrs.frozen
 class StateLayout:
@@ -148,7 +153,7 @@ def _check_weights(file: Path, layout: StateLayout, keep: bool) -> dict[str, tor
             tensor = _read(f, file, key)
             if key in layout.aliases:  # a tied name: checked against nothing, loaded through its target
                 continue
-            problem = _tensor_problem(tensor, spec) or _value_problem(tensor)
+            problem = spec.problem(tensor)
             if problem:
                 problems.add(key, problem)
             elif keep:
@@ -189,7 +194,7 @@ def _check_moments(file: Path, layout: StateLayout, keep: bool) -> tuple[dict[st
                         if keep:
                             kept[key] = tensor
                     continue
-                problem = _tensor_problem(tensor, spec) or _value_problem(tensor, non_negative=kind == "exp_avg_sq")
+                problem = spec.problem(tensor, non_negative=kind == "exp_avg_sq")
                 if problem:
                     problems.add(key, problem)
                 elif keep:

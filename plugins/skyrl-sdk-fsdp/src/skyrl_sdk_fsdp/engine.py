@@ -173,7 +173,9 @@ class FSDPEngine:
         step, _ = check_engine_metadata(metadata, str(directory))
         state_format = metadata.get("state_format", "full")
         if state_format == "sharded":
-            self._check_sharded(directory / SHARDED_DIR, optimizer)
+            from .sharded_state import check_sharded
+
+            check_sharded(directory / SHARDED_DIR, self._state_layout, optimizer)  # every value too
             steps: dict[str, float] = {}
         elif state_format == "full":
             steps = check_state_files(directory, self._state_layout, optimizer=optimizer).steps
@@ -181,41 +183,6 @@ class FSDPEngine:
             raise CheckpointError(f"{directory}: unknown state_format {state_format!r}")
         self._all("load_state", directory=str(directory), optimizer=bool(optimizer),
                   step=step, state_format=state_format, optimizer_steps=steps)
-
-    def _check_sharded(self, folder: Path, optimizer: bool) -> None:
-        """Shapes and dtypes of a ``torch.distributed.checkpoint`` folder, from its metadata.
-
-        (Its values are only read by the ranks; the metadata file is a pickle written by
-        torch, so load sharded states from your own storage only.)
-        """
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder.parent}: missing the sharded checkpoint folder {folder.name!r}")
-        try:
-            saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-        except Exception as exc:
-            raise CheckpointError(f"{folder}: unreadable sharded checkpoint metadata: {exc}") from None
-        layout = self._state_layout
-        expected = {f"model.{k}": (spec, True) for k, spec in layout.weights.items()}
-        if optimizer:
-            for name, spec in layout.trainable.items():
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    expected[f"optim.state.{name}.{kind}"] = (spec, False)
-        problems = []
-        for key, (spec, required) in expected.items():
-            meta = saved.get(key)
-            if meta is None:
-                if required:
-                    problems.append(f"{key}: missing")
-            elif not isinstance(meta, TensorStorageMetadata):
-                problems.append(f"{key}: not a tensor")
-            elif tuple(meta.size) != spec.shape or meta.properties.dtype != spec.dtype:
-                problems.append(f"{key}: {list(meta.size)} {meta.properties.dtype}, expected "
-                                f"{list(spec.shape)} {spec.dtype}")
-        if problems:
-            raise CheckpointError(f"{folder}: sharded state does not fit this model: " + "; ".join(problems[:5]))
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         self._all("export_weights", directory=str(directory), merge_lora=bool(merge_lora))

@@ -46,7 +46,9 @@ class FSDPOptions:
       controller (spawn launcher); default none (dead or failing ranks are detected anyway).
     - ``state_format``: what ``save_state`` writes: ``"full"`` (default; the local engine's
       files, portable between engines and world sizes) or ``"sharded"``
-      (``torch.distributed.checkpoint``: every rank writes its shard; fsdp only).
+      (``torch.distributed.checkpoint``: every rank writes its shard; fsdp only). Its
+      ``.metadata`` is a pickle: it is read through an allow-list, but load sharded states
+      only from your own storage (the server loads only checkpoints it saved itself).
     - ``reshard_after_forward``: FSDP2's option for the transformer blocks (default True:
       least memory; False keeps gathered blocks from forward to backward).
     - ``threads_per_rank``: torch / OpenMP threads per CPU rank (default: cores / world_size).

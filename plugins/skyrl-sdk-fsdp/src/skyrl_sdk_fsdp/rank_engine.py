@@ -221,18 +221,19 @@ class RankEngine:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / SHARDED_DIR))
 
     def _load_sharded(self, directory: Path, optimizer: bool) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        # The controller checked every value first (sharded_state.check_sharded). Only the
+        # tensors are read: the optimizer's param_groups stay this engine's own.
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+        from .sharded_state import load_sharded
 
         opt = self.runner._ensure_optimizer()
         model_sd, optim_sd = get_state_dict(self.loaded.module, opt)
-        state = {"model": model_sd, "optim": optim_sd} if optimizer else {"model": model_sd}
-        dcp.load(state, checkpoint_id=str(directory / SHARDED_DIR))
+        state = {"model": model_sd, "optim": {"state": optim_sd["state"]}} if optimizer else {"model": model_sd}
+        load_sharded(state, directory / SHARDED_DIR)
         if optimizer:
-            set_state_dict(self.loaded.module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(self.loaded.module, opt, model_state_dict=state["model"], optim_state_dict=optim_sd)
         else:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
             set_model_state_dict(self.loaded.module, state["model"])
 
     # ---- export / sampling ------------------------------------------------------------
