@@ -253,16 +253,19 @@ class ModelRunner:
 
 
 def _can_fuse_adamw(params: Sequence[torch.Tensor]) -> bool:
-    """Plain (non-sharded) floating tensors on CPU or CUDA: torch's fused AdamW kernel applies.
+    """Floating tensors (plain, or DTensors whose shards are plain) on CPU or CUDA: torch's
+    fused AdamW kernel applies.
 
     It computes the same update as the default implementation (to float rounding, ~1e-8
-    relative) about 5x faster on CPU, where the for-loop AdamW is a visible part of a step.
-    Sharded (DTensor) parameters keep the default implementation.
+    relative) about 5x faster on CPU, where the for-loop AdamW is a visible part of a step,
+    and makes no temporaries: on FSDP ranks the for-loop's ``sqrt(v)`` copy of the largest
+    shard was the step's peak (100M Llama, 2 ranks: 1230 -> 1136 MiB per rank).
     """
     if not params:
         return False
     for p in params:
-        if type(p) is not torch.nn.Parameter or type(p.data) is not torch.Tensor:
+        local = p.to_local() if hasattr(p, "to_local") else p.data
+        if type(local) is not torch.Tensor:
             return False
         if p.device.type not in ("cpu", "cuda") or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
