@@ -15,8 +15,8 @@ pytest.importorskip("skyrl_sdk_fsdp")
 psutil = pytest.importorskip("psutil")
 
 import skyrl_sdk
-from skyrl_sdk.errors import EngineError
-from skyrl_sdk.testing import make_sft_data
+from skyrl_sdk.errors import EngineError, PluginError
+from skyrl_sdk.testing import fresh_plugins, make_sft_data, plugin_site  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.distributed
 
@@ -76,6 +76,35 @@ def test_rank_failing_mid_collective(mode, cause):
     assert "create a new Backend" in message
     assert _wait_gone(pids) == []  # the stuck rank 0 was stopped right away
     backend.close()
+
+
+MALFORMED_LOSS = """
+    import skyrl_sdk
+
+    def fn(batch, config):
+        return {"loss": -batch.target_logprobs.sum()}   # a dict, not a LossOutput
+
+    @skyrl_sdk.hookimpl
+    def skyrl_sdk_register_losses(register):
+        register("fsdp_malformed", fn, description="returns a dict",
+                 required_inputs=("target_tokens",), optional_inputs=("weights",))
+"""
+
+
+def test_plugin_fault_on_the_ranks_arrives_as_plugin_error(fresh_plugins, plugin_site):  # noqa: F811
+    """A loss plugin's malformed output, raised on every rank, reaches the caller as the
+    PluginError naming the loss and its plugin (not a generic EngineError)."""
+    plugin_site("skyrl-fsdp-malformed", {"skyrl_fsdp_malformed": MALFORMED_LOSS},
+                {"malformed": "skyrl_fsdp_malformed"})
+    backend = _backend()
+    pids = backend.engine.rank_pids
+    with pytest.raises(PluginError, match=r"loss 'fsdp_malformed' \(plugin 'malformed'\) returned dict") as info:
+        backend.forward_backward(make_sft_data([5, 8, 3], seed=1), "fsdp_malformed")
+    assert not isinstance(info.value, EngineError) and "create a new Backend" in str(info.value)
+    with pytest.raises(EngineError, match="unusable after an earlier failure: loss 'fsdp_malformed'"):
+        backend.optim_step()
+    backend.close()
+    assert _wait_gone(pids) == []
 
 
 SCRIPT = textwrap.dedent(

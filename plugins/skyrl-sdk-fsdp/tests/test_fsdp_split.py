@@ -1,4 +1,5 @@
-"""Pure-Python parts of the fsdp plugin: the token-balanced split, options, registration."""
+"""Pure-Python parts of the fsdp plugin: the token-balanced split, options, registration,
+rank errors' types."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 
 pytest.importorskip("skyrl_sdk_fsdp")
 
+from skyrl_sdk import errors
 from skyrl_sdk.errors import InputError
 from skyrl_sdk_fsdp.options import FSDPOptions, launcher_env
 from skyrl_sdk_fsdp.split import split_by_tokens
+from skyrl_sdk_fsdp.transport import _raise_from_replies
 
 
 def _check_partition(parts, n):
@@ -110,3 +113,20 @@ def test_plugin_uses_only_the_public_core_api_and_modules_stay_small():
         assert len(file.read_text().splitlines()) <= 450, file.name
     for name in skyrl_sdk.engines.__all__:
         assert getattr(skyrl_sdk.engines, name) is not None
+
+
+@pytest.mark.parametrize("kind, clean, expected, fatal", [
+    ("ModelLoadError", True, errors.ModelLoadError, False),   # every rank, before any collective
+    ("PluginError", True, errors.PluginError, False),
+    ("PluginError", False, errors.PluginError, True),         # mid-call: the engine is stopped, the cause kept
+    ("InputError", False, errors.EngineError, True),
+    ("ValueError", True, errors.EngineError, False),
+])
+def test_rank_errors_keep_a_type_that_says_whose_fault(kind, clean, expected, fatal):
+    def failed(rank):
+        return "error", {"rank": rank, "type": kind, "message": f"{kind} here", "traceback": "tb", "clean": clean,
+                         "comm": False}
+
+    results, error, is_fatal = _raise_from_replies("run", {0: failed(0), 1: failed(1)}, {}, 2)
+    assert results == [] and type(error) is expected and is_fatal is fatal
+    assert str(error).startswith(f"{kind} here") or isinstance(error, errors.EngineError)

@@ -14,7 +14,8 @@ Two transports with one interface, ``request(op, payloads) -> list[result]``:
 Answers are ``("ok", result)`` or ``("error", details)``. When every rank failed "cleanly"
 (before its first collective) with the same error, the engine is still consistent and the
 error is re-raised as its own type (``ModelLoadError``, ...). Any other failure is fatal:
-the ranks are stopped and :class:`~skyrl_sdk.errors.EngineError` names the rank and cause.
+the ranks are stopped and :class:`~skyrl_sdk.errors.EngineError` names the rank and cause,
+unless the cause is a plugin's (:class:`~skyrl_sdk.errors.PluginError`, kept as such).
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def _exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def _own_type(failure: dict) -> type | None:
+    """The core error class a rank raised, when its type says whose fault it was: the caller's
+    (:class:`~skyrl_sdk.errors.InputError`) or a plugin's (:class:`~skyrl_sdk.errors.PluginError`)."""
+    cls = getattr(errors, failure["type"], None)
+    return cls if isinstance(cls, type) and issubclass(cls, (errors.InputError, errors.PluginError)) else None
+
+
 def _raise_from_replies(op: str, replies: dict[int, Any], deaths: dict[int, str], world_size: int,
                         timed_out: bool = False) -> tuple[list, BaseException | None, bool]:
     """Turn the ranks' answers into results, or into (error, fatal)."""
@@ -71,8 +79,7 @@ def _raise_from_replies(op: str, replies: dict[int, Any], deaths: dict[int, str]
             and all(f["clean"] for f in failures.values())
             and len({(f["type"], f["message"]) for f in failures.values()}) == 1):
         first = failures[0]
-        cls = getattr(errors, first["type"], None)
-        if isinstance(cls, type) and issubclass(cls, errors.InputError):
+        if (cls := _own_type(first)) is not None:
             return [], cls(first["message"]), False
         return [], errors.EngineError(
             f"fsdp engine: {op} failed on every rank: {first['type']}: {first['message']}\n"
@@ -89,6 +96,10 @@ def _raise_from_replies(op: str, replies: dict[int, Any], deaths: dict[int, str]
     root = next((f for f in ranked if not f["comm"]), None) if not deaths else None
     if root is not None:
         message += f"\nrank {root['rank']} traceback:\n{root['traceback']}"
+        # A plugin's fault stays one (named first) though it broke the engine; an input error
+        # found mid-call does not become the caller's alone: the engine is gone either way.
+        if (cls := _own_type(root)) is not None and issubclass(cls, errors.PluginError):
+            return [], cls(f"{root['message']}\n{message}"), True
     return [], errors.EngineError(message), True
 
 
