@@ -6,8 +6,8 @@ SUM; nothing else in the plugin knows how the model is sharded.
 
 Why the embedding and head get units of their own: in the root they (half of a 100M model's
 parameters at a 32k vocabulary) would stay gathered, with their unsharded gradients, for the
-whole step. As units, the embedding is gathered only around its own forward and backward,
-and the head's gradient is reduce-scattered as soon as backward leaves it.
+whole step. As units, the embedding is gathered only for its own forward (its backward
+needs no weight), and the head's gradient is reduce-scattered as soon as backward leaves it.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ def parallelize(
     embedding, head = _untied_embedding_and_head(scoring)
     if embedding is not None:
         fully_shard(embedding, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        if type(embedding) is torch.nn.Embedding:
+            # a lookup's backward needs the indices, not the weight: no all-gather there
+            embedding.set_unshard_in_backward(False)
     if head is not None:
         # last in forward, first in backward: keep it gathered in between (as FSDP2 does for a root)
         fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
