@@ -229,6 +229,31 @@ def test_retry_after_its_record_expired_is_refused(srv, model):
         assert "expired" in error and "not running it again" in error and f"model {model[1]} seq_id 1" in error
 
 
+def test_expired_retry_keys_stay_bounded():
+    """The keys of swept records are remembered within a horizon and up to a cap, not forever."""
+    from skyrl_sdk.errors import InputError
+    from skyrl_sdk.server.futures import FutureStore, Result
+
+    loop = asyncio.new_event_loop()
+    store = FutureStore(loop, retention_s=0.0, expired_horizon_s=3600.0, max_expired=50)
+    key = lambda i: ("alice", "optim_step", "model-1", i)  # noqa: E731
+    for i in range(500):  # one request per seq_id, retrieved long ago, then swept
+        rec = store.create("alice", "model-1", key(i))
+        store.finish(rec, Result.json({}))
+        rec.retrieved_at = time.time() - 1
+        store._maybe_sweep(force=True)
+        assert len(store._expired) <= 50 and len(store) == 0
+    for i in (499, 450):  # recent: a retry is refused as expired
+        with pytest.raises(InputError, match="expired"):
+            store.lookup(key(i))
+    assert store.lookup(key(449)) is None  # beyond the cap: forgotten (the oldest first)
+    store.expired_horizon_s = 0.01
+    time.sleep(0.05)
+    store._maybe_sweep(force=True)
+    assert store._expired == {} and store.lookup(key(499)) is None  # past the horizon: forgotten
+    loop.close()
+
+
 # ---- idle sessions are reaped ---------------------------------------------------------------------------
 def test_sessions_without_heartbeat_are_reaped(tmp_path):
     with ServerThread(tmp_path / "state", session_timeout_s=1.5) as server, raw_client(server) as http:

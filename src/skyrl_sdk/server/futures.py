@@ -265,18 +265,23 @@ class FutureStore:
     owner's request id reads as unknown, and de-duplication keys include the owner.
 
     A de-duplication key whose record was swept (results are kept ``retention_s`` after
-    retrieval) is remembered, so a very late retry is refused as expired instead of running
+    retrieval) is remembered for ``expired_horizon_s`` more (at most ``max_expired`` keys,
+    the oldest forgotten first), so a late retry is refused as expired instead of running
     twice. ``redact`` rewrites failed results' messages (server paths -> tinker:// paths)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, retention_s: float = 900.0,
-                 unretrieved_retention_s: float = 6 * 3600.0, redact: Callable[[str], str] | None = None) -> None:
+                 unretrieved_retention_s: float = 6 * 3600.0, redact: Callable[[str], str] | None = None,
+                 expired_horizon_s: float = 24 * 3600.0, max_expired: int = 100_000) -> None:
         self.loop = loop
         self.retention_s = retention_s
         self.unretrieved_retention_s = unretrieved_retention_s
         self.redact = redact
+        self.expired_horizon_s = expired_horizon_s
+        self.max_expired = max_expired
         self._records: dict[str, FutureRecord] = {}
         self._dedup: dict[tuple, str] = {}
-        self._expired: set[tuple] = set()
+        #: swept de-duplication key -> when (monotonic), oldest first
+        self._expired: dict[tuple, float] = {}
         self._last_sweep = time.monotonic()
 
     def __len__(self) -> int:
@@ -366,7 +371,14 @@ class FutureStore:
             rec = self._records.pop(rid)
             if rec.dedup_key is not None and self._dedup.get(rec.dedup_key) == rid:
                 del self._dedup[rec.dedup_key]
-                self._expired.add(rec.dedup_key)
+                self._expired.pop(rec.dedup_key, None)
+                self._expired[rec.dedup_key] = now
+        # forget the oldest swept keys: past the horizon, or beyond the cap
+        while self._expired:
+            key, when = next(iter(self._expired.items()))
+            if now - when <= self.expired_horizon_s and len(self._expired) <= self.max_expired:
+                break
+            del self._expired[key]
 
 
 def _describe(dedup_key: tuple) -> str:
