@@ -91,8 +91,10 @@ def test_only_a_checkpoint_of_ours_is_replaced(backend, tmp_path):
 
 def test_unwritable_paths_raise_checkpoint_error_with_path_and_reason(backend, tmp_path):
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(errors.CheckpointError, match=r"afile.*(File exists|Not a directory)"):
-        backend.save_state(tmp_path / "afile" / "ckpt")
+    for under in ("ckpt", "sub/ckpt"):  # the parent, or an ancestor of it, is a file
+        with pytest.raises(errors.CheckpointError, match=r"ckpt: .*afile is a file, not a directory$"):
+            backend.save_state(tmp_path / "afile" / under)
+    assert (tmp_path / "afile").read_text() == "x"
     with pytest.raises(errors.CheckpointError, match=r"/proc/skyrl-nowhere/ckpt.*cannot"):
         backend.save_state("/proc/skyrl-nowhere/ckpt")
 

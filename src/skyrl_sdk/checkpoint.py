@@ -199,6 +199,9 @@ def atomic_directory(
     if reason is not None:
         raise CheckpointError(f"refusing to save to {target}: {reason}")
     _check_replaceable(target, overwrite)
+    blocking = _non_directory_ancestor(parent)
+    if blocking is not None:
+        raise CheckpointError(f"cannot save to {target}: {blocking}")
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -222,6 +225,18 @@ def atomic_directory(
             _ACTIVE.discard(tmp)
         if tmp.exists():
             _remove_tree(tmp)
+
+
+def _non_directory_ancestor(directory: Path) -> str | None:
+    """Why ``directory`` cannot be created: its nearest existing ancestor (or itself) is not a directory."""
+    for p in (directory, *directory.parents):
+        if os.path.lexists(p):
+            if p.is_dir():
+                return None
+            if p.is_symlink():
+                return f"{p} is a broken symbolic link, not a directory"
+            return f"{p} is a file, not a directory"
+    return None
 
 
 def _check_replaceable(target: Path, overwrite: bool) -> None:
