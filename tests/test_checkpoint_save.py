@@ -14,10 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 import skyrl_sdk
+from _probes import Probes
 from skyrl_sdk import checkpoint, errors, types
 from skyrl_sdk.testing import make_sft_data
 
 ADAM = types.AdamParams(learning_rate=5e-3)
+#: crash points tried / handled (the name then loads old or new), by switch; $SKYRL_PROBE_REPORT
+PROBES = Probes("checkpoint saves: crash injection")
+_probe_report = PROBES.report_fixture()
 
 
 @pytest.fixture(scope="module")
@@ -138,37 +142,51 @@ def _which(directory, old, new, loader):
     return matches[0]
 
 
+def _overwrite(target, source, monkeypatch, exchange, point):
+    """Overwrite ``target`` with ``source`` through ``atomic_directory``, calling ``point()``
+    before and after every step of the switch and after every file written: the crash points."""
+
+    def wrap(fn):
+        def step(*args, **kwargs):
+            point()
+            result = fn(*args, **kwargs)
+            point()
+            return result
+        return step
+
+    for name in STEPS:
+        monkeypatch.setattr(checkpoint, name, wrap(getattr(checkpoint, name)))
+    if not exchange:
+        monkeypatch.setattr(checkpoint, "_exchange", _no_exchange)
+    with checkpoint.atomic_directory(target, overwrite=True) as tmp:
+        for f in sorted(source.iterdir()):
+            if f.name == checkpoint.MARKER_FILE:
+                continue
+            shutil.copy(f, tmp / f.name)
+            point()  # mid-write
+
+
+def _crash_points(target, source, monkeypatch, exchange) -> int:
+    """How many crash points an overwrite has (a dry run, here, that does not crash)."""
+    calls = [0]
+    with monkeypatch.context() as m:
+        _overwrite(target, source, m, exchange, lambda: calls.__setitem__(0, calls[0] + 1))
+    return calls[0]
+
+
 def _save_in_child(target, source, crash_at, monkeypatch, exchange):
-    """Fork; the child overwrites ``target`` with ``source`` and dies (os._exit) at step ``crash_at``."""
+    """Fork; the child overwrites ``target`` with ``source`` and dies (os._exit) at point ``crash_at``."""
     pid = os.fork()
     if pid == 0:  # child: no pytest machinery, only the save
         try:
             calls = [0]
 
-            def wrap(name, fn):
-                def step(*args, **kwargs):
-                    calls[0] += 1
-                    if calls[0] == crash_at:
-                        os._exit(0)
-                    result = fn(*args, **kwargs)
-                    calls[0] += 1
-                    if calls[0] == crash_at:
-                        os._exit(0)
-                    return result
-                return step
+            def point():
+                calls[0] += 1
+                if calls[0] == crash_at:
+                    os._exit(0)
 
-            for name in STEPS:
-                monkeypatch.setattr(checkpoint, name, wrap(name, getattr(checkpoint, name)))
-            if not exchange:
-                monkeypatch.setattr(checkpoint, "_exchange", _no_exchange)
-            with checkpoint.atomic_directory(target, overwrite=True) as tmp:
-                for f in sorted(source.iterdir()):
-                    if f.name == checkpoint.MARKER_FILE:
-                        continue
-                    shutil.copy(f, tmp / f.name)
-                    calls[0] += 1
-                    if calls[0] == crash_at:  # mid-write
-                        os._exit(0)
+            _overwrite(target, source, monkeypatch, exchange, point)
             os._exit(1)  # ran to the end without crashing
         except BaseException:
             os._exit(2)
@@ -191,6 +209,9 @@ def test_a_crash_at_any_step_of_an_overwrite_leaves_old_or_new(tmp_path, monkeyp
     parent = tmp_path / "saves"
     parent.mkdir()
     target = parent / "ckpt"
+    shutil.copytree(tmp_path / "old", target)
+    points = _crash_points(target, tmp_path / "new", monkeypatch, exchange)
+    group = f"kill at each step of an overwrite ({'renameat2 exchange' if exchange else 'two-renames fallback'})"
     seen = []
     with skyrl_sdk.Backend(seed=3) as loader:
         crash_at = 1
@@ -201,6 +222,7 @@ def test_a_crash_at_any_step_of_an_overwrite_leaves_old_or_new(tmp_path, monkeyp
             if code == 1:  # no step left to crash at: the save completed
                 assert _which(target, old, new, loader) == "new"
                 break
+            PROBES.tried(group)
             assert code == 0, f"child failed at step {crash_at}"
             if exchange:  # the name is never missing
                 seen.append(_which(target, old, new, loader))
@@ -211,7 +233,9 @@ def test_a_crash_at_any_step_of_an_overwrite_leaves_old_or_new(tmp_path, monkeyp
             if not exchange:
                 seen.append(state)
             assert sorted(p.name for p in parent.iterdir()) == ["ckpt"], crash_at
+            PROBES.handled(group, state)
             crash_at += 1
     assert crash_at > 10, crash_at  # every step was visited
+    assert PROBES.of(group) == (points, points), (group, PROBES.of(group), points)
     assert seen == sorted(seen, key=["old", "new"].index), seen  # old ... old, new ... new
     assert seen[0] == "old" and seen[-1] == "new"

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import skyrl_sdk
+from _probes import Probes
 from skyrl_sdk import serde, types
 from skyrl_sdk.coerce import adam_params_from_any, sampling_params_from_any
 from skyrl_sdk.testing import make_sft_data, weights_of
@@ -32,24 +33,9 @@ settings.register_profile("long", max_examples=2000, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 VOCAB = 320  # the tiny model's
-#: group -> [tried, accepted, rejected]; written to $SKYRL_FUZZ_REPORT at the end (closing notes)
-COUNTS: dict[str, list[int]] = {}
-
-
-def _count(group: str, accepted: bool) -> None:
-    slot = COUNTS.setdefault(group, [0, 0, 0])
-    slot[0] += 1
-    slot[1 if accepted else 2] += 1
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _report():
-    yield
-    path = os.environ.get("SKYRL_FUZZ_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump({k: dict(zip(("tried", "accepted", "rejected"), v, strict=True)) for k, v in COUNTS.items()}, f,
-                      indent=1)
+#: probes tried / handled (accepted or rejected), by group; $SKYRL_PROBE_REPORT (closing notes)
+PROBES = Probes("fuzz: hostile inputs")
+_probe_report = PROBES.report_fixture()
 
 
 @pytest.fixture(scope="module")
@@ -149,30 +135,34 @@ def _materialize(obj):
 # ---- properties -----------------------------------------------------------------------------
 @given(obj=tensor_for(4))
 def test_tensor_json_is_parsed_or_refused(obj):
+    group = "TensorData (dense and sparse JSON)"
+    PROBES.tried(group)
     try:
         t = serde.tensor_from_json(obj, "float32")
     except (ValueError, TypeError):
-        _count("TensorData (dense and sparse JSON)", False)
+        PROBES.handled(group, "rejected")
         return
-    _count("TensorData (dense and sparse JSON)", True)
     assert t.dtype in ("float32", "int64") and t.array.dtype in (np.float32, np.int64)
+    PROBES.handled(group, "accepted")
 
 
 @given(raw=st.one_of(valid_datum(), hostile_datum()), loss=st.sampled_from(["cross_entropy", "importance_sampling", "ppo"]))
 def test_forward_backward_accepts_or_refuses_without_a_trace(backend, raw, loss):
+    group = "Datum / ModelInput through forward_backward"
+    PROBES.tried(group)
     before = _snapshot(backend)
     try:
         datum = _materialize(raw)
         out = backend.forward_backward([datum], loss)
     except (ValueError, TypeError):
-        _count("Datum / ModelInput through forward_backward", False)
         _assert_same(before, backend)
+        PROBES.handled(group, "rejected")
         return
-    _count("Datum / ModelInput through forward_backward", True)
     n = datum.model_input.length if isinstance(datum, types.Datum) else len(raw["model_input"]["chunks"][0]["tokens"])
     assert out.loss_fn_outputs[0]["logprobs"].shape == (n,)
     assert all(math.isfinite(v) for v in out.metrics.values())
     backend.zero_grad()
+    PROBES.handled(group, "accepted")
 
 
 @given(name=st.sampled_from(["ppo", "cispo", "dro", "gspo", "importance_sampling", "regular", "dual_clip", "sapo",
@@ -181,18 +171,19 @@ def test_forward_backward_accepts_or_refuses_without_a_trace(backend, raw, loss)
                                                "eps_clip_high", "clip_ratio_c", "tau_pos", "tau_neg", "bogus"]),
                               numbers, max_size=3))
 def test_loss_configs_are_validated(backend, name, config):
+    PROBES.tried("loss configs")
     try:
         resolved = backend.resolve(name, config)
     except (ValueError, TypeError):
-        _count("loss configs", False)
+        PROBES.handled("loss configs", "rejected")
         return
-    _count("loss configs", True)
     if resolved.config is not None:
         import attrs
 
         for value in attrs.asdict(resolved.config).values():
             if isinstance(value, float):
                 assert math.isfinite(value)
+    PROBES.handled("loss configs", "accepted")
 
 
 sane_adam = st.fixed_dictionaries({"learning_rate": st.floats(0, 1e38)}, optional={
@@ -208,16 +199,17 @@ hostile_adam = st.fixed_dictionaries({}, optional={
 
 @given(fields=st.one_of(sane_adam, hostile_adam))
 def test_adam_params_never_make_weights_non_finite(fields):
+    PROBES.tried("AdamParams")
     try:
         params = adam_params_from_any(fields)
     except (ValueError, TypeError):
-        _count("AdamParams", False)
+        PROBES.handled("AdamParams", "rejected")
         return
-    _count("AdamParams", True)
     with skyrl_sdk.Backend(model="tiny", seed=0) as b:
         b.forward_backward(make_sft_data([5, 7], seed=1))
         b.optim_step(params)
         assert all(torch.isfinite(w).all() for w in weights_of(b).values())
+    PROBES.handled("AdamParams", "accepted")
 
 
 sane_sampling = st.fixed_dictionaries({"max_tokens": st.integers(1, 3)}, optional={
@@ -234,18 +226,20 @@ hostile_sampling = st.fixed_dictionaries({}, optional={
 
 @given(fields=st.one_of(sane_sampling, hostile_sampling), prompt=st.one_of(flat_tokens, token_lists))
 def test_sampling_params_and_prompts_are_validated(backend, fields, prompt):
+    group = "SamplingParams and prompts"
+    PROBES.tried(group)
     try:
         params = sampling_params_from_any(fields)
         if params.max_tokens > 3:
             params = types.SamplingParams(**{**fields, "max_tokens": 3})
         out = backend.sample([prompt], params)
     except (ValueError, TypeError):
-        _count("SamplingParams and prompts", False)
+        PROBES.handled(group, "rejected")
         return
-    _count("SamplingParams and prompts", True)
     seq = out[0].sequences[0]
     assert 1 <= len(seq.tokens) <= 3 and all(0 <= t < VOCAB for t in seq.tokens)
     assert len(seq.logprobs) == len(seq.tokens) and all(lp <= 0 or math.isnan(lp) is False for lp in seq.logprobs)
+    PROBES.handled(group, "accepted")
 
 
 # ---- checkpoint files ------------------------------------------------------------------------
@@ -310,14 +304,15 @@ def test_corrupt_checkpoints_are_refused_without_a_trace(backend, saved_state, t
             t.view(-1)[0] = value
             tensors[key] = t
         save_file(tensors, str(target / file))
+    PROBES.tried("checkpoint files")
     before = _snapshot(backend)
     try:
         backend.load_state(target)
     except (ValueError, TypeError):
-        _count("checkpoint files", False)
         _assert_same(before, backend)
+        PROBES.handled("checkpoint files", "rejected")
         return
-    _count("checkpoint files", True)
     # accepted: every loaded weight is finite and the model still trains
     assert all(torch.isfinite(w).all() for w in weights_of(backend).values())
     backend.load_state(saved_state)
+    PROBES.handled("checkpoint files", "accepted")

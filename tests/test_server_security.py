@@ -4,7 +4,8 @@ Alice owns a session, a model, a saved checkpoint, a sampler checkpoint, a sampl
 and a finished future. Without a key or with an unknown key every route answers 401; with
 Bob's key each of Alice's ids reads exactly like an id that does not exist (404 on direct
 routes, a future failed with "unknown ..." on future routes), Bob's listings hold none of
-Alice's things, and nothing of Alice's changes."""
+Alice's things, and nothing of Alice's changes. Each route x key is a probe, counted by group (tried /
+handled) into ``$SKYRL_PROBE_REPORT`` (see tests/_probes.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,18 @@ pytest.importorskip("fastapi")
 from tinker import types as tt
 from tinker.proto import tinker_public_pb2 as pb
 
+from _probes import Probes
 from _server_harness import ServerThread, raw_client, wait_result
 from skyrl_sdk.errors import InputError
 from skyrl_sdk.server.config import read_api_keys
 
 ALICE, BOB = "tml-alice", "tml-bob"
+#: entries of the route table: every route of the app but /healthz (which needs no key),
+#: load_weights and asample each in both their forms
+ROUTES = 30
+#: route x key probes tried / handled, by group; $SKYRL_PROBE_REPORT
+PROBES = Probes("server security: route x key")
+_probe_report = PROBES.report_fixture()
 
 
 def _fwdbwd(model_id: str, seq_id: int) -> bytes:
@@ -60,6 +68,7 @@ def _routes(w: dict) -> list[tuple[str, str, dict]]:
         ("POST", "/api/v1/client/config", {}),
         ("POST", "/api/v1/client/dynamic_config", {}),
         ("GET", "/api/v1/get_server_capabilities", {}),
+        ("GET", "/api/v1/loaded", {}),
         ("POST", "/api/v1/create_session", {}),
         ("POST", "/api/v1/session_heartbeat", {"session_id": sid}),
         ("GET", f"/api/v1/sessions/{sid}", {}),
@@ -102,41 +111,69 @@ def _send(http, method: str, path: str, body: dict):
     return http.post(path, json=body)
 
 
+def test_the_route_table_covers_every_route_of_the_app(world):
+    import re
+
+    paths = world["srv"].app.fastapi.openapi()["paths"]
+    served = {(m.upper(), p) for p, ops in paths.items() for m in ops} - {("GET", "/api/v1/healthz")}
+    table = [(m, p) for m, p, _ in _routes(world)]
+
+    def covered(method: str, template: str) -> bool:
+        pattern = "".join(".+" if part.startswith("{") else re.escape(part) for part in re.split(r"({[^}]+})", template))
+        return any(m == method and re.fullmatch(pattern, p) for m, p in table)
+
+    assert len(served) > 20 and sorted(r for r in served if not covered(*r)) == []
+
+
 @pytest.mark.parametrize("key", [None, "tml-wrong", ALICE + "x"])
 def test_every_route_needs_a_known_key(world, key):
+    group = "no key" if key is None else "unknown key"
+    tried, handled = PROBES.of(group)
+    routes = _routes(world)
+    assert len(routes) == ROUTES
     with raw_client(world["srv"], key) as http:
-        for method, path, body in _routes(world):
+        for method, path, body in routes:
+            PROBES.tried(group)
             r = _send(http, method, path, body)
             assert r.status_code == 401, (method, path, r.status_code, r.text)
+            PROBES.handled(group, "401")
         assert http.get("/api/v1/healthz").json() == {"status": "ok"}
+    assert PROBES.of(group) == (tried + len(routes), handled + len(routes))
 
 
 def test_another_owner_sees_nothing_and_changes_nothing(world):
     w = world
-    routes = _routes(w)
-    routes[10] = ("POST", "/api/v1/forward_backward", {"model_id": w["run"]})
+    group = "another owner's key"
+    routes = [(m, p, {"model_id": w["run"]} if p.endswith("/forward_backward") else b) for m, p, b in _routes(w)]
     with raw_client(w["srv"], BOB) as bob:
         for method, path, body in routes:
+            PROBES.tried(group)
             r = _send(bob, method, path, body)
             if path.endswith(("/client/config", "/dynamic_config", "/get_server_capabilities", "/telemetry",
-                              "/cancel_future", "/create_session")):
+                              "/cancel_future", "/create_session", "/loaded")):
                 assert r.status_code == 200
-                assert w["run"] not in r.text and w["sid"] not in r.text
+                assert w["run"] not in r.text and w["sid"] not in r.text, (path, r.text)
+                PROBES.handled(group, "200, nothing of another owner")
                 continue
             if path.endswith(("/sessions", "/training_runs", "/checkpoints")) and method == "GET" \
                     and "/training_runs/" not in path:
                 assert r.status_code == 200, (path, r.text)
                 assert w["run"] not in r.text and w["sid"] not in r.text, (path, r.text)
+                PROBES.handled(group, "200, nothing of another owner")
                 continue
             if r.status_code == 200 and "request_id" in r.json() and "error" not in r.json():
                 answer = wait_result(bob, r.json()["request_id"]).json()  # a future route: failed, "unknown"
                 assert "unknown" in answer["error"] or "no checkpoint" in answer["error"], (path, answer)
+                PROBES.handled(group, "failed future, unknown")
                 continue
             if path.endswith("/retrieve_future"):
                 assert "unknown request_id" in r.json()["error"]
+                PROBES.handled(group, "failed future, unknown")
                 continue
             assert r.status_code == 404, (method, path, r.status_code, r.text)
             assert r.json()["detail"].startswith(("unknown", "no checkpoint")), r.text
+            PROBES.handled(group, "404")
+    assert PROBES.of(group) == (ROUTES, ROUTES)
     # Alice's things are all still there and usable
     with raw_client(w["srv"], ALICE) as alice:
         assert alice.get(f"/api/v1/sessions/{w['sid']}").json()["finished_at"] is None
