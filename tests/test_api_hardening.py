@@ -181,3 +181,20 @@ def test_step_guard_bound_handles_empty_shards():
     from skyrl_sdk.engines.step_guard import _max_abs
 
     assert _max_abs([torch.zeros(0), torch.tensor([-3.0, 2.0]), torch.zeros(0, 4)]) == [0.0, 3.0, 0.0]
+
+
+def test_step_guard_max_abs_matches_a_per_tensor_reference(monkeypatch):
+    """max |x| per tensor across measuring groups, mixed dtypes, empty tensors and NaN (which
+    must propagate: a NaN bound sends the step to the checked, roll-back-able path)."""
+    import math
+
+    from skyrl_sdk.engines import step_guard
+
+    monkeypatch.setattr(step_guard, "_GROUP_ELEMENTS", 7)  # several groups, a boundary mid-list
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, generator=gen), torch.zeros(0), torch.randn(2, 4, generator=gen).bfloat16(),
+               -torch.rand(5, generator=gen) * 1e30, torch.tensor([1.0, float("nan")]), torch.randn(1, generator=gen)]
+    got = step_guard._max_abs(tensors)
+    want = [float(t.float().abs().max()) if t.numel() else 0.0 for t in tensors]
+    assert got[4] != got[4] and math.isnan(want[4])
+    assert [g for i, g in enumerate(got) if i != 4] == [w for i, w in enumerate(want) if i != 4]

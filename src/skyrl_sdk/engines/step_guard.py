@@ -27,15 +27,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+#: Elements whose ``|x|`` copies exist at once while measuring (64 MiB of float32): the
+#: foreach kernels are ~5x faster than ``_foreach_norm(inf)`` on CPU but need the copies.
+_GROUP_ELEMENTS = 2**24
+
+
 def _max_abs(tensors: Sequence[torch.Tensor]) -> list[float]:
     """max |x| of each tensor (0 for an empty one: a rank's shard of a small tensor can be empty)."""
     local = [_local(t).detach() for t in tensors]
     filled = [i for i, t in enumerate(local) if t.numel()]
+    maxes: list[torch.Tensor] = []
+    group: list[torch.Tensor] = []
+    size = 0
+    for i in filled:
+        group.append(local[i])
+        size += local[i].numel()
+        if size >= _GROUP_ELEMENTS or i == filled[-1]:
+            maxes += torch._foreach_max(torch._foreach_abs(group))
+            group, size = [], 0
     out = [0.0] * len(local)
     if filled:
-        norms = torch._foreach_norm([local[i].float() for i in filled], ord=float("inf"))
-        for i, norm in zip(filled, norms, strict=True):
-            out[i] = float(norm)
+        for i, value in zip(filled, torch.stack([m.float() for m in maxes]).tolist(), strict=True):  # one host sync
+            out[i] = value
     return out
 
 
@@ -45,11 +58,17 @@ def step_is_provably_finite(optimizer: torch.optim.Optimizer, params: Sequence[t
         return True
     p_max = _max_abs(params)
     g_max = _max_abs([p.grad for p in params])
+    states = [optimizer.state.get(p) or {} for p in params]
+    with_moments = [i for i, state in enumerate(states) if "exp_avg" in state]
+    m_maxes = dict(zip(with_moments, _max_abs([states[i]["exp_avg"] for i in with_moments]), strict=True))
+    counted = [i for i, state in enumerate(states) if "step" in state]
+    step_values = torch.stack([torch.as_tensor(states[i]["step"], dtype=torch.float64).reshape(()).cpu()
+                               for i in counted]).tolist() if counted else []
+    steps = dict(zip(counted, step_values, strict=True))
     decay = abs(1.0 - adam.learning_rate * adam.weight_decay)
     for i, p in enumerate(params):
-        state = optimizer.state.get(p) or {}
-        m_max = _max_abs([state["exp_avg"]])[0] if "exp_avg" in state else 0.0
-        step = float(state["step"]) + 1.0 if "step" in state else 1.0
+        m_max = m_maxes.get(i, 0.0)
+        step = steps.get(i, 0.0) + 1.0
         bias1 = 1.0 - adam.beta1 ** step
         m_new = adam.beta1 * m_max + (1.0 - adam.beta1) * g_max[i]
         bound = p_max[i] * decay + adam.learning_rate / bias1 * m_new / adam.eps
