@@ -87,3 +87,21 @@ def test_grpo_smoke_runs_every_side_and_plots(tmp_path):
         assert side["ratio_to_trl"] == pytest.approx(side["step_s"]["median"] / trl["step_s"]["median"])
         assert side["verdict"] == ("met" if side["ratio_to_trl"] <= 0.5 else "NOT met")
     assert result["plot"] == str(plot) and plot.stat().st_size > 1000
+
+
+def test_grpo_floor_smoke_measures_every_side(tmp_path):
+    """The GRPO compute-floor benchmark (toy model, no TRL): every floor and our side timed,
+    the prefix-shared floor's gradient equal to the plain one, the step sums consistent."""
+    pytest.importorskip("peft")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.grpo_floor", "--smoke", "--trl-steps", "0"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert {"floor_train_loop", "floor_train_fused", "floor_sample_generate", "floor_sample_loop_peft",
+            "ours"} <= set(result["sides"])
+    assert result["prefix_shared_grad_max_abs_diff"] < 1e-6
+    for name, side in result["sides"].items():
+        assert side["total"]["cpu"]["median"] > 0, name
+    summary = result["summary"]["cpu"]
+    assert 0 < summary["floor_step"] <= summary["floor_step_hf_generate"]
