@@ -1,6 +1,6 @@
 """GRPO on any local Hugging Face model (or the built-in tiny one): docs/rl.md as a script.
 
-    python examples/grpo.py                                  # tiny model, about 40 s on a CPU
+    python examples/grpo.py                                  # tiny model, seconds on an idle CPU
     python examples/grpo.py --model ./my-hf-model --lora-rank 16 --loss ppo --steps 200
 
 Each step samples a group of completions per prompt, rewards them, turns group-relative
@@ -29,8 +29,8 @@ def make_prompt(rng: random.Random) -> str:
 
 
 def reward(text: str) -> float:
-    """Answer with exactly four digits: 1.0 for that, less for anything else."""
-    return sum(c.isdigit() for c in text[:4]) / 4 - 0.25 * abs(len(text) - 4)
+    """Answer with four digits: the fraction of the four answer characters that are digits."""
+    return sum(c.isdigit() for c in text[:4]) / 4
 
 
 def encode_prompt(tok, text: str) -> list[int]:
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--groups", type=int, default=8, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--max-tokens", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
     parser.add_argument("--seed", type=int, default=0)
