@@ -235,7 +235,8 @@ def _command(sub: Any, common: argparse.ArgumentParser, name: str, summary: str,
 
 
 def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = _command(sub, common, "demo", "train the tiny model to reverse digit strings: SFT, then RL (about a minute)")
+    p = _command(sub, common, "demo", ("train the tiny model to reverse digit strings: SFT, then RL "
+                                        "(about 10 s on an idle CPU, slower on a loaded one)"))
     p.add_argument("--steps", type=int, default=120, help="supervised steps (default 120)")
     p.add_argument("--rl-steps", type=int, default=16, help="RL steps after SFT (default 16)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON document")
