@@ -118,13 +118,15 @@ def _model(name):
     return Backend(model=name)
 
 
-@pytest.mark.xfail(strict=True, reason="Backend builds its own unknown-engine message; it should ask "
-                                       "get_registry().engine_spec(engine) like serve does")
-def test_backend_suggests_the_close_engine():
+def test_backend_suggests_the_close_engine_dialect_and_sampler():
     from skyrl_sdk import Backend
 
     with pytest.raises(UnknownNameError, match=r"unknown engine 'locl'.*did you mean 'local'\?"):
         Backend(engine="locl")
+    with pytest.raises(UnknownNameError, match=r"unknown dialect 'tinkr'.*did you mean 'tinker'\?"):
+        Backend(dialect="tinkr")
+    with pytest.raises(UnknownNameError, match=r"unknown sampler 'transformer'.*did you mean 'transformers'\?"):
+        Backend(sampler="transformer")
 
 
 def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
@@ -142,3 +144,12 @@ def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
     assert [str(w.message) for w in caught] == ["the user's own deprecation"]
     assert "Loading weights" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()  # the user's setting is restored
+
+
+def test_server_adam_params_suggest_the_close_key():
+    from skyrl_sdk.server.wire import parse_adam_params
+
+    with pytest.raises(InputError, match=r"adam_params: unknown keys \['learning_rat'\].*did you mean 'learning_rate'\?"):
+        parse_adam_params({"adam_params": {"learning_rat": 1e-4}})
+    with pytest.raises(InputError, match=r"did you mean 'beta1' for 'bta1', 'beta2' for 'bta2'\?"):
+        parse_adam_params({"adam_params": {"bta1": 0.9, "bta2": 0.99}})

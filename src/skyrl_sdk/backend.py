@@ -28,7 +28,7 @@ from .coerce import (
     prompts_from_any,
     sampling_params_from_any,
 )
-from .errors import CheckpointError, InputError, UnknownNameError
+from .errors import CheckpointError, InputError, UnknownNameError, did_you_mean
 from .losses.prepare import add_prepared_inputs
 from .losses.resolve import ResolvedLoss, resolve_loss
 from .losses.terms import with_call_normalizers
@@ -83,18 +83,17 @@ class Backend:
             raise InputError(f"grad_accumulation must be 'sum' or 'mean', got {grad_accumulation!r}")
         registry = get_registry()
         if dialect not in registry.dialects:
-            raise UnknownNameError(f"unknown dialect {dialect!r}; available: {sorted(registry.dialects)}")
+            raise UnknownNameError(f"unknown dialect {dialect!r}; available: {sorted(registry.dialects)}"
+                                   f"{did_you_mean(dialect, registry.dialects)}")
         # ``engine`` is a registered name, or (skyrl_sdk.SharedBase) a factory building the engine itself
         factory = None if isinstance(engine, str) else engine
         if factory is not None and not callable(factory):
             raise InputError(f"engine: expected an engine name, got {type(engine).__name__}")
-        if factory is None and engine not in registry.engines:
-            raise UnknownNameError(
-                f"unknown engine {engine!r}; available: {sorted(registry.engines)} "
-                f"(engine 'fsdp' comes with: pip install skyrl-sdk-fsdp)"
-            )
+        if factory is None:
+            registry.engine_spec(engine)  # the message serve gives too, with a did-you-mean
         if sampler not in registry.samplers:
-            raise UnknownNameError(f"unknown sampler {sampler!r}; available: {sorted(registry.samplers)}")
+            raise UnknownNameError(f"unknown sampler {sampler!r}; available: {sorted(registry.samplers)}"
+                                   f"{did_you_mean(sampler, registry.samplers)}")
         if sampler_config is not None and not isinstance(sampler_config, Mapping):
             raise InputError(f"sampler_config: expected a mapping, got {type(sampler_config).__name__}")
         self.sampler_name = sampler

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .errors import AdamParamsError, DatumError, InputError, did_you_mean
+from .errors import AdamParamsError, DatumError, InputError, did_you_mean_keys
 from .types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
 from .types.model_input import model_input_from_any
 
@@ -32,21 +32,13 @@ def _fields_of(obj: Any, cls: type, what: str, primary: str) -> dict[str, Any]:
     )
 
 
-def _suggest(unknown: list[str], accepted: list[str]) -> str:
-    """``"; did you mean 'x'?"`` for one misspelt key; with several, each close one is named."""
-    if len(unknown) == 1:
-        return did_you_mean(unknown[0], accepted)
-    close = [f"{hint[len('; did you mean '):-1]} for {key!r}"
-             for key in unknown if (hint := did_you_mean(key, accepted))]
-    return f"; did you mean {', '.join(close)}?" if close else ""
-
-
 def _build(cls: type, fields: dict[str, Any], what: str, error_cls: type[InputError]) -> Any:
     """``cls(**fields)`` with unknown keys reported by name; ``None`` values take the default."""
     accepted = [f.name for f in attrs.fields(cls)]
     unknown = sorted(set(map(str, fields)) - set(accepted))
     if unknown:
-        raise error_cls(f"{what}: unknown keys {unknown}; accepted keys: {accepted}{_suggest(unknown, accepted)}")
+        hint = did_you_mean_keys(unknown, accepted)
+        raise error_cls(f"{what}: unknown keys {unknown}; accepted keys: {accepted}{hint}")
     try:
         return cls(**{k: v for k, v in fields.items() if v is not None})
     except InputError:

@@ -17,10 +17,25 @@ def did_you_mean(name: Any, choices: Iterable[str]) -> str:
 
     Error messages append it so a misspelt loss, dialect, engine or key points at the fix.
     """
+    close = _closest(name, choices)
+    return f"; did you mean {close!r}?" if close else ""
+
+
+def did_you_mean_keys(unknown: Iterable[str], accepted: Iterable[str]) -> str:
+    """:func:`did_you_mean` for several unknown keys: ``"; did you mean 'beta1' for 'bta1'?"``
+    names each close one (one key alone reads like :func:`did_you_mean`)."""
+    unknown, accepted = list(unknown), sorted(set(accepted))
+    if len(unknown) == 1:
+        return did_you_mean(unknown[0], accepted)
+    close = [f"{hint!r} for {key!r}" for key in unknown if (hint := _closest(key, accepted))]
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def _closest(name: Any, choices: Iterable[str]) -> str | None:
     if not isinstance(name, str) or not name:
-        return ""
+        return None
     close = difflib.get_close_matches(name, sorted(set(choices)), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return close[0] if close else None
 
 
 class SkyrlError(Exception):

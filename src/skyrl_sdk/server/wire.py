@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from ..checks import check_number, check_sample_counts
-from ..errors import InputError
+from ..errors import InputError, did_you_mean_keys
 from ..serde import model_input_from_json
 from ..types import SamplingParams
 from .store import check_name, check_run_id, iso
@@ -186,7 +186,8 @@ def parse_adam_params(body: Mapping[str, Any]) -> dict[str, Any]:
         raise InputError(f"adam_params: expected an object, got {type(raw).__name__}")
     unknown = sorted(set(raw or {}) - set(ADAM_FIELDS) - {"type"})
     if unknown:
-        raise InputError(f"adam_params: unknown keys {unknown}; accepted: {list(ADAM_FIELDS)}")
+        raise InputError(f"adam_params: unknown keys {unknown}; accepted: {list(ADAM_FIELDS)}"
+                         f"{did_you_mean_keys(unknown, ADAM_FIELDS)}")
     return {k: v for k, v in (raw or {}).items() if k in ADAM_FIELDS}
 
 
