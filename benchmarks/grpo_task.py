@@ -74,7 +74,8 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
 
 
 def reward(text: str) -> float:
-    """docs/rl.md's task: answer with exactly four digits (1.0), less for anything else."""
+    """An earlier docs/rl.md task: answer with exactly four digits (1.0), less for anything
+    else (kept so the benchmark's numbers stay comparable across runs)."""
     return sum(c.isdigit() for c in text[:4]) / 4 - 0.25 * abs(len(text) - 4)
 
 
