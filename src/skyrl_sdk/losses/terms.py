@@ -15,7 +15,6 @@ before the call is split into micro-batches or ranks.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,9 +55,7 @@ class LossTerms:
             raise ValueError(f"loss_reduction: expected one of {list(REDUCTIONS)}, got {self.loss_reduction!r}")
         norm = self.loss_reduction == "seq_mean_token_sum_norm"
         if self.max_seq_len is not None:
-            if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, numbers.Integral) \
-                    or self.max_seq_len <= 0:
-                raise ValueError(f"max_seq_len: expected an integer > 0, got {self.max_seq_len!r}")
+            check_number("max_seq_len", self.max_seq_len, low=0, low_open=True, integer=True)
             if not norm:
                 raise ValueError("max_seq_len is only used by loss_reduction 'seq_mean_token_sum_norm', "
                                  f"got loss_reduction {self.loss_reduction!r}")
