@@ -134,6 +134,16 @@ def test_sample_request_validated_before_num_samples(srv):
         bad_param = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": [1, 2],
                                                        "sampling_params": {"temperature": "hot"}}).json()
         assert "SamplingParams.temperature" in _user_error(http, bad_param)
+        for fields, says in (({"base_model": 7}, "base_model: expected a string, got int"),
+                             ({"model_path": ["tinker://x"]}, "model_path: expected a string, got list"),
+                             ({"sampling_session_id": 5}, "sampling_session_id: expected a string, got int"),
+                             ({"base_model": "tiny", "seq_id": "1"}, "seq_id: expected an integer >= 0, got '1'")):
+            answer = http.post("/api/v1/asample", json={"prompt": [1, 2], **fields}).json()
+            assert says in _user_error(http, answer), fields
+        session = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}}).json()["session_id"]
+        refused = http.post("/api/v1/create_sampling_session", json={
+            "session_id": session, "sampling_session_seq_id": 0, "base_model": 3})
+        assert refused.status_code == 400 and "base_model: expected a string, got int" in refused.text
 
 
 def test_chunked_body_too_large_is_413(srv):

@@ -380,7 +380,8 @@ class Runtime:
         seq = wire.integer(body, "sampling_session_seq_id")
         self.sessions.open(owner, session_id)
         sid = f"{session_id}:sample:{seq}"
-        self.sampling.create(owner, session_id, sid, body.get("model_path"), body.get("base_model"))
+        source = wire.parse_sampler_source(body)
+        self.sampling.create(owner, session_id, sid, source.model_path, source.base_model)
         return sid
 
     def get_sampler(self, owner: str, sampler_id: str) -> dict:
@@ -389,11 +390,13 @@ class Runtime:
 
     def sample(self, owner: str, body: dict) -> FutureRecord:
         spec = wire.parse_sample_request(body, self.config.max_num_samples)
-        sid, seq = body.get("sampling_session_id"), body.get("seq_id")
-        session = self.sampling.session(owner, sid) if sid is not None else self.sampling.session_from(
-            owner, body.get("model_path"), body.get("base_model"), "adhoc")
-        dedup = (owner, "sampling session", sid, "seq_id", seq) if isinstance(sid, str) and isinstance(seq, int) \
-            else None
+        sid, seq = wire.parse_sample_ref(body)
+        if sid is not None:
+            session = self.sampling.session(owner, sid)
+        else:
+            source = wire.parse_sampler_source(body)
+            session = self.sampling.session_from(owner, source.model_path, source.base_model, "adhoc")
+        dedup = (owner, "sampling session", sid, "seq_id", seq) if sid is not None and seq is not None else None
         if (old := self.futures.lookup(dedup)) is not None:
             return old
         rec = self.futures.create(owner, None, dedup, prefix="sample")

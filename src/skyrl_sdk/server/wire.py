@@ -177,6 +177,31 @@ def parse_sampler_save(body: Mapping[str, Any]) -> SamplerSave:
     return SamplerSave(None, integer(body, "sampling_session_seq_id"), kind)
 
 
+@attrs.frozen
+class SamplerSource:
+    """What a sampling session (or an ad-hoc sample) samples from: a saved ``tinker://`` path
+    or a served base model (checked against the store and the served models later)."""
+
+    model_path: str | None
+    base_model: str | None
+
+
+def _optional_text(body: Mapping[str, Any], key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InputError(f"{key}: expected a string, got {type(value).__name__}")
+    return value or None
+
+
+def parse_sampler_source(body: Mapping[str, Any]) -> SamplerSource:
+    return SamplerSource(_optional_text(body, "model_path"), _optional_text(body, "base_model"))
+
+
+def parse_sample_ref(body: Mapping[str, Any]) -> tuple[str | None, int | None]:
+    """asample's ``(sampling_session_id, seq_id)``; both given make the request deduplicated."""
+    return _optional_text(body, "sampling_session_id"), seq_id(body)
+
+
 def parse_adam_params(body: Mapping[str, Any]) -> dict[str, Any]:
     """optim_step's ``adam_params`` as a dict of AdamParams fields."""
     if body.get("optimizer_params") is not None:
