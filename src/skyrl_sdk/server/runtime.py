@@ -378,9 +378,9 @@ class Runtime:
     def create_sampling_session(self, owner: str, body: dict) -> str:
         session_id = wire.session_id(body)
         seq = wire.integer(body, "sampling_session_seq_id")
+        source = wire.parse_sampler_source(body)
         self.sessions.open(owner, session_id)
         sid = f"{session_id}:sample:{seq}"
-        source = wire.parse_sampler_source(body)
         self.sampling.create(owner, session_id, sid, source.model_path, source.base_model)
         return sid
 
