@@ -505,6 +505,26 @@ def test_store_paths_stay_inside(tmp_path):
     assert store.list_checkpoints("default")[1] == 0
 
 
+def test_store_touch_run_writes_at_most_every_interval_and_reads_the_latest(tmp_path, monkeypatch):
+    """Every training request touches its run: the time is kept in memory, written at most every
+    TOUCH_INTERVAL_S (a write is a WAL sync), read back exactly, and written on close."""
+    from skyrl_sdk.server.store import Store
+
+    store = Store(tmp_path / "s")
+    store.add_run("sess-1:train:0", "default", "sess-1", "tiny", None, None)
+    writes = []
+    real = store._write_touch
+    monkeypatch.setattr(store, "_write_touch", lambda run_id, when: (writes.append(when), real(run_id, when)))
+    for _ in range(5):
+        store.touch_run("sess-1:train:0")
+        last = store.run("sess-1:train:0", "default")["last_request_time"]
+        assert last == store._touched["sess-1:train:0"][0]
+    assert len(writes) == 1
+    store.close()
+    assert len(writes) == 2 and writes[-1] == last
+    assert Store(tmp_path / "s").run("sess-1:train:0", "default")["last_request_time"] == last
+
+
 def test_sequencer_orders_and_skips_a_lost_seq_only_when_idle():
     import asyncio
 
@@ -533,6 +553,49 @@ def test_sequencer_orders_and_skips_a_lost_seq_only_when_idle():
     assert [i for i, _ in ran] == [1, 3]
     assert ran[1][1] - ran[0][1] >= 0.29  # waited a full idle gap after 1 finished
     assert ran[1][1] - t0 < 1.4 and seq.next_seq == 4
+
+
+def test_worker_waits_briefly_to_batch_compatible_jobs():
+    """A batchable job waits up to ``batch_wait_s`` for each next compatible one (a client sends
+    a group's sample requests a few ms apart, and one batch costs little more than one request);
+    any other job ends the wait at once; ``batch_wait_s=0`` never waits."""
+    from skyrl_sdk.server.futures import Job, Result, Worker
+
+    ran: list[tuple[list[str], float]] = []
+
+    def job(name, key):
+        def run_batch(jobs):
+            ran.append(([j.payload for j in jobs], time.monotonic()))
+            return [Result.json({})] * len(jobs)
+
+        j = Job(run=lambda: run_batch([j])[0], done=lambda r: None, batch_key=key,
+                run_batch=run_batch if key else None, payload=name)
+        return j
+
+    def settle(worker, n):
+        deadline = time.monotonic() + 10
+        while sum(len(names) for names, _ in ran) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        worker.close()
+
+    worker = Worker("w", batch_wait_s=0.5)
+    for name in ("a1", "a2", "a3"):  # each within the wait of the one before
+        worker.put(job(name, "a"))
+        time.sleep(0.05)
+    put_b = time.monotonic()
+    worker.put(job("b1", "b"))
+    time.sleep(0.05)
+    worker.put(job("c1", None))  # not batchable: b1 runs now, not 0.5 s after it came
+    settle(worker, 5)
+    assert [names for names, _ in ran] == [["a1", "a2", "a3"], ["b1"], ["c1"]]
+    assert ran[1][1] - put_b < 0.4
+
+    ran.clear()
+    worker = Worker("w", batch_wait_s=0.0)
+    t0 = time.monotonic()
+    worker.put(job("a1", "a"))
+    settle(worker, 1)
+    assert [names for names, _ in ran] == [["a1"]] and ran[0][1] - t0 < 0.4
 
 
 def test_cli_serve_env_api_key_and_ctrl_c(tmp_path):

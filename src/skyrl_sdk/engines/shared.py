@@ -133,6 +133,9 @@ class SharedModel:
         self.offloads = self.reloads = 0
         self.offload_seconds = self.reload_seconds = 0.0
         self.closed = False
+        #: the adapter peft has active, as set by ``using`` (None: unknown, set it again);
+        #: ``set_adapter`` walks every adapter layer, so a turn of the same adapter skips it
+        self._active: str | None = None
 
     # ---- the module -------------------------------------------------------------------------------
     @property
@@ -143,6 +146,7 @@ class SharedModel:
 
     def _rebuild_scoring(self) -> None:
         """Adapters may wrap the output projection: scoring must call the current one."""
+        self._active = None  # an adapter was added or removed: peft may have changed which is active
         self.scoring = ScoringModel(self.plain, self.role)
         self.scoring.chunk_elements = self.config.logprob_chunk_elements
         self.base_runner.scoring = self.scoring
@@ -221,7 +225,9 @@ class SharedModel:
             adapter.last_used = next(self._clock)
             if adapter.offloaded is not None:
                 self._reload(adapter)
-            self.module.set_adapter(adapter.name)
+            if self._active != adapter.name:
+                self.module.set_adapter(adapter.name)
+                self._active = adapter.name
             try:
                 yield
             finally:
@@ -260,6 +266,7 @@ class SharedModel:
         return self._offload_root
 
     def _offload(self, adapter: Adapter) -> None:
+        self._active = None
         t0 = time.perf_counter()
         file = self.offload_dir() / f"{adapter.name}.safetensors"
         offload.offload(adapter.runner, file)
@@ -270,6 +277,7 @@ class SharedModel:
         logger.info("shared base %s: adapter %s offloaded to disk (%.3fs)", self.model_name, adapter.label, seconds)
 
     def _reload(self, adapter: Adapter) -> None:
+        self._active = None
         self._evict_beyond_capacity(keep=adapter)
         t0 = time.perf_counter()
         offload.reload(adapter.runner, adapter.offloaded, self.device)

@@ -101,6 +101,9 @@ class ServerConfig:
     max_sampler_backends: int = 4
     max_ephemeral_snapshots: int = 4
     max_sample_batch: int = 64
+    #: how long a sampler waits for another compatible sample request before running the ones
+    #: it has (a client sends a group's requests a few ms apart; see futures.Worker)
+    sample_batch_wait_s: float = 0.005
     session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S
     max_seq_len: int | None = None
     max_num_samples: int = DEFAULT_MAX_NUM_SAMPLES

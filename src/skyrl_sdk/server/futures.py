@@ -101,11 +101,20 @@ class Job:
 
 
 class Worker:
-    """One thread that runs jobs one at a time, in the order they were put."""
+    """One thread that runs jobs one at a time, in the order they were put.
 
-    def __init__(self, name: str, max_batch: int = 64) -> None:
+    ``batch_wait_s``: when a batchable job is taken with nothing compatible queued behind it,
+    how long to wait for one more (and again after each arrival, at most ``BATCH_WAIT_ROUNDS``
+    times): a client sends a group's sample requests one after another, a few ms apart, and
+    one batch of them costs little more than the first alone. Any other job ends the wait."""
+
+    #: at most this many waits of ``batch_wait_s`` per batch
+    BATCH_WAIT_ROUNDS = 8
+
+    def __init__(self, name: str, max_batch: int = 64, batch_wait_s: float = 0.0) -> None:
         self.name = name
         self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s
         self._jobs: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -145,9 +154,25 @@ class Worker:
             self._running = True
             batch = [first]
             if first.batch_key is not None and first.run_batch is not None:
-                while self._jobs and len(batch) < self.max_batch and self._jobs[0].batch_key == first.batch_key:
-                    batch.append(self._jobs.popleft())
+                self._gather(batch)
             return batch
+
+    def _gather(self, batch: list[Job]) -> None:
+        """(holding the lock) Add the jobs compatible with ``batch[0]`` queued behind it,
+        waiting up to ``batch_wait_s`` for each next one while none is queued."""
+        waits = self.BATCH_WAIT_ROUNDS if self.batch_wait_s > 0 else 0
+        while len(batch) < self.max_batch:
+            if self._jobs:
+                if self._jobs[0].batch_key != batch[0].batch_key:
+                    return
+                batch.append(self._jobs.popleft())
+                continue
+            if waits <= 0 or self._closed:
+                return
+            waits -= 1
+            self._cv.wait(self.batch_wait_s)
+            if not self._jobs:  # none came (or the worker closed, dropping the queue)
+                return
 
     def _loop(self) -> None:
         while True:

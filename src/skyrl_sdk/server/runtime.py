@@ -225,7 +225,7 @@ class Runtime:
         base, lora, metadata, directory = plan()
         if (old := self.models.get(req.model_id)) is not None and not old.closed:
             raise InputError(f"model {req.model_id} already exists")
-        worker = Worker(req.model_id, self.config.max_sample_batch)
+        worker = Worker(req.model_id, self.config.max_sample_batch, self.config.sample_batch_wait_s)
         model = TrainingModel(req.model_id, owner, req.session_id, base, lora, worker,
                               Sequencer(worker, 1, self.config.gap_timeout_s), asyncio.Event())
         self.models[req.model_id] = model

@@ -270,7 +270,9 @@ class Sampling:
             if target is not None:
                 self._targets.move_to_end(key)
                 return target
-            target = SamplerTarget(key, Worker(f"sampler-{uuid.uuid4().hex[:8]}", self.config.max_sample_batch), load)
+            worker = Worker(f"sampler-{uuid.uuid4().hex[:8]}", self.config.max_sample_batch,
+                            self.config.sample_batch_wait_s)
+            target = SamplerTarget(key, worker, load)
             self._targets[key] = target
             evict = list(self._targets)[: max(0, len(self._targets) - self.config.max_sampler_backends)]
         for old_key in evict:

@@ -135,11 +135,17 @@ def _loads(text: str | None) -> Any:
 class Store:
     """SQLite records + checkpoint directories. Thread-safe (one connection, one lock)."""
 
+    #: a run's last request time is written at most this often (each write is a WAL sync, and
+    #: every training request touches its run); the latest lives in memory, where ``run`` reads it
+    TOUCH_INTERVAL_S = 5.0
+
     def __init__(self, state_dir: Path) -> None:
         self.root = Path(state_dir).expanduser().resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "runs").mkdir(exist_ok=True)
         self._lock = threading.RLock()
+        #: run id -> (last request time, the one last written)
+        self._touched: dict[str, tuple[float, float]] = {}
         self._db = sqlite3.connect(str(self.root / "server.sqlite3"), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         with self._lock:
@@ -152,6 +158,9 @@ class Store:
 
     def close(self) -> None:
         with self._lock:
+            for run_id, (last, written) in self._touched.items():
+                if last > written:
+                    self._write_touch(run_id, last)
             self._db.close()
 
     def _exec(self, sql: str, params: tuple = ()) -> sqlite3.Cursor:
@@ -224,7 +233,16 @@ class Store:
         )
 
     def touch_run(self, run_id: str) -> None:
-        self._exec("UPDATE training_runs SET last_request_time = ? WHERE run_id = ?", (time.time(), run_id))
+        now = time.time()
+        with self._lock:
+            written = self._touched.get(run_id, (0.0, 0.0))[1]
+            if now - written >= self.TOUCH_INTERVAL_S:
+                self._write_touch(run_id, now)
+                written = now
+            self._touched[run_id] = (now, written)
+
+    def _write_touch(self, run_id: str, when: float) -> None:
+        self._exec("UPDATE training_runs SET last_request_time = ? WHERE run_id = ?", (when, run_id))
 
     def run(self, run_id: str, owner: str) -> dict[str, Any] | None:
         """The training run ``run_id`` if ``owner`` owns it."""
@@ -232,6 +250,7 @@ class Store:
         if not rows:
             return None
         out = dict(rows[0])
+        out["last_request_time"] = max(out["last_request_time"], self._touched.get(run_id, (0.0, 0.0))[0])
         out["lora"] = _loads(out["lora"])
         out["user_metadata"] = _loads(out["user_metadata"])
         return out
