@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from . import grpo_task as task
 from .grpo_task import GrpoSettings
 
@@ -69,7 +71,10 @@ def run_backend(model_dir: Path, s: GrpoSettings) -> dict[str, Any]:
         for step in range(s.steps):
             clock.start()
             prompts = [task.prompt_ids(tok, t) for t in texts[step * s.groups:(step + 1) * s.groups]]
-            outs = backend.sample(prompts, params, num_samples=s.group_size)
+            # seeded per step, as TRL's generation is: the curve is the same in every run
+            # (the server side stays unseeded: seeded requests are not batched together there)
+            step_params = attrs.evolve(params, seed=s.seed * 1_000_003 + step)
+            outs = backend.sample(prompts, step_params, num_samples=s.group_size)
             data, mean = build_datums(prompts, [o.sequences for o in outs], tok)
             if data:
                 backend.forward_backward(data, "importance_sampling")
