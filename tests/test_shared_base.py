@@ -100,7 +100,8 @@ def test_stats_read_tensors_only_in_the_adapters_turn(data, monkeypatch):
 def test_set_adapter_runs_only_when_the_active_adapter_changes(data, monkeypatch):
     """peft's set_adapter walks every adapter layer (7 ms on the GRPO benchmark's model, five
     times per RL step through the server): turns of the adapter already active skip it; another
-    adapter's turn, the base's or an added adapter make the next turn set it again."""
+    adapter's turn (or an added one) makes the next turn set it again; the base's turn (adapters
+    disabled, then re-enabled) leaves it active."""
     with SharedBase("tiny") as base, base.backend(LORA_A) as a:
         shared = base.shared
         calls: list[str] = []

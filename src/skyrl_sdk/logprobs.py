@@ -24,6 +24,7 @@ log-probabilities.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -97,8 +98,9 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | N
 FUSED_METHOD = "fused_target_logprobs"
 
 
-def _plain_linear(head) -> torch.nn.Linear | None:
-    """The head's nn.Linear when the fused path applies (no scale, softcap, wrapper or hook)."""
+def fusable_linear(head) -> torch.nn.Linear | None:
+    """The head's projection when the fused path applies to it: a plain ``nn.Linear`` (no
+    wrapper, no hook) with no logit scale or soft-cap; ``None`` otherwise (the generic path)."""
     proj = getattr(head, "proj", None)
     if type(proj) is not torch.nn.Linear or getattr(head, "scale", None) is not None or getattr(head, "softcap", None):
         return None
@@ -108,17 +110,13 @@ def _plain_linear(head) -> torch.nn.Linear | None:
 
 
 def _fused_entry(head) -> Callable | None:
-    """How to run the fused path for ``head``, or ``None`` for the generic one."""
-    if getattr(head, "scale", None) is not None or getattr(head, "softcap", None):
-        return None
+    """How to run the fused path for ``head``: the projection's own ``FUSED_METHOD`` (an
+    engine's wrapper installed it on a head that was fusable), else the plain linear's."""
     entry = getattr(getattr(head, "proj", None), FUSED_METHOD, None)
     if entry is not None:
         return entry
-    proj = _plain_linear(head)
-    if proj is None:
-        return None
-    return lambda hidden, targets, chunk, want_entropy: linear_target_logprobs(
-        proj.weight, proj.bias, hidden, targets, chunk, want_entropy)
+    proj = fusable_linear(head)
+    return None if proj is None else functools.partial(linear_target_logprobs, proj.weight, proj.bias)
 
 
 def _logprobs_inplace(

@@ -5,7 +5,7 @@ plugin needs is importable from ``skyrl_sdk.engines``; the modules behind it are
 """
 
 from ..checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, load_tensors, save_tensors
-from ..logprobs import FUSED_METHOD, linear_target_logprobs
+from ..logprobs import FUSED_METHOD, fusable_linear, linear_target_logprobs
 from ..losses.resolve import ResolvedLoss
 from ..metrics import MetricAccumulator
 from ..models import TINY_NAME, LoadedModel, hf_model, load_model, load_tokenizer
@@ -38,7 +38,7 @@ __all__ = [
     # the built-in engine, to subclass when one step should differ
     "LocalEngine",
     # the fused head, for engines that wrap the output projection (e.g. an FSDP2 unit)
-    "FUSED_METHOD", "linear_target_logprobs",
+    "FUSED_METHOD", "fusable_linear", "linear_target_logprobs",
     # memory: activation checkpointing per transformer block
     "transformer_blocks", "enable_activation_checkpointing",
     # multi-process engines: calls as plain data

@@ -62,7 +62,8 @@ def step_is_provably_finite(optimizer: torch.optim.Optimizer, params: Sequence[t
     with_moments = [i for i, state in enumerate(states) if "exp_avg" in state]
     m_maxes = dict(zip(with_moments, _max_abs([states[i]["exp_avg"] for i in with_moments]), strict=True))
     counted = [i for i, state in enumerate(states) if "step" in state]
-    step_values = torch.stack([torch.as_tensor(states[i]["step"], dtype=torch.float64).reshape(()).cpu()
+    # one optimizer keeps every step counter on one device: one host sync for all of them
+    step_values = torch.stack([torch.as_tensor(states[i]["step"], dtype=torch.float64).reshape(())
                                for i in counted]).tolist() if counted else []
     steps = dict(zip(counted, step_values, strict=True))
     decay = abs(1.0 - adam.learning_rate * adam.weight_decay)

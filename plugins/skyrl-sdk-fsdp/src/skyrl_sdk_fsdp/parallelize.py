@@ -21,6 +21,7 @@ from skyrl_sdk.engines import (
     FUSED_METHOD,
     ScoringModel,
     enable_activation_checkpointing,
+    fusable_linear,
     hf_model,
     linear_target_logprobs,
     transformer_blocks,
@@ -94,11 +95,10 @@ def _untied_embedding_and_head(scoring: ScoringModel) -> tuple[torch.nn.Module |
     inner = hf_model(scoring.model)
     embedding = inner.get_input_embeddings()
     head = scoring.head.proj if scoring.role == "policy" else None
-    plain_head = (type(head) is torch.nn.Linear and scoring.head.scale is None and not scoring.head.softcap)
     shared = {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()} if head is not None else set()
     if shared:
         return None, None
-    return embedding, (head if plain_head else None)
+    return embedding, fusable_linear(scoring.head) if head is not None else None
 
 
 def _fused_target_logprobs(self, hidden, targets, chunk, want_entropy):
