@@ -5,6 +5,8 @@ forward_backward + one optim_step. Each side runs in a fresh process
 (``python -m benchmarks.fsdp_loading --worker local|fsdp``); the figure is each process's
 peak RSS over its whole life (``VmHWM``: loading included, where a full copy per rank
 would show). Reported raw and minus an idle interpreter that imported the same modules.
+The peak after each phase (load, forward_backward, optim_step) shows which phase set it;
+a second step follows, reported apart (the target is over load + one step).
 """
 
 from __future__ import annotations
@@ -43,13 +45,24 @@ def _worker(side: str, model: str, threads: int) -> dict:
     datums = rows_to_datums(make_sft_rows([64] * 4, 256, seed=5))
     cfg = {"world_size": WORLD_SIZE, "threads_per_rank": threads} if side == "fsdp" else {}
     t0 = time.perf_counter()
+    phases: dict[str, list[int]] = {}
     with skyrl_sdk.Backend(model=model, engine=side, engine_config=cfg) as b:
-        b.forward_backward(datums)
-        b.optim_step(types.AdamParams(learning_rate=1e-4))
-        seconds = time.perf_counter() - t0
         pids = list(b.engine.rank_pids) if side == "fsdp" else [os.getpid()]
-        peaks = [proc_status("VmHWM", p) for p in pids]
-    return {"side": side, "idle_rss_bytes": idle, "peak_rss_bytes": peaks, "seconds": seconds}
+
+        def peaks_so_far(phase: str) -> None:  # VmHWM only grows: the phase that raised it shows
+            phases[phase] = [proc_status("VmHWM", p) for p in pids]
+
+        peaks_so_far("load")
+        b.forward_backward(datums)
+        peaks_so_far("forward_backward")
+        b.optim_step(types.AdamParams(learning_rate=1e-4))
+        peaks_so_far("optim_step")
+        seconds = time.perf_counter() - t0
+        b.forward_backward(datums)  # a second step: its moments exist before backward
+        b.optim_step(types.AdamParams(learning_rate=1e-4))
+        peaks_so_far("second_step")
+    return {"side": side, "idle_rss_bytes": idle, "peak_rss_bytes": phases["optim_step"],
+            "peak_rss_bytes_by_phase": phases, "seconds": seconds}
 
 
 def _spawn(side: str, model_dir, threads: int) -> dict:
@@ -96,6 +109,12 @@ def table(result: dict) -> list[str]:
         f"| {result['model']['parameters'] / 1e6:.0f}M | {', '.join(f'{m:.0f}' for m in mib)} | {local:.0f} | "
         f"{result['local']['idle_rss_bytes'] / 2**20:.0f} | {result['peak_ratio']:.3f} | "
         f"{result['peak_ratio_minus_idle']:.3f} | <= {result['target']} ({result['verdict']}) |",
+        "",
+        "| peak RSS MiB after | local | fsdp, largest rank |",
+        "|---|---|---|",
+        *(f"| {phase} | {result['local']['peak_rss_bytes_by_phase'][phase][0] / 2**20:.0f} | "
+          f"{max(result['fsdp']['peak_rss_bytes_by_phase'][phase]) / 2**20:.0f} |"
+          for phase in result["local"]["peak_rss_bytes_by_phase"]),
     ]
 
 

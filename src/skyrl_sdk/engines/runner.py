@@ -259,7 +259,7 @@ def _can_fuse_adamw(params: Sequence[torch.Tensor]) -> bool:
     It computes the same update as the default implementation (to float rounding, ~1e-8
     relative) about 5x faster on CPU, where the for-loop AdamW is a visible part of a step,
     and makes no temporaries: on FSDP ranks the for-loop's ``sqrt(v)`` copy of the largest
-    shard was the step's peak (100M Llama, 2 ranks: 1230 -> 1136 MiB per rank).
+    shard was the step's peak (benchmarks.fsdp_loading, docs/performance.md section 6).
     """
     if not params:
         return False
