@@ -67,10 +67,6 @@ def ratio_summary(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
     return summary([x / y for x, y in zip(a, b, strict=True)])
 
 
-def fmt_range(s: Mapping[str, Any], digits: int = 3, unit: str = "") -> str:
-    return f"{s['median']:.{digits}f}{unit} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
 def alternate(
     sides: Mapping[str, Callable[[], Any]], reps: int, warmup: int = 1
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:

@@ -27,7 +27,7 @@ WORLD_SIZE = 2
 
 def available() -> str | None:
     try:
-        from skyrl_sdk.plugins import get_registry
+        from skyrl_sdk.plugins.manager import get_registry
 
         engines = get_registry().engines
     except Exception as exc:

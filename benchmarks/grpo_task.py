@@ -87,7 +87,7 @@ def lora_targets(directory: Path) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     from skyrl_sdk import types
-    from skyrl_sdk.models import _lora_targets
+    from skyrl_sdk.models.loading import lora_targets
 
     model = AutoModelForCausalLM.from_pretrained(str(directory))
-    return _lora_targets(model, types.LoraConfig(rank=1, train_unembed=False))
+    return lora_targets(model, types.LoraConfig(rank=1, train_unembed=False))

@@ -18,9 +18,9 @@ TARGET = 0.02
 
 
 def input_path(backend, data) -> int:
-    from skyrl_sdk.batching import make_micro_batches, pack_inputs
-    from skyrl_sdk.coerce import data_from_any
-    from skyrl_sdk.validation import validate_data
+    from skyrl_sdk.engines.batching import make_micro_batches, pack_inputs
+    from skyrl_sdk.inputs.coerce import data_from_any
+    from skyrl_sdk.losses.validation import validate_data
 
     runner = backend.engine.runner
     spec = backend.resolve("cross_entropy").spec

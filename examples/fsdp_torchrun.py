@@ -18,7 +18,7 @@ skyrl_sdk_fsdp.worker_main()  # ranks != 0 serve rank 0 from here and exit when 
 
 import skyrl_sdk  # noqa: E402  (only rank 0 gets here)
 from skyrl_sdk import types  # noqa: E402
-from skyrl_sdk.demo import ReverseTask  # noqa: E402
+from skyrl_sdk.cli.demo import ReverseTask  # noqa: E402
 
 
 def main() -> None:

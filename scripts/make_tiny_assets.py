@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from skyrl_sdk.models import TINY_DIR, build_tiny_tokenizer, tiny_config
+from skyrl_sdk.models.loading import TINY_DIR, build_tiny_tokenizer, tiny_config
 
 if __name__ == "__main__":
     TINY_DIR.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ def make_family_dir(family: str, path: Path, seed: int = 0) -> Path:
     import transformers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from skyrl_sdk.models import TINY_DIR
+    from skyrl_sdk.models.loading import TINY_DIR
 
     cls_name, extra = FAMILIES[family]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra})

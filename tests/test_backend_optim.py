@@ -7,7 +7,7 @@ import torch
 
 import skyrl_sdk
 from skyrl_sdk import types
-from skyrl_sdk.models import load_model
+from skyrl_sdk.models.loading import load_model
 from skyrl_sdk.testing import assert_tensors_close, grads_of, make_sft_data, weights_of
 
 

@@ -8,7 +8,7 @@ import torch
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
-from skyrl_sdk.models import load_model
+from skyrl_sdk.models.loading import load_model
 from skyrl_sdk.testing import assert_tensors_close, grads_of, weights_of
 
 
@@ -215,7 +215,7 @@ def test_shipped_tiny_assets_match_their_generator(tmp_path):
     """The files in assets/tiny are exactly what scripts/make_tiny_assets.py writes."""
     import json
 
-    from skyrl_sdk.models import TINY_DIR, build_tiny_tokenizer, tiny_config
+    from skyrl_sdk.models.loading import TINY_DIR, build_tiny_tokenizer, tiny_config
 
     build_tiny_tokenizer().save_pretrained(tmp_path)
     assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads((TINY_DIR / "tokenizer.json").read_text())

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test runs a script or a server: seconds to minutes
+
 REPO = Path(__file__).resolve().parent.parent
 #: every benchmark registered in benchmarks/run.py must run in smoke mode
 BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "fsdp_loading", "scaling",

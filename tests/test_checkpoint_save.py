@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 import skyrl_sdk
 from _probes import Probes
-from skyrl_sdk import checkpoint, errors, types
+from skyrl_sdk import errors, types
+from skyrl_sdk.models import checkpoint
 from skyrl_sdk.testing import make_sft_data
 
 ADAM = types.AdamParams(learning_rate=5e-3)

@@ -7,7 +7,7 @@ import pytest
 
 import skyrl_sdk
 from skyrl_sdk import types
-from skyrl_sdk.engines import enable_activation_checkpointing, transformer_blocks
+from skyrl_sdk.models.activation_checkpointing import enable_activation_checkpointing, transformer_blocks
 from skyrl_sdk.testing import assert_outputs_close, grads_of, make_rl_data, make_sft_data, torch_threads
 
 DATA = make_sft_data([24, 31, 17, 40], seed=3)

@@ -10,10 +10,11 @@ import types as pytypes
 
 import pytest
 
-from skyrl_sdk import cli, plugins
-from skyrl_sdk.dialects.tinker import convert_tinker
+from skyrl_sdk.cli import commands as cli
 from skyrl_sdk.losses.base import LossSpec
-from skyrl_sdk.registry import DialectSpec
+from skyrl_sdk.losses.dialects import convert_tinker
+from skyrl_sdk.plugins import manager as plugins
+from skyrl_sdk.plugins.registry import DialectSpec
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -164,7 +165,7 @@ def _fake_module(monkeypatch, name: str, func: str) -> list:
 
 def test_serve_arguments_and_lazy_import(monkeypatch):
     monkeypatch.setenv(cli.API_KEY_ENV, "tml-secret")
-    calls = _fake_module(monkeypatch, "skyrl_sdk.serve_command", "serve")
+    calls = _fake_module(monkeypatch, "skyrl_sdk.cli.serve", "serve")
     assert cli.main(["serve"]) == 0
     args = calls[-1]
     assert (args.host, args.port, args.model, args.engine, args.engine_config, args.state_dir, args.api_key,
@@ -185,7 +186,7 @@ def test_serve_rejects_bad_engine_config(bad, capsys):
 
 
 def test_demo_arguments(monkeypatch):
-    calls = _fake_module(monkeypatch, "skyrl_sdk.demo", "main")
+    calls = _fake_module(monkeypatch, "skyrl_sdk.cli.demo", "main")
     assert cli.main(["demo"]) == 0
     args = calls[-1]
     assert (args.steps, args.rl_steps, args.json, args.out, args.short) == (120, 16, False, "./skyrl-demo-out", False)
@@ -196,7 +197,7 @@ def test_demo_arguments(monkeypatch):
 
 
 def test_missing_optional_module_is_reported(monkeypatch, capsys):
-    monkeypatch.delitem(sys.modules, "skyrl_sdk.serve_command", raising=False)
+    monkeypatch.delitem(sys.modules, "skyrl_sdk.cli.serve", raising=False)
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the [server] extra were not installed
     assert cli.main(["serve"]) == 2
     assert "cannot import 'uvicorn' (pip install 'skyrl-sdk[server]')" in capsys.readouterr().err
@@ -256,6 +257,7 @@ def test_serve_help_says_how_to_point_the_client():
     assert "base_url=" in text and "--lazy" in text
 
 
+@pytest.mark.slow
 def test_losses_fit_100_columns_by_default_and_wide_is_one_line_each():
     proc = run_cli("losses", env={"COLUMNS": "250"})
     assert proc.returncode == 0, proc.stderr
@@ -308,12 +310,12 @@ def test_serve_refuses_to_start_with_the_reason(argv, expected, tmp_path, capsys
 
 
 def test_serve_checks_a_model_directory_without_loading_it(tmp_path, capsys):
-    from skyrl_sdk import serve_command
+    from skyrl_sdk.cli import serve as serve_command
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(serve_command.CannotServe, match="config.json could not be read"):
         serve_command.preflight((str(tmp_path),), "local", {}, lazy=True)
-    from skyrl_sdk.models import tiny_config
+    from skyrl_sdk.models.loading import tiny_config
 
     tiny_config().save_pretrained(tmp_path)
     with pytest.raises(serve_command.CannotServe, match="directory has no weights"):
@@ -326,6 +328,7 @@ def _serve(tmp_path, port: int, *extra: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_serve_with_a_missing_model_exits_within_seconds(tmp_path):
     import time
 
@@ -336,6 +339,7 @@ def test_serve_with_a_missing_model_exits_within_seconds(tmp_path):
     assert time.monotonic() - t0 < 60  # imports included; no model is loaded
 
 
+@pytest.mark.slow
 def test_serve_banner_comes_after_the_bind(tmp_path):
     import socket
 

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each test runs a script or a server: seconds to minutes
+
 
 def test_demo_short_mode_trains_and_exports(tmp_path):
     proc = subprocess.run(

@@ -13,8 +13,9 @@ from pathlib import Path
 import attrs
 import pytest
 
-from skyrl_sdk import hookspecs, plugins
-from skyrl_sdk.registry import Registry
+from skyrl_sdk import hooks as hookspecs
+from skyrl_sdk.plugins import manager as plugins
+from skyrl_sdk.plugins.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -23,7 +24,6 @@ DOCS = ROOT / "docs"
 REGISTER_METHODS = {
     "skyrl_sdk_register_losses": Registry.register_loss,
     "skyrl_sdk_register_dialects": Registry.register_dialect,
-    "skyrl_sdk_register_converters": Registry.register_dialect,  # deprecated name, one release
     "skyrl_sdk_register_engines": Registry.register_engine,
     "skyrl_sdk_register_samplers": Registry.register_sampler,
 }

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test runs a script or a server: seconds to minutes
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

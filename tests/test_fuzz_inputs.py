@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 import skyrl_sdk
 from _probes import Probes
-from skyrl_sdk import serde, types
-from skyrl_sdk.coerce import adam_params_from_any, sampling_params_from_any
+from skyrl_sdk import types
+from skyrl_sdk.inputs import tinker_json as serde
+from skyrl_sdk.inputs.coerce import adam_params_from_any, sampling_params_from_any
 from skyrl_sdk.testing import make_sft_data, weights_of
 
 pytestmark = pytest.mark.fuzz
@@ -267,6 +268,7 @@ json_change = st.one_of(
 
 @given(file=st.sampled_from(FILES), change=tensor_change, which=st.integers(0, 10_000), other=json_change,
        use_json=st.booleans())
+@pytest.mark.slow
 def test_corrupt_checkpoints_are_refused_without_a_trace(backend, saved_state, tmp_path_factory, file, change, which,
                                                          other, use_json):
     import shutil

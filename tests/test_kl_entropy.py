@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
-from skyrl_sdk.logprobs import target_logprobs
-from skyrl_sdk.losses import evaluate_loss
-from skyrl_sdk.losses.regularizers import kl_estimate
-from skyrl_sdk.models import load_model
+from skyrl_sdk.evaluate import evaluate_loss
+from skyrl_sdk.losses.terms import kl_estimate
+from skyrl_sdk.models.loading import load_model
+from skyrl_sdk.models.logprobs import target_logprobs
 from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data
 
 LP = np.array([-0.3, -2.0, -0.01, -5.0, -1.0, -30.0, -0.5], dtype=np.float64)

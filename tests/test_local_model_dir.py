@@ -8,7 +8,7 @@ import torch
 
 import skyrl_sdk
 from skyrl_sdk import types
-from skyrl_sdk.models import TINY_DIR, load_tokenizer, tiny_config
+from skyrl_sdk.models.loading import TINY_DIR, load_tokenizer, tiny_config
 from skyrl_sdk.testing import assert_tensors_close, make_sft_data, weights_of
 
 

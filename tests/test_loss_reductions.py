@@ -9,7 +9,7 @@ import torch
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
-from skyrl_sdk.models import load_model
+from skyrl_sdk.models.loading import load_model
 from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data, make_sft_data
 
 REDUCTIONS = ["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
@@ -160,8 +160,8 @@ def test_bad_reduction_configs_name_the_key_and_leave_no_trace(backends, config,
     assert grads_of(backend) == {}
 
 
-def test_shared_keys_pass_through_the_tinker_conversion():
-    from skyrl_sdk.dialects.tinker import convert_tinker_loss_config
+def test_loss_terms_pass_through_the_tinker_conversion():
+    from skyrl_sdk.losses.dialects import convert_tinker_loss_config
 
     out = convert_tinker_loss_config({"clip_low_threshold": 0.8, "loss_reduction": "token_mean", "kl_coef": 0.1})
     assert out == {"eps_clip_low": pytest.approx(0.2), "loss_reduction": "token_mean", "kl_coef": 0.1}
@@ -171,8 +171,9 @@ def test_shared_keys_pass_through_the_tinker_conversion():
 
 def test_plugin_loss_with_elementwise_loss_gets_reductions():
     """A plugin loss that returns a differentiable elementwise_loss gets every reduction."""
-    from skyrl_sdk.losses import LossOutput, evaluate_loss
-    from skyrl_sdk.registry import Registry
+    from skyrl_sdk.evaluate import evaluate_loss
+    from skyrl_sdk.losses import LossOutput
+    from skyrl_sdk.plugins.registry import Registry
 
     def weighted_neg_lp(batch, config):
         per_token = -batch.target_logprobs * batch.mask()
@@ -183,7 +184,7 @@ def test_plugin_loss_with_elementwise_loss_gets_reductions():
         return LossOutput(loss=per_token.sum())
 
     registry = Registry()
-    from skyrl_sdk.dialects.native import convert_native
+    from skyrl_sdk.losses.dialects import convert_native
 
     registry.register_dialect("test", "native", convert_native)
     registry.register_loss("test", "neg_lp", weighted_neg_lp, description="", required_inputs=(),
@@ -194,7 +195,7 @@ def test_plugin_loss_with_elementwise_loss_gets_reductions():
 
     lp0 = torch.tensor([-1.0, -2.0, -0.5, -3.0])
     w = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    with mock.patch("skyrl_sdk.plugins.get_registry", return_value=registry):
+    with mock.patch("skyrl_sdk.plugins.manager.get_registry", return_value=registry):
         for name in ("neg_lp", "sum_only"):
             for reduction, expected in (("token_mean", 4.5 / 3), ("seq_mean_token_sum", 4.5),
                                         ("seq_mean_token_sum_norm", 4.5 / 8)):
@@ -306,6 +307,7 @@ def references_with_terms(data_by_kl, cases):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_fsdp_two_ranks_match_the_local_engine_and_the_formula(tmp_path):
     """Normalizers are per call, so the 2-rank split changes nothing: every reduction, with KL and entropy
     terms, on one local Backend and then one fsdp Backend (gradients zeroed between the cases)."""

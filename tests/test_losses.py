@@ -12,12 +12,13 @@ import math
 import pytest
 import torch
 
-from skyrl_sdk.dialects.tinker import convert_tinker_loss_config
-from skyrl_sdk.losses import LossInput, evaluate_loss
+from skyrl_sdk.evaluate import evaluate_loss
+from skyrl_sdk.losses import LossInput
+from skyrl_sdk.losses.dialects import convert_tinker_loss_config
+from skyrl_sdk.losses.metrics import MetricAccumulator
 from skyrl_sdk.losses.resolve import resolve_loss
 from skyrl_sdk.losses.run import run_loss
-from skyrl_sdk.metrics import MetricAccumulator
-from skyrl_sdk.plugins import get_registry
+from skyrl_sdk.plugins.manager import get_registry
 
 POLICY_LOSSES = (
     "importance_sampling", "regular", "dual_clip", "gspo", "cispo", "sapo", "dro", "clip_cov", "kl_cov",

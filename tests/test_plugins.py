@@ -12,9 +12,9 @@ import sys
 import attrs
 import pytest
 
-from skyrl_sdk import plugins
 from skyrl_sdk.errors import DuplicateRegistrationError, PluginError
-from skyrl_sdk.registry import Registry
+from skyrl_sdk.plugins import manager as plugins
+from skyrl_sdk.plugins.registry import Registry
 
 HOOKS = ("skyrl_sdk_register_losses", "skyrl_sdk_register_dialects", "skyrl_sdk_register_engines")
 
@@ -63,8 +63,8 @@ def test_builtins_are_registered_through_the_same_hooks():
     assert "skyrl_sdk.losses.sft" in impls
     registry = loaded.registry
     assert registry.owners[("loss", "cross_entropy")] == "skyrl_sdk.losses.sft"
-    assert registry.owners[("dialect", "tinker")] == "skyrl_sdk.dialects.tinker"
-    assert registry.owners[("dialect", "native")] == "skyrl_sdk.dialects.native"
+    assert registry.owners[("dialect", "tinker")] == "skyrl_sdk.losses.dialects"
+    assert registry.owners[("dialect", "native")] == "skyrl_sdk.losses.dialects"
     assert "loss:cross_entropy" in info_of("skyrl_sdk.losses.sft").registered
 
 
@@ -122,24 +122,6 @@ def test_installed_plugin_registers_all_three_kinds(site):
     registry = plugins.get_registry()
     assert registry.dialects["fake_dialect"].convert("alias", None, "policy") == ("fake_all_loss", {})
     assert registry.engines["fake_engine"].factory(model="m") == {"model": "m"}
-
-
-def test_the_old_converters_hook_still_registers_a_dialect_with_a_deprecation_warning(site):
-    site(
-        "skyrl-fake-old",
-        {"skyrl_fake_old": """
-        import skyrl_sdk
-
-        @skyrl_sdk.hookimpl
-        def skyrl_sdk_register_converters(register):
-            register("old_dialect", lambda loss_fn, cfg, role: None, description="old hook name")
-        """},
-        {"fake_old": "skyrl_fake_old"},
-    )
-    with pytest.warns(DeprecationWarning, match="skyrl_sdk_register_dialects"):
-        registry = plugins.get_registry()
-    assert info_of("fake_old").registered == ("dialect:old_dialect",)
-    assert registry.owners[("dialect", "old_dialect")] == "fake_old"
 
 
 def test_entry_point_may_name_an_object(site):
@@ -363,13 +345,65 @@ def test_plugin_with_a_misspelt_hook_is_reported(site):
     assert plugins.get_plugins().manager.get_plugin("typo") is None
 
 
-def test_the_old_converters_import_path_still_works_with_a_deprecation_warning():
-    import importlib
-    import sys
+# ---- decorators: sugar over the hooks ------------------------------------------------------
+def test_a_decorated_loss_in_this_process_is_registered_under_its_module():
+    import skyrl_sdk
+    from skyrl_sdk import Backend
+    from skyrl_sdk.losses import LossOutput
+    from skyrl_sdk.testing import make_sft_data
 
-    sys.modules.pop("skyrl_sdk.converters.tinker", None)
-    with pytest.warns(DeprecationWarning, match="skyrl_sdk.dialects.tinker"):
-        old = importlib.import_module("skyrl_sdk.converters.tinker")
-    from skyrl_sdk.dialects.tinker import convert_tinker_loss_config
+    before = plugins.get_registry()
+    assert "decorated_ce" not in before.losses
 
-    assert old.convert_tinker_loss_config is convert_tinker_loss_config
+    @skyrl_sdk.register_loss("decorated_ce", description="test", required_inputs=("target_tokens",),
+                             optional_inputs=("weights",))
+    def decorated_ce(batch, config):
+        return LossOutput(loss=-(batch.target_logprobs * batch.mask()).sum())
+
+    registry = plugins.get_registry()  # a new declaration rebuilds the registry
+    assert registry.losses["decorated_ce"].fn is decorated_ce
+    assert registry.owners[("loss", "decorated_ce")] == __name__
+    info = info_of(__name__)
+    assert (info.package, info.registered, info.error) == ("(declared in this process)", ("loss:decorated_ce",), None)
+    data = make_sft_data([5, 7], seed=3)
+    with Backend(model="tiny") as backend:
+        ours = backend.forward(data, "decorated_ce").metrics["loss:sum"]
+        theirs = backend.forward(data, "cross_entropy").metrics["loss:sum"]
+    assert ours == pytest.approx(theirs, rel=1e-6)
+    assert plugins.get_registry() is registry  # no new declaration: the same registry
+
+
+def test_an_entry_point_plugin_may_declare_with_decorators_only(site, monkeypatch):
+    source = """
+        import skyrl_sdk
+        from skyrl_sdk.losses import LossOutput
+
+        @skyrl_sdk.register_loss("decorated_plugin_loss", description="test", required_inputs=("target_tokens",))
+        def fn(batch, config):
+            return LossOutput(loss=-batch.target_logprobs.sum())
+
+        @skyrl_sdk.register_dialect("decorated_dialect")
+        def convert(loss_fn, loss_fn_config, role):
+            return ("decorated_plugin_loss", {}) if loss_fn == "alias" else None
+    """
+    site("skyrl-fake-decorated", {"skyrl_fake_decorated": source}, {"decorated": "skyrl_fake_decorated"})
+    registry = plugins.get_registry()
+    assert registry.owners[("loss", "decorated_plugin_loss")] == "decorated"
+    assert registry.dialect_spec("decorated_dialect").convert("alias", None, "policy") == ("decorated_plugin_loss", {})
+    info = info_of("decorated")
+    assert (info.package, info.error) == ("skyrl-fake-decorated", None)
+    assert info.registered == ("loss:decorated_plugin_loss", "dialect:decorated_dialect")
+    # left out by SKYRL_SDK_PLUGINS: its declarations are left out too, though its module was imported
+    monkeypatch.setenv(plugins.ENV_VAR, "")
+    assert "decorated_plugin_loss" not in plugins.get_registry().losses
+
+
+def test_a_malformed_declaration_fails_its_module_alone():
+    import skyrl_sdk
+
+    skyrl_sdk.register_loss("bad_decl", description="test", required_inputs="target_tokens")(lambda b, c: None)
+    skyrl_sdk.register_loss("good_decl_same_module", description="test", required_inputs=())(lambda b, c: None)
+    registry = plugins.get_registry()
+    assert "bad_decl" not in registry.losses and "good_decl_same_module" not in registry.losses
+    assert "required_inputs must be a list" in info_of(__name__).error
+    assert "cross_entropy" in registry.losses

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
-from skyrl_sdk.logprobs import target_logprobs
+from skyrl_sdk.models.logprobs import target_logprobs
 from skyrl_sdk.testing import assert_tensors_close, make_sft_data, torch_threads, weights_of
 
 MIXED = {"dtype": "bfloat16"}

@@ -21,6 +21,7 @@ def first_python_block(text: str) -> str:
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
+@pytest.mark.slow
 def test_the_recipe_runs_as_written_and_the_reward_rises(tmp_path):
     script = tmp_path / "rl.py"
     script.write_text(first_python_block(DOC.read_text()))
@@ -64,7 +65,7 @@ def test_datum_from_sample_trains_only_the_completion():
     """The loss's gradient on prompt positions is zero: compare with the completion alone."""
     import torch
 
-    from skyrl_sdk.losses import evaluate_loss
+    from skyrl_sdk.evaluate import evaluate_loss
 
     prompt = [256, 51, 50]
     sample = types.SampledSequence(tokens=[55, 257], logprobs=[-0.5, -1.5], stop_reason="stop")

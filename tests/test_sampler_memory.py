@@ -47,6 +47,7 @@ def model():
     return LlamaForCausalLM(config).eval()
 
 
+@pytest.mark.slow
 def test_sampling_a_32k_vocabulary_keeps_memory_bounded(model):
     prompts = [np.arange(1, 9), np.arange(100, 105)]
     params = SamplingParams(max_tokens=STEPS, seed=0, stop=[])

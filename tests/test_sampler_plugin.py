@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 import skyrl_sdk
-from skyrl_sdk import errors, plugins, types
-from skyrl_sdk.sampling.plugin import TransformersSampler
+from skyrl_sdk import errors, types
+from skyrl_sdk.plugins import manager as plugins
+from skyrl_sdk.sampling import TransformersSampler
 
 ECHO_PLUGIN = """
     import skyrl_sdk
@@ -51,8 +52,8 @@ def install(plugin_site):
 def test_builtin_transformers_sampler_registers_through_the_hook():
     registry = plugins.get_registry()
     assert registry.samplers["transformers"].factory is TransformersSampler
-    assert registry.owners[("sampler", "transformers")] == "skyrl_sdk.sampling.plugin"
-    assert "skyrl_sdk.sampling.plugin" in plugins.BUILTIN_PLUGINS
+    assert registry.owners[("sampler", "transformers")] == "skyrl_sdk.sampling"
+    assert "skyrl_sdk.sampling" in plugins.BUILTIN_PLUGINS
 
 
 def test_a_plugin_sampler_serves_backend_sample(install):

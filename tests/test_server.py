@@ -75,6 +75,7 @@ def assert_outputs_close(got, want, atol=1e-5):
 
 
 # ---- training ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cross_entropy_train_steps_match_in_process(service):
     """5 datums -> 3 parallel chunks whose gradients add up; AdamW honoured; weights match."""
     data = make_sft_data([7, 12, 3, 20, 9], seed=1)
@@ -598,6 +599,7 @@ def test_worker_waits_briefly_to_batch_compatible_jobs():
     assert [names for names, _ in ran] == [["a1"]] and ran[0][1] - t0 < 0.4
 
 
+@pytest.mark.slow
 def test_cli_serve_env_api_key_and_ctrl_c(tmp_path):
     import os
     import signal

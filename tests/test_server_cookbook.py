@@ -28,6 +28,7 @@ def tiny_dir(tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow
 def test_cookbook_supervised_loop(tmp_path, tiny_dir, monkeypatch):
     import tinker
     from tinker_cookbook.renderers import TrainOnWhat
@@ -65,6 +66,7 @@ def test_cookbook_supervised_loop(tmp_path, tiny_dir, monkeypatch):
         assert final["state_path"] in listed and final["sampler_path"] in listed
 
 
+@pytest.mark.slow
 def test_cookbook_rl_loop(tmp_path, tiny_dir, monkeypatch):
     """The cookbook's RL loop (synthetic arithmetic environment): sampling through fresh
     sampling clients each step, importance-sampling updates, checkpoints."""

@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 from tinker import types as tt
 
 from _server_harness import ServerThread
-from skyrl_sdk.errors import DatumError, InputError, PluginError, UnknownError
+from skyrl_sdk.errors import DatumError, InputError, NotFoundError, PluginError
 from skyrl_sdk.server.futures import Result
 
 
@@ -28,7 +28,7 @@ def _category(exc: BaseException) -> tuple[str, str]:
 def test_classification_by_type():
     assert _category(InputError("bad")) == ("user", "bad")
     assert _category(DatumError("too long", index=2)) == ("user", "datum 2: too long")
-    assert _category(UnknownError("unknown model_id 'x'"))[0] == "user"
+    assert _category(NotFoundError("unknown model_id 'x'"))[0] == "user"
     category, message = _category(PluginError("loss 'my_loss' (plugin my-plugin) returned a non-scalar loss"))
     assert category == "server" and "plugin my-plugin" in message and "not a problem with your request" in message
     for exc in (ValueError("shape mismatch"), TypeError("expected LossOutput"), KeyError("lm_head")):

@@ -291,7 +291,7 @@ def test_sessions_without_heartbeat_are_reaped(tmp_path):
 
 
 def test_config_from_cli_flags(tmp_path):
-    from skyrl_sdk.cli import build_parser
+    from skyrl_sdk.cli.commands import build_parser
     from skyrl_sdk.server.config import ServerConfig
 
     keys = tmp_path / "keys"
@@ -312,7 +312,8 @@ def test_server_start_cleans_interrupted_saves_and_protects_its_state_dir(tmp_pa
     import subprocess
     import sys
 
-    from skyrl_sdk import checkpoint, errors
+    from skyrl_sdk import errors
+    from skyrl_sdk.models import checkpoint
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()

@@ -62,6 +62,7 @@ def settled(check, timeout=10.0):
     return check()
 
 
+@pytest.mark.slow
 def test_rl_loop_snapshots_in_memory_sample_old_weights_and_stay_bounded(tmp_path):
     """The cookbook's pattern for 20 steps: a sampling client per step, sample, train. Each
     step's old client, sampled after the weights changed, reproduces its own samples exactly."""
@@ -208,7 +209,7 @@ def test_full_fine_tuning_snapshot_is_the_full_weights_in_memory(tmp_path):
 
 
 def test_snapshot_memory_flag():
-    from skyrl_sdk.cli import build_parser
+    from skyrl_sdk.cli.commands import build_parser
     from skyrl_sdk.errors import InputError
     from skyrl_sdk.server.config import DEFAULT_SNAPSHOT_MEMORY, ServerConfig
 

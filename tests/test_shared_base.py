@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from skyrl_sdk import Backend, SharedBase
-from skyrl_sdk.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, load_tensors
 from skyrl_sdk.engines.turns import FairGate, RoundRobin
 from skyrl_sdk.errors import CheckpointError, InputError
+from skyrl_sdk.models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, load_tensors
 from skyrl_sdk.testing import grads_of, make_sft_data, weights_of
 
 ADAM = {"learning_rate": 1e-2}
@@ -73,7 +73,8 @@ def test_stats_read_tensors_only_in_the_adapters_turn(data, monkeypatch):
     tensors then corrupted the heap (glibc abort, 3 server test runs in 8). Every read of an
     adapter's tensors must come from the thread that holds the base's turn; the byte counts
     still follow the gradients and AdamW state."""
-    from skyrl_sdk.engines import offload, shared
+    from skyrl_sdk.engines import offload
+    from skyrl_sdk.engines import pool as shared
 
     readers: list[bool] = []
     real = offload.adapter_bytes

@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from skyrl_sdk import coerce, plugins, serde, types
-from skyrl_sdk.coerce import data_from_any
+from skyrl_sdk import types
 from skyrl_sdk.errors import AdamParamsError, DatumError, InputError
-from skyrl_sdk.validation import validate_data
+from skyrl_sdk.inputs import coerce
+from skyrl_sdk.inputs import tinker_json as serde
+from skyrl_sdk.inputs.coerce import data_from_any
+from skyrl_sdk.losses.validation import validate_data
+from skyrl_sdk.plugins import manager as plugins
 
 
 def _tinker():
@@ -356,7 +359,7 @@ def test_lora_config_defaults():
     ({"rank": 4, "dropout": 0.1}, "unknown keys \\['dropout'\\]"),
 ])
 def test_lora_config_from_dict_errors_name_the_field(raw, match):
-    from skyrl_sdk.coerce import lora_config_from_any
+    from skyrl_sdk.inputs.coerce import lora_config_from_any
 
     with pytest.raises(InputError, match=match):
         lora_config_from_any(raw)
@@ -369,15 +372,15 @@ def test_lora_config_from_dict_errors_name_the_field(raw, match):
     ({"beta1": "0.5"}, "AdamParams.beta1"),
 ])
 def test_adam_params_from_dict_errors_name_the_field(raw, match):
-    from skyrl_sdk.coerce import adam_params_from_any
     from skyrl_sdk.errors import AdamParamsError
+    from skyrl_sdk.inputs.coerce import adam_params_from_any
 
     with pytest.raises(AdamParamsError, match=match):
         adam_params_from_any(raw)
 
 
 def test_tinker_json_tensor_with_fractional_token_ids_is_rejected():
-    from skyrl_sdk.serde import datum_from_json
+    from skyrl_sdk.inputs.tinker_json import datum_from_json
 
     raw = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
            "loss_fn_inputs": {"target_tokens": {"data": [2.7, 3.2], "dtype": "int64", "shape": [2]}}}

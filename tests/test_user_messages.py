@@ -8,7 +8,6 @@ import warnings
 import pytest
 import torch
 
-from skyrl_sdk import coerce
 from skyrl_sdk.errors import (
     DatumError,
     InputError,
@@ -17,7 +16,8 @@ from skyrl_sdk.errors import (
     UnknownNameError,
     did_you_mean,
 )
-from skyrl_sdk.losses import evaluate_loss
+from skyrl_sdk.evaluate import evaluate_loss
+from skyrl_sdk.inputs import coerce
 
 LP = torch.zeros(3)
 
@@ -107,7 +107,7 @@ def _engine_config(cfg):
 
 
 def _engine(name):
-    from skyrl_sdk.plugins import get_registry
+    from skyrl_sdk.plugins.manager import get_registry
 
     return get_registry().engine_spec(name)  # what `skyrl-sdk serve --engine` asks
 
@@ -133,7 +133,7 @@ def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
     from transformers.utils import logging as hf_logging
 
     from skyrl_sdk import types
-    from skyrl_sdk.models import load_model
+    from skyrl_sdk.models.loading import load_model
 
     load_model("tiny").module.save_pretrained(tmp_path)
     capfd.readouterr()

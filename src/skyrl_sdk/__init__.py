@@ -10,11 +10,10 @@ Engine authors use :mod:`skyrl_sdk.engines`; callers use :class:`Backend` and
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from . import errors, types
-from .checks import number_validator
-from .hookspecs import hookimpl
+from .hooks import hookimpl, register_dialect, register_engine, register_loss, register_sampler
+from .types.numbers import number_validator
+from .version import __version__
 
 #: Names that pull in torch, resolved on first use so ``import skyrl_sdk`` stays cheap.
 _LAZY = {
@@ -23,15 +22,15 @@ _LAZY = {
     "LossInput": "losses",
     "LossOutput": "losses",
     "LossSpec": "losses",
-    "evaluate_loss": "losses",
+    "evaluate_loss": "evaluate",
     "safe_ratio": "losses",
     "segment_mean": "losses",
     "segment_sum": "losses",
-    "Metric": "metrics",
-    "metric_max": "metrics",
-    "metric_mean": "metrics",
-    "metric_min": "metrics",
-    "metric_sum": "metrics",
+    "Metric": "losses",
+    "metric_max": "losses",
+    "metric_mean": "losses",
+    "metric_min": "losses",
+    "metric_sum": "losses",
 }
 
 
@@ -64,6 +63,10 @@ __all__ = [
     "metric_min",
     "metric_sum",
     "number_validator",
+    "register_dialect",
+    "register_engine",
+    "register_loss",
+    "register_sampler",
     "safe_ratio",
     "segment_mean",
     "segment_sum",

@@ -18,22 +18,20 @@ from typing import Any
 import attrs
 import numpy as np
 
-from . import __version__
-from .checkpoint import atomic_directory, read_json, reject_symlinks, write_json
-from .checks import check_sample_counts
-from .coerce import (
+from .errors import CheckpointError, InputError
+from .inputs.coerce import (
     adam_params_from_any,
     data_from_any,
     lora_config_from_any,
     prompts_from_any,
     sampling_params_from_any,
 )
-from .errors import CheckpointError, InputError, UnknownNameError, did_you_mean
-from .losses.prepare import add_prepared_inputs
+from .losses.metrics import MetricAccumulator
 from .losses.resolve import ResolvedLoss, resolve_loss
-from .losses.terms import with_call_normalizers
-from .metrics import MetricAccumulator
-from .plugins import get_registry
+from .losses.run import add_prepared_inputs
+from .losses.validation import check_call, token_range_problem
+from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
+from .plugins.manager import get_registry
 from .types import (
     AdamParams,
     Datum,
@@ -47,7 +45,8 @@ from .types import (
     SaveWeightsForSamplerOutput,
     TensorData,
 )
-from .validation import check_same_keys, token_range_problem, validate_data
+from .types.numbers import check_sample_counts
+from .version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -82,18 +81,14 @@ class Backend:
         if grad_accumulation not in ("sum", "mean"):
             raise InputError(f"grad_accumulation must be 'sum' or 'mean', got {grad_accumulation!r}")
         registry = get_registry()
-        if dialect not in registry.dialects:
-            raise UnknownNameError(f"unknown dialect {dialect!r}; available: {sorted(registry.dialects)}"
-                                   f"{did_you_mean(dialect, registry.dialects)}")
+        registry.dialect_spec(dialect)
         # ``engine`` is a registered name, or (skyrl_sdk.SharedBase) a factory building the engine itself
         factory = None if isinstance(engine, str) else engine
         if factory is not None and not callable(factory):
             raise InputError(f"engine: expected an engine name, got {type(engine).__name__}")
         if factory is None:
-            registry.engine_spec(engine)  # the message serve gives too, with a did-you-mean
-        if sampler not in registry.samplers:
-            raise UnknownNameError(f"unknown sampler {sampler!r}; available: {sorted(registry.samplers)}"
-                                   f"{did_you_mean(sampler, registry.samplers)}")
+            registry.engine_spec(engine)
+        registry.sampler_spec(sampler)
         if sampler_config is not None and not isinstance(sampler_config, Mapping):
             raise InputError(f"sampler_config: expected a mapping, got {type(sampler_config).__name__}")
         self.sampler_name = sampler
@@ -154,9 +149,7 @@ class Backend:
     def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config) -> tuple[list[Datum], ResolvedLoss]:
         resolved = self.resolve(loss_fn, loss_fn_config)
         datums = data_from_any(data)
-        validate_data(datums, resolved.spec, self.vocab_size, label=resolved.label)
-        check_same_keys(datums)
-        resolved = with_call_normalizers(resolved, datums)  # one reduction normalizer per call
+        resolved = check_call(datums, resolved, self.vocab_size)  # before any compute
         if resolved.spec.prepare is not None:
             datums = add_prepared_inputs(datums, resolved, self.engine.run(datums, resolved, backward=False).outputs)
         return datums, resolved
@@ -241,7 +234,7 @@ class Backend:
         with self._lock:
             self._check_open()
             if self._sampler is None:
-                factory = get_registry().samplers[self.sampler_name].factory
+                factory = get_registry().sampler_spec(self.sampler_name).factory
                 self._sampler = factory(engine=self.engine, config=dict(self._sampler_config))
             return self._sampler.sample(arrays, params, num_samples, prompt_logprobs=prompt_logprobs,
                                         topk_prompt_logprobs=topk_prompt_logprobs)

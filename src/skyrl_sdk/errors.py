@@ -97,6 +97,6 @@ class EngineError(SkyrlError, RuntimeError):
     """The execution engine failed (for example a worker rank died)."""
 
 
-class UnknownError(InputError):
+class NotFoundError(InputError):
     """An id (model, session, sampler, training run, request) that the server does not know, or
     that belongs to another owner; the HTTP server answers it with 404 on direct routes."""

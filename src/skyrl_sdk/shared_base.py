@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from .backend import Backend
-from .coerce import lora_config_from_any
-from .engines.adapter import AdapterEngine, BaseEngine
-from .engines.shared import SharedModel
+from .engines.adapter import AdapterEngine, ReadOnlyBaseEngine
+from .engines.pool import AdapterPool
 from .errors import InputError
+from .inputs.coerce import lora_config_from_any
 
 
 class _Factory:
@@ -28,12 +28,12 @@ class _Factory:
 
     engine_name = "local"  # the local engine's arithmetic; checkpoints are interchangeable with it
 
-    def __init__(self, shared: SharedModel, label: str, base_only: bool = False) -> None:
+    def __init__(self, shared: AdapterPool, label: str, base_only: bool = False) -> None:
         self.shared, self.label, self.base_only = shared, label, base_only
 
     def __call__(self, *, model: str, role: str, lora, seed: int, engine_config: dict) -> Any:
         if self.base_only:
-            return BaseEngine(self.shared)
+            return ReadOnlyBaseEngine(self.shared)
         return AdapterEngine(self.shared, self.shared.add_adapter(lora, seed, self.label))
 
 
@@ -54,7 +54,7 @@ class SharedBase:
         if role not in ("policy", "critic"):
             raise InputError(f"role must be 'policy' or 'critic', got {role!r}")
         self.model, self.role, self.seed, self.dialect = str(model), role, seed, dialect
-        self.shared = SharedModel(self.model, role=role, seed=seed, engine_config=dict(engine_config or {}),
+        self.shared = AdapterPool(self.model, role=role, seed=seed, engine_config=dict(engine_config or {}),
                                   max_adapters=max_lora_adapters, offload_dir=offload_dir)
 
     def backend(self, lora: Any, *, seed: int | None = None, dialect: str | None = None,

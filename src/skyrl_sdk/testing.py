@@ -19,8 +19,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
+
+try:
+    import pytest
+except ImportError as exc:  # pytest is not a runtime dependency
+    raise ImportError("skyrl_sdk.testing needs pytest: pip install 'skyrl-sdk[testing]'") from exc
 
 from . import types
 
@@ -127,12 +131,16 @@ def tiny_backend() -> Iterator[Any]:
 
 @pytest.fixture
 def fresh_plugins(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """An empty plugin cache and no ``SKYRL_SDK_PLUGINS`` before and after the test."""
-    from . import plugins
+    """An empty plugin cache and no ``SKYRL_SDK_PLUGINS`` before and after the test; what the
+    test declared with ``skyrl_sdk.register_loss`` (and its siblings) is forgotten after it."""
+    from . import hooks
+    from .plugins import manager as plugins
 
     monkeypatch.delenv(plugins.ENV_VAR, raising=False)
+    declared = list(hooks.DECLARED)
     plugins.reset()
     yield
+    hooks.DECLARED[:] = declared
     plugins.reset()
 
 

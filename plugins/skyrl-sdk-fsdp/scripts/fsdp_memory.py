@@ -25,7 +25,7 @@ def make_llama_dir(path: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-    from skyrl_sdk.models import TINY_DIR
+    from skyrl_sdk.models.loading import TINY_DIR
 
     config = LlamaConfig(
         vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=4,

@@ -28,7 +28,7 @@ from skyrl_sdk.testing import (
     torch_threads,
 )
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=50.0)
 

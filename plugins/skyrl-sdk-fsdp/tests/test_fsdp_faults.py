@@ -18,7 +18,7 @@ import skyrl_sdk
 from skyrl_sdk.errors import EngineError, PluginError
 from skyrl_sdk.testing import fresh_plugins, make_sft_data, plugin_site  # noqa: F401  (fixtures)
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 BOUND_S = 20.0  # "bounded time": failures must surface well within this
 

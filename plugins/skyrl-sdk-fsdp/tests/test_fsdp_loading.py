@@ -48,6 +48,7 @@ def _files(path: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("family,source,lora", [("qwen2", "files", True), ("qwen3_moe", "rank0", False)])
 def test_sharded_load_equals_local(family, source, lora, tmp_path):
     model_dir = make_family_dir(family, tmp_path / family)
@@ -79,6 +80,7 @@ def test_sharded_load_equals_local(family, source, lora, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_sharded_critic_on_tied_softcapped_family(tmp_path):
     model_dir = make_family_dir("gemma2", tmp_path / "gemma2")
     fsdp, local = _pair(model_dir, role="critic")

@@ -15,7 +15,7 @@ import skyrl_sdk
 from skyrl_sdk import types
 from skyrl_sdk.testing import assert_outputs_close, assert_tensors_close, grads_of, make_sft_data, torch_threads
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 #: The issue's case: 30 AdamW steps at a full-fine-tuning learning rate on one batch.
 STEPS, SMALL_LR = 30, types.AdamParams(learning_rate=1e-5)

@@ -22,7 +22,7 @@ from skyrl_sdk import types
 from skyrl_sdk.errors import CheckpointError
 from skyrl_sdk.testing import make_sft_data, torch_threads
 
-pytestmark = [pytest.mark.distributed,
+pytestmark = [pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 ADAM = types.AdamParams(learning_rate=1e-2, grad_clip_norm=20.0)

@@ -19,7 +19,7 @@ import skyrl_sdk
 from skyrl_sdk import types
 from skyrl_sdk.testing import assert_tensors_close, make_sft_data, torch_threads
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ADAM = dict(learning_rate=1e-2, grad_clip_norm=50.0)
 

@@ -23,7 +23,7 @@ from skyrl_sdk.testing import (
     torch_threads,
 )
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 LORA = types.LoraConfig(rank=4, alpha=16.0)
 ADAM = types.AdamParams(learning_rate=1e-2, grad_clip_norm=20.0)
@@ -196,7 +196,8 @@ def test_which_modules_get_fsdp_units_of_their_own(tmp_path):
     for the whole step); a LoRA-wrapped head, a critic's value head or a tied pair: the root."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from skyrl_sdk.engines import ScoringModel, hf_model, load_model
+    from skyrl_sdk.models import hf_model, load_model
+    from skyrl_sdk.models.scoring import ScoringModel
     from skyrl_sdk_fsdp.parallelize import _untied_embedding_and_head
 
     def units(model, role="policy", lora=None):

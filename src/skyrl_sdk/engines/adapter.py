@@ -1,4 +1,4 @@
-"""Engines on a :class:`~.shared.SharedModel`: one client's LoRA adapter, or the base read-only.
+"""Engines on a :class:`~.shared.AdapterPool`: one client's LoRA adapter, or the base read-only.
 
 :class:`AdapterEngine` is the local engine (it subclasses :class:`~.local.LocalEngine` and
 keeps its compute, optimizer and sampling code) with every call run in the adapter's turn on
@@ -18,15 +18,15 @@ import attrs
 import numpy as np
 import torch
 
-from ..checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, save_tensors
 from ..errors import CheckpointError, InputError
 from ..losses.resolve import ResolvedLoss
-from ..models import LoadedModel, hf_model
+from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, save_tensors
+from ..models.loading import LoadedModel, hf_model
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
 from .base import EngineInfo, EngineResult
 from .export import export_hf_directory
 from .local import LocalEngine
-from .shared import Adapter, SharedModel, solo_name
+from .pool import Adapter, AdapterPool, solo_name
 from .state import StateLayout, check_engine_metadata, check_state_files
 
 
@@ -84,7 +84,7 @@ class _OnSharedBase(LocalEngine):
 
     name = "local"
 
-    def __init__(self, shared: SharedModel, adapter: Adapter | None) -> None:
+    def __init__(self, shared: AdapterPool, adapter: Adapter | None) -> None:
         # LocalEngine.__init__ is not called: the model is the pool's, not loaded here.
         self.shared = shared
         self.adapter = adapter
@@ -92,12 +92,7 @@ class _OnSharedBase(LocalEngine):
         self.device = shared.device
         self.tokenizer = shared.loaded.tokenizer
         extra = adapter.num_parameters if adapter is not None else 0
-        self.info = EngineInfo(
-            model_name=shared.loaded.name, architecture=shared.loaded.architecture,
-            vocab_size=shared.loaded.vocab_size, tokenizer_dir=shared.loaded.tokenizer_dir,
-            num_parameters=shared.base_parameters + extra, num_trainable_parameters=extra,
-            eos_token_id=shared.loaded.eos_token_id,
-        )
+        self.info = EngineInfo.of(shared.loaded, counts=(shared.base_parameters + extra, extra))
 
     @property
     def loaded(self) -> LoadedModel:  # LocalEngine's methods read the model from here
@@ -132,7 +127,7 @@ class _OnSharedBase(LocalEngine):
 class AdapterEngine(_OnSharedBase):
     """One client's LoRA adapter on a shared base, with the local engine's API and arithmetic."""
 
-    def __init__(self, shared: SharedModel, adapter: Adapter) -> None:
+    def __init__(self, shared: AdapterPool, adapter: Adapter) -> None:
         super().__init__(shared, adapter)
         self.runner = adapter.runner
 
@@ -199,10 +194,10 @@ class AdapterEngine(_OnSharedBase):
         self.shared.remove_adapter(self.adapter)
 
 
-class BaseEngine(_OnSharedBase):
+class ReadOnlyBaseEngine(_OnSharedBase):
     """The shared base itself, read-only: forward, sampling and export (no training)."""
 
-    def __init__(self, shared: SharedModel) -> None:
+    def __init__(self, shared: AdapterPool) -> None:
         super().__init__(shared, None)
         self.runner = shared.base_runner
 

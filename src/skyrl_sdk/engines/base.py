@@ -1,21 +1,33 @@
-"""The engine contract the Backend drives (the local and FSDP engines implement it).
+"""The engine contract the Backend drives, as one small base class, and the assembly every
+in-process engine shares.
 
 An engine owns a model and its optimizer. The Backend validates and converts everything
-*before* calling an engine, so an engine may assume well-formed input.
+*before* calling an engine, so an engine may assume well-formed input. To write one,
+subclass :class:`Engine`: set :attr:`~Engine.info` and :attr:`~Engine.tokenizer` in
+``__init__`` and implement :meth:`~Engine.run`, :meth:`~Engine.optim_step` and
+:meth:`~Engine.zero_grad`; saving, exporting and sampling are optional (the defaults refuse
+with a message naming the engine). An engine that runs a model in its own process builds it
+with :func:`scoring_model`, :func:`runner_options` and :meth:`EngineInfo.of`, as the local,
+shared-base and FSDP rank engines do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import attrs
 import numpy as np
+import torch
 
+from ..errors import InputError
 from ..losses.base import scores_key  # noqa: F401  (part of the engine API)
 from ..losses.resolve import ResolvedLoss
+from ..models.loading import LoadedModel
+from ..models.scoring import ScoringModel, count_parameters
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
+from .config import EngineConfig
 
 
 @attrs.frozen(eq=False)
@@ -28,6 +40,8 @@ class EngineResult:
 
 @attrs.frozen
 class EngineInfo:
+    """What ``Backend.get_info()`` reports about an engine's model."""
+
     model_name: str
     architecture: str
     vocab_size: int
@@ -36,32 +50,55 @@ class EngineInfo:
     num_trainable_parameters: int
     eos_token_id: int | None = None
 
+    @classmethod
+    def of(cls, loaded: LoadedModel, module: torch.nn.Module | None = None, *,
+           counts: tuple[int, int] | None = None) -> EngineInfo:
+        """The info of ``loaded``; parameters are counted on ``module`` (default: the loaded
+        module), or given as ``counts = (total, trainable)``."""
+        total, trainable = counts if counts is not None else count_parameters(
+            loaded.module if module is None else module)
+        return cls(model_name=loaded.name, architecture=loaded.architecture, vocab_size=loaded.vocab_size,
+                   tokenizer_dir=loaded.tokenizer_dir, num_parameters=total, num_trainable_parameters=trainable,
+                   eos_token_id=loaded.eos_token_id)
 
-@runtime_checkable
-class Engine(Protocol):
-    """What an engine provides. Paths given to save methods are fresh temporary
-    directories that the Backend renames into place once the engine returns."""
 
+class Engine:
+    """Base class of execution engines (see the module docstring).
+
+    Paths given to the save methods are fresh temporary directories that the Backend renames
+    into place once the engine returns. Engines are registered by name through the
+    ``skyrl_sdk_register_engines`` hook; the Backend calls the registered factory (usually the
+    class) with ``model``, ``role``, ``lora``, ``seed`` and ``engine_config`` keywords.
+    """
+
+    #: The name the engine is registered under (used in messages and saved states).
+    name = "custom"
     info: EngineInfo
-    tokenizer: Any
+    tokenizer: Any = None
 
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
         """Score ``data`` with ``loss``; with ``backward`` add the gradient of the summed loss."""
+        raise NotImplementedError(f"engine {self.name!r} does not implement run")
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         """Scale pending gradients, clip, AdamW-step, clear gradients; return metrics."""
+        raise NotImplementedError(f"engine {self.name!r} does not implement optim_step")
 
     def zero_grad(self) -> None:
         """Drop pending gradients."""
+        raise NotImplementedError(f"engine {self.name!r} does not implement zero_grad")
 
     def save_state(self, directory: Path) -> dict[str, Any]:
         """Write weights + optimizer state into ``directory``; return metadata to record."""
+        raise self.unsupported("save a training state")
 
     def load_state(self, directory: Path, metadata: dict[str, Any], optimizer: bool) -> None:
         """Load what :meth:`save_state` wrote (weights always, optimizer when asked)."""
+        raise self.unsupported("load a training state")
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         """Write a Hugging Face model directory (config, safetensors, tokenizer)."""
+        raise self.unsupported("export weights")
 
     def sample(
         self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
@@ -69,6 +106,28 @@ class Engine(Protocol):
     ) -> list[SampleOutput]:
         """Generate ``num_samples`` continuations per prompt from the current weights (the built-in
         ``transformers`` sampler calls this; ``topk_prompt_logprobs=k`` adds Tinker's top-k prompt logprobs)."""
+        raise self.unsupported("sample")
 
     def close(self) -> None:
-        """Free memory and processes."""
+        """Free memory and processes; called once or more (must be idempotent)."""
+
+    def unsupported(self, what: str) -> InputError:
+        """The error of an optional feature this engine does not have."""
+        return InputError(f"engine {self.name!r} cannot {what}")
+
+
+def scoring_model(module: torch.nn.Module, role: str, config: EngineConfig,
+                  cls: type[ScoringModel] = ScoringModel) -> ScoringModel:
+    """The module an engine runs: ``module``'s backbone and scoring head, chunked as configured
+    (``cls`` lets a parallel engine use its own subclass)."""
+    scoring = cls(module, role)
+    scoring.chunk_elements = config.logprob_chunk_elements
+    return scoring
+
+
+def runner_options(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> dict[str, Any]:
+    """The keyword arguments of a :class:`~.runner.ModelRunner` for ``config``: micro-batching,
+    padding id, and autocast to the compute dtype under mixed precision."""
+    return dict(device=device, micro_batch_tokens=config.micro_batch_tokens, batching=config.batching,
+                pad_id=loaded.pad_token_id,
+                autocast_dtype=config.torch_dtype if config.mixed_precision else None)

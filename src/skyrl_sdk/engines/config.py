@@ -8,8 +8,8 @@ from typing import Any
 import attrs
 import torch
 
-from ..checks import check_number
 from ..errors import InputError, did_you_mean
+from ..types.numbers import check_number
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Compute dtypes the engines run. float16 would need a dynamic loss scaler (its 5-bit

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import WEIGHTS_FILE, WEIGHTS_INDEX, dedupe_shared, write_hf_weights
-from ..models import hf_model
+from ..models.checkpoint import WEIGHTS_FILE, WEIGHTS_INDEX, dedupe_shared, write_hf_weights
+from ..models.loading import hf_model
 
 #: safetensors' dtype names.
 _DTYPE_NAMES = {
@@ -125,7 +125,7 @@ def write_tensor_stream(file: Path, plan: Sequence[TensorPlan], tensors: Iterabl
 def write_hf_weights_stream(directory: Path, plan: Sequence[TensorPlan], tensors: Iterable[torch.Tensor],
                             max_shard_bytes: int) -> None:
     """HF-style weights (sharded above ``max_shard_bytes``, with an index), streamed: the
-    same layout :func:`~skyrl_sdk.checkpoint.write_hf_weights` writes from a dict."""
+    same layout :func:`~skyrl_sdk.models.checkpoint.write_hf_weights` writes from a dict."""
     shards: list[list[TensorPlan]] = [[]]
     size = 0
     for item in plan:

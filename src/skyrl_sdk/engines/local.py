@@ -10,24 +10,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, save_tensors
 from ..errors import InputError
-from ..hookspecs import hookimpl
+from ..hooks import hookimpl
 from ..losses.resolve import ResolvedLoss
-from ..models import LoadedModel, hf_model, load_model
+from ..models.activation_checkpointing import enable_activation_checkpointing
+from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, save_tensors
+from ..models.loading import LoadedModel, hf_model, load_model
 from ..types import AdamParams, Datum, LoraConfig, SampleOutput, SamplingParams
-from .activation_checkpointing import enable_activation_checkpointing
-from .base import EngineInfo, EngineResult
+from .base import Engine, EngineInfo, EngineResult, runner_options, scoring_model
 from .config import EngineConfig
 from .export import export_hf_directory, full_state_dict, merged_lora_state_dict
-from .modules import ScoringModel, count_parameters
 from .runner import ModelRunner
 from .state import StateLayout, check_engine_metadata, check_state_files
 
 logger = logging.getLogger(__name__)
 
 
-class LocalEngine:
+class LocalEngine(Engine):
     """Runs a Hugging Face model on one device."""
 
     name = "local"
@@ -45,27 +44,9 @@ class LocalEngine:
         )
         if self.config.gradient_checkpointing:
             enable_activation_checkpointing(self.loaded.module)
-        scoring = ScoringModel(self.loaded.module, role)
-        scoring.chunk_elements = self.config.logprob_chunk_elements
-        self.runner = ModelRunner(
-            scoring,
-            device=self.device,
-            micro_batch_tokens=self.config.micro_batch_tokens,
-            batching=self.config.batching,
-            pad_id=self.loaded.pad_token_id,
-            autocast_dtype=self.config.torch_dtype if self.config.mixed_precision else None,
-        )
-        total, trainable = count_parameters(self.loaded.module)
-        eos = self.loaded.eos_token_id
-        self.info = EngineInfo(
-            model_name=self.loaded.name,
-            architecture=self.loaded.architecture,
-            vocab_size=self.loaded.vocab_size,
-            tokenizer_dir=self.loaded.tokenizer_dir,
-            num_parameters=total,
-            num_trainable_parameters=trainable,
-            eos_token_id=eos,
-        )
+        scoring = scoring_model(self.loaded.module, role, self.config)
+        self.runner = ModelRunner(scoring, **runner_options(self.config, self.loaded, self.device))
+        self.info = EngineInfo.of(self.loaded)
         self.tokenizer = self.loaded.tokenizer
 
     # ---- compute ----------------------------------------------------------------------

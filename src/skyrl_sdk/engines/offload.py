@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_tensors, save_tensors
+from ..models.checkpoint import load_tensors, save_tensors
 from .runner import ModelRunner
 
 _WEIGHT, _GRAD, _ADAM = "weight::", "grad::", "adam::"

@@ -27,7 +27,7 @@ def loss_to_plain(loss: ResolvedLoss) -> dict[str, Any]:
 
 def loss_from_plain(plain: dict[str, Any], where: str = "this process") -> ResolvedLoss:
     """Rebuild a :func:`loss_to_plain` loss from this process's plugin registry."""
-    from ..plugins import get_registry
+    from ..plugins.manager import get_registry
 
     spec = get_registry().losses.get(plain["name"])
     if spec is None:

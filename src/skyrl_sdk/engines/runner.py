@@ -14,14 +14,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..batching import make_micro_batches, pack_inputs
 from ..losses import LossInput
+from ..losses.metrics import Metric, MetricAccumulator
 from ..losses.resolve import ResolvedLoss
 from ..losses.run import run_loss
-from ..metrics import Metric, MetricAccumulator
+from ..models.scoring import ScoringModel
 from ..types import AdamParams, Datum
 from .base import EngineResult, scores_key
-from .modules import ScoringModel
+from .batching import make_micro_batches, pack_inputs
 from .step_guard import guarded_step
 
 logger = logging.getLogger(__name__)

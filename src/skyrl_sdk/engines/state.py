@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 import torch
 
-from ..checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE
 from ..errors import CheckpointError
+from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE
 
 #: The per-parameter tensors of an AdamW state, as ``<param>::<kind>`` keys.
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq", "step")

@@ -1,20 +1,30 @@
-"""The loss contract for loss authors, and :func:`evaluate_loss` for model-free use.
+"""Losses: the contract loss authors write against, the built-in losses, and the machinery
+that turns a client's ``(loss_fn, loss_fn_config)`` into a computed loss.
 
-Plugin authors normally import these from ``skyrl_sdk`` itself. Engine-side machinery
-(resolving a name through a dialect, running a loss on a micro-batch) lives in
-:mod:`.resolve` and :mod:`.run` and is not part of this API.
+- the contract: :mod:`.base` (``LossInput``, ``LossOutput``, ``LossSpec``, segment helpers)
+  and :mod:`.metrics` (``Metric`` and its reductions); plugin authors import these from
+  ``skyrl_sdk`` itself;
+- the built-ins: :mod:`.sft`, :mod:`.policy`, :mod:`.critic`; how client names map onto
+  them: :mod:`.dialects`;
+- engine-side: :mod:`.resolve` (name + config -> :class:`~.resolve.ResolvedLoss`),
+  :mod:`.validation` (a call's datums checked before compute), :mod:`.terms` and
+  :mod:`.reduction` (loss_reduction, KL and entropy terms), :mod:`.run` (one micro-batch).
 """
 
 from __future__ import annotations
 
 from .base import LossInput, LossOutput, LossSpec, safe_ratio, segment_mean, segment_sum
-from .evaluate import evaluate_loss
+from .metrics import Metric, metric_max, metric_mean, metric_min, metric_sum
 
 __all__ = [
     "LossInput",
     "LossOutput",
     "LossSpec",
-    "evaluate_loss",
+    "Metric",
+    "metric_max",
+    "metric_mean",
+    "metric_min",
+    "metric_sum",
     "safe_ratio",
     "segment_mean",
     "segment_sum",

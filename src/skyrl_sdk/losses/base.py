@@ -15,7 +15,7 @@ from typing import Any, Literal
 import attrs
 import torch
 
-from ..metrics import Metric
+from .metrics import Metric
 
 Role = Literal["policy", "critic"]
 
@@ -73,7 +73,7 @@ class LossOutput:
       ``seq_mean_token_mean`` reduction weights it per sequence (see ``losses.terms``).
     - ``scored``: (T,) bool, the positions the loss scores; ``entropy_loss:sum`` sums the
       entropy there. ``None`` means every position.
-    - ``metrics``: ``{"name:reduction": Metric}`` contributions (see :mod:`skyrl_sdk.metrics`).
+    - ``metrics``: ``{"name:reduction": Metric}`` contributions (see :mod:`skyrl_sdk.losses.metrics`).
     - ``extra_outputs``: more per-token tensors to return per datum, e.g. ``{"ratio": r}``.
     """
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .. import metrics as M
-from ..checks import number_validator
-from ..hookspecs import hookimpl
+from ..hooks import hookimpl
+from ..types.numbers import number_validator
+from . import metrics as M
 from .base import LossInput, LossOutput
 
 

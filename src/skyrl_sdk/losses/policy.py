@@ -1,4 +1,4 @@
-"""Policy-gradient losses (canonical SkyRL names): the math of docs/losses.md.
+"""Policy-gradient losses (native SkyRL names): the math of docs/losses.md.
 
 Conventions shared by every loss here:
 
@@ -29,9 +29,9 @@ import math
 import attrs
 import torch
 
-from .. import metrics as M
-from ..checks import number_validator
-from ..hookspecs import hookimpl
+from ..hooks import hookimpl
+from ..types.numbers import number_validator
+from . import metrics as M
 from .base import LossInput, LossOutput, safe_ratio, segment_mean
 
 RL_REQUIRED = ("target_tokens", "logprobs", "advantages")

@@ -25,8 +25,6 @@ import torch
 from .base import LossInput, segment_sum
 
 REDUCTIONS = ("sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-#: Reductions whose scale is one number for every token of the call.
-UNIFORM = ("sum", "token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 #: Which call-level normalizer each reduction uses.
 USES_TOKENS = ("token_mean",)
 USES_SEQUENCES = ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")

@@ -7,19 +7,19 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..errors import LossConfigError, UnknownLossError, UnknownNameError, did_you_mean
+from ..errors import LossConfigError, UnknownLossError, did_you_mean
 from .base import LossSpec
-from .terms import POLICY_TERM_KEYS, REDUCTION_KEYS, LossTerms, build_terms, required_inputs, split_terms
+from .terms import LossTerms, build_terms, required_inputs, split_terms, term_keys
 
 if TYPE_CHECKING:
-    from ..registry import Registry
+    from ..plugins.registry import Registry
 
 
-def loss_label(requested: str, canonical: str) -> str:
-    """How errors name a loss: as the caller typed it, with the canonical name when they differ."""
-    if requested == canonical:
-        return f"loss {canonical!r}"
-    return f"loss {requested!r} (native {canonical!r})"
+def loss_label(requested: str, native: str) -> str:
+    """How errors name a loss: as the caller typed it, with the native name when they differ."""
+    if requested == native:
+        return f"loss {native!r}"
+    return f"loss {requested!r} (native {native!r})"
 
 
 @attrs.frozen
@@ -45,13 +45,8 @@ class ResolvedLoss:
         return loss_label(self.requested_name, self.spec.name)
 
 
-def shared_keys(role: str) -> tuple[str, ...]:
-    """The loss_fn_config keys every loss of ``role`` takes besides its own (see ``terms``)."""
-    return REDUCTION_KEYS + (POLICY_TERM_KEYS if role == "policy" else ())
-
-
 def build_config(spec: LossSpec, config: Mapping[str, Any] | None, label: str | None = None) -> Any:
-    """Validate a config dict (without the shared keys) against the loss's config class;
+    """Validate a config dict (without the loss-term keys) against the loss's config class;
     errors name the key and the loss as the caller typed it (``label``)."""
     label = label or loss_label(spec.name, spec.name)
     config = dict(config or {})
@@ -59,13 +54,13 @@ def build_config(spec: LossSpec, config: Mapping[str, Any] | None, label: str | 
         if config:
             raise LossConfigError(
                 f"{label} takes no loss_fn_config of its own, got keys {sorted(config)}; "
-                f"keys every {spec.role} loss takes: {list(shared_keys(spec.role))}"
+                f"keys every {spec.role} loss takes: {list(term_keys(spec.role))}"
             )
         return None
     accepted = spec.config_keys()
     for key in config:
         if key not in accepted:
-            everything = list(accepted) + list(shared_keys(spec.role))
+            everything = list(accepted) + list(term_keys(spec.role))
             raise LossConfigError(
                 f"{label}: unknown loss_fn_config key {key!r}; accepted keys: {everything}"
                 f"{did_you_mean(key, everything)}"
@@ -83,17 +78,12 @@ def resolve_loss(
     dialect: str = "tinker",
     role: str = "policy",
 ) -> ResolvedLoss:
-    """Map a client's loss name and config through ``dialect`` to a canonical loss."""
+    """Map a client's loss name and config through ``dialect`` to a native loss."""
     if not isinstance(loss_fn, str) or not loss_fn:
         raise UnknownLossError(f"loss_fn must be a non-empty string, got {loss_fn!r}")
     if loss_fn_config is not None and not isinstance(loss_fn_config, Mapping):
         raise LossConfigError(f"loss_fn_config must be a mapping or None, got {type(loss_fn_config).__name__}")
-    dialect_spec = registry.dialects.get(dialect)
-    if dialect_spec is None:
-        raise UnknownNameError(
-            f"unknown dialect {dialect!r}; available: {sorted(registry.dialects)}"
-            f"{did_you_mean(dialect, registry.dialects)}"
-        )
+    dialect_spec = registry.dialect_spec(dialect)
     own_config, shared = split_terms(loss_fn_config)
     converted = dialect_spec.convert(loss_fn, own_config, role)
     if converted is None:

@@ -1,12 +1,17 @@
-"""Running a resolved loss on one micro-batch (engine-side; not part of the author API)."""
+"""Running a resolved loss (engine-side; not part of the author API): on one micro-batch
+(:func:`run_loss`), and a loss's ``prepare`` step over a whole call (:func:`add_prepared_inputs`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
+import numpy as np
 import torch
 
 from ..errors import PluginError
-from ..metrics import Metric, check_metric_key
-from .base import LossInput, LossOutput
+from ..types import Datum
+from .base import LossInput, LossOutput, scores_key
+from .metrics import Metric, check_metric_key
 from .resolve import ResolvedLoss
 from .terms import apply_terms
 
@@ -46,3 +51,32 @@ def run_loss(resolved: ResolvedLoss, loss_input: LossInput) -> tuple[LossOutput,
             ent = ent * out.scored.to(ent.dtype)
         metrics["entropy_loss:sum"] = Metric(float(ent.sum()))
     return out, metrics
+
+
+def add_prepared_inputs(
+    datums: Sequence[Datum], resolved: ResolvedLoss, outputs: Sequence[Mapping[str, np.ndarray]]
+) -> list[Datum]:
+    """Pack the call, run ``resolved.spec.prepare`` on it, and split its results per datum.
+
+    ``outputs`` are the per-datum results of a no-grad pass over ``datums`` (``logprobs`` for
+    a policy, ``values`` for a critic).
+    """
+    role = resolved.spec.role
+    lengths = [d.model_input.length for d in datums]
+    scores = torch.from_numpy(np.concatenate([o[scores_key(role)] for o in outputs]))
+    inputs = {
+        k: torch.from_numpy(np.concatenate([d.loss_fn_inputs[k].array for d in datums]))
+        for k in datums[0].loss_fn_inputs
+    }
+    segment_ids = torch.from_numpy(np.repeat(np.arange(len(datums)), lengths))
+    packed = LossInput.for_role(role, scores, inputs=inputs, segment_ids=segment_ids, num_segments=len(datums))
+    extra = resolved.spec.prepare(packed, resolved.config)
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    return [
+        Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={**d.loss_fn_inputs,
+                            **{k: v.detach().cpu().numpy()[bounds[i]:bounds[i + 1]] for k, v in extra.items()}},
+        )
+        for i, d in enumerate(datums)
+    ]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .. import metrics as M
-from ..hookspecs import hookimpl
+from ..hooks import hookimpl
+from . import metrics as M
 from .base import LossInput, LossOutput
 
 

@@ -1,4 +1,5 @@
-"""``loss_fn_config`` keys every loss shares: the reduction, and (policy) KL and entropy terms.
+"""Loss terms: the ``loss_fn_config`` keys every loss shares (the reduction, and for a policy
+the KL and entropy terms), and applying them on top of a loss function's output.
 
 They are split off the client's config before its dialect converts the rest (so both
 dialects, and every plugin loss, accept them), live in :class:`LossTerms` on the
@@ -21,17 +22,42 @@ from typing import Any
 import attrs
 import torch
 
-from ..checks import check_number
-from ..errors import DatumError, LossConfigError
-from ..metrics import Metric
+from ..errors import LossConfigError
+from ..types.numbers import check_number
 from .base import LossInput, LossOutput
+from .metrics import Metric
 from .reduction import REDUCTIONS, USES_SEQUENCES, USES_TOKENS, reduce_tokens, token_mask, token_scale
-from .regularizers import KL_ESTIMATORS, kl_estimate
 
 REDUCTION_KEYS = ("loss_reduction", "max_seq_len", "num_tokens_normalizer", "num_sequences_normalizer")
 POLICY_TERM_KEYS = ("kl_coef", "kl_estimator", "entropy_coef")
 #: Metrics a loss reports as its own summed loss; with a reduction they report the reduced value.
 PRIMARY_LOSS_METRICS = ("pg_loss:sum", "vf_loss:sum")
+
+
+def term_keys(role: str) -> tuple[str, ...]:
+    """The loss_fn_config keys every loss of ``role`` takes besides its own: the reduction's,
+    and for a policy the KL and entropy terms'."""
+    return REDUCTION_KEYS + (POLICY_TERM_KEYS if role == "policy" else ())
+
+
+KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "low_var_kl")
+#: ``k3`` / ``low_var_kl``: clamp of ``ref - lp`` before exp, and of the estimate itself.
+K3_LOG_RATIO_CLAMP = 20.0
+K3_VALUE_CLAMP = 10.0
+
+
+def kl_estimate(lp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(learner || reference) from sampled-token logprobs."""
+    if estimator == "k1":
+        return lp - ref
+    if estimator == "abs":
+        return (lp - ref).abs()
+    if estimator == "k2":
+        return 0.5 * (lp - ref) ** 2
+    if estimator in ("k3", "low_var_kl"):
+        log_ratio = (ref - lp).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+        return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+    raise ValueError(f"unknown kl_estimator {estimator!r}; expected one of {list(KL_ESTIMATORS)}")
 
 
 def _number(key: str, value: Any, *, positive: bool = False, nonnegative: bool = False) -> None:
@@ -40,7 +66,7 @@ def _number(key: str, value: Any, *, positive: bool = False, nonnegative: bool =
 
 @attrs.frozen
 class LossTerms:
-    """The shared keys, validated. Defaults reproduce Tinker: a plain sum, no extra terms."""
+    """The loss terms, validated. Defaults reproduce Tinker: a plain sum, no extra terms."""
 
     loss_reduction: str = "sum"
     max_seq_len: int | None = None
@@ -81,14 +107,14 @@ class LossTerms:
 
 
 def split_terms(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(the loss's own config keys, the shared keys)`` of a client's ``loss_fn_config``."""
+    """``(the loss's own config keys, the loss-term keys)`` of a client's ``loss_fn_config``."""
     config = dict(config or {})
     shared = {k: config.pop(k) for k in REDUCTION_KEYS + POLICY_TERM_KEYS if k in config}
     return config, shared
 
 
 def build_terms(shared: Mapping[str, Any], role: str, loss_name: str) -> LossTerms:
-    """Validate the shared keys; errors name the loss and the key."""
+    """Validate the loss-term keys; errors name the loss and the key."""
     if role != "policy":
         for key in POLICY_TERM_KEYS:
             if key in shared:
@@ -110,17 +136,10 @@ def with_call_normalizers(resolved, datums: Sequence):
 
     Called once per call on all datums (before micro-batching and the rank split); a
     client-given ``num_tokens_normalizer`` / ``num_sequences_normalizer`` is kept as given.
-    Also refuses a KL term on top-K targets (one logprob per position is needed).
     """
     from .reduction import call_normalizers
 
     terms = resolved.terms
-    if terms.kl_coef > 0:
-        for i, d in enumerate(datums):
-            shape = d.loss_fn_inputs["target_tokens"].shape if "target_tokens" in d.loss_fn_inputs else ()
-            if len(shape) == 2:
-                raise DatumError("kl_coef > 0 needs one target per position (shape (N,)), got top-K targets "
-                                 f"of shape {list(shape)}", index=i, key="target_tokens")
     if terms.loss_reduction == "sum":
         return resolved
     num_tokens, num_sequences = call_normalizers(datums)

@@ -3,13 +3,19 @@
 Returned logprobs are those of the sampled tokens under the model's own distribution
 (temperature 1, no top-k / top-p), i.e. what ``forward`` reports for the same tokens, so
 they can be fed back as the ``logprobs`` input of RL losses. Stop rules follow Tinker
-(``stops``); draws use a per-request ``torch.Generator`` (``draw``). ``plugin`` registers
-the built-in ``transformers`` sampler; ``generate`` loads lazily (plugin loading stays light).
+(``stops``); draws use a per-request ``torch.Generator`` (``draw``); prompt logprobs and the
+rescoring of low-precision samples are in ``scores``. This module registers the built-in
+``transformers`` sampler (a sampler plugin's factory returns an object with ``sample`` and
+``close``, see hooks.py); ``generate`` loads lazily, so plugin loading stays light.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+from ..errors import InputError
+from ..hooks import hookimpl
 
 __all__ = ["generate"]
 
@@ -20,3 +26,24 @@ def __getattr__(name: str) -> Any:
 
         return generate
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class TransformersSampler:
+    """Samples with the engine's own model through our decode loop (``engine.sample``)."""
+
+    def __init__(self, *, engine: Any, config: Mapping[str, Any]) -> None:
+        if config:
+            raise InputError(f"sampler_config: the 'transformers' sampler takes no options, got {sorted(config)}")
+        self.engine = engine
+
+    def sample(self, prompts, params, num_samples, *, prompt_logprobs, topk_prompt_logprobs):
+        return self.engine.sample(prompts, params, num_samples, prompt_logprobs, topk_prompt_logprobs)
+
+    def close(self) -> None:
+        self.engine = None
+
+
+@hookimpl
+def skyrl_sdk_register_samplers(register):
+    register("transformers", TransformersSampler,
+             description="Our KV-cached decode loop on the engine's own model, in-process (the default).")

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ..engines.modules import _backbone, _Head
-from ..models import hf_model
+from ..models.loading import hf_model
+from ..models.scoring import Head, backbone_of
 from ..types import SampledSequence, SampleOutput, SamplingParams
 from .draw import choose, request_generator
-from .prompt_scores import prompt_logprobs as score_prompt
-from .prompt_scores import topk_prompt_logprobs as topk_prompt
-from .rescore import needs_rescoring, rescore
+from .scores import needs_rescoring, rescore
+from .scores import prompt_logprobs as score_prompt
+from .scores import topk_prompt_logprobs as topk_prompt
 from .stops import StopRules, StopStringWatcher
 
 
@@ -62,8 +62,8 @@ def generate(
 ) -> list[SampleOutput]:
     """Sample ``num_samples`` continuations of every prompt; one :class:`SampleOutput` per prompt."""
     hf = hf_model(module)
-    backbone = _backbone(module)
-    head = _Head(hf.get_output_embeddings(), hf.config)
+    backbone = backbone_of(module)
+    head = Head(hf.get_output_embeddings(), hf.config)
     vocab = int(hf.config.vocab_size)
     rules = StopRules.of(params, eos_token_id, tokenizer)
     generator = request_generator(params.seed, device)

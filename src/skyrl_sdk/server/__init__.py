@@ -4,19 +4,19 @@ tinker-cookbook recipes train against skyrl-sdk Backends unchanged.
 Modules, one job each: ``config`` (settings), ``guard`` (API key -> owner, body limit,
 zstd), ``futures`` (workers, seq_id ordering, long-poll results), ``store`` (SQLite records
 and checkpoint paths), ``wire`` (JSON requests and answers), ``proto`` (protobuf messages),
-``served`` (served models and their limits), ``sessions`` (client sessions and their
-expiry), ``catalog`` (an owner's training runs and checkpoints), ``sampling`` (sampling
-sessions, sampler cache, snapshots), ``runtime`` (models, request ordering; the one entry
-for routes), ``routes_*`` (HTTP endpoints), ``app`` (``create_app`` and ``serve``). See docs/server.md.
+``served`` (served models and their limits), ``memory`` (the memory budget), ``sessions``
+(client sessions and their expiry), ``sampling`` (sampling sessions, sampler cache),
+``snapshots`` (pinned weights), ``runtime`` (models, request ordering; the one entry for
+routes), ``routes`` (HTTP endpoints), ``app`` (``create_app``). See docs/server.md.
 """
 
 from .config import ServerConfig
 
-__all__ = ["ServerConfig", "create_app", "serve"]
+__all__ = ["ServerConfig", "create_app"]
 
 
 def __getattr__(name: str):
-    if name in ("create_app", "serve"):
+    if name == "create_app":
         from . import app
 
         return getattr(app, name)

@@ -1,19 +1,18 @@
-"""The FastAPI application (``create_app``) and the ``skyrl-sdk serve`` entry (``serve``)."""
+"""The FastAPI application: routes, error answers and the guard around them (``create_app``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from .. import __version__
-from ..errors import InputError, UnknownError
-from . import routes_runs, routes_sampling, routes_service, routes_training
+from ..errors import InputError, NotFoundError
+from ..version import __version__
+from . import routes
 from .config import ServerConfig
 from .guard import Guard
 from .runtime import Runtime
@@ -45,8 +44,8 @@ def create_app(config: ServerConfig | None = None) -> Any:
     def detail(request: Request, message: str) -> dict:
         return {"detail": request.app.state.runtime.redact(message)}
 
-    @app.exception_handler(UnknownError)
-    async def _unknown(request: Request, exc: UnknownError) -> JSONResponse:
+    @app.exception_handler(NotFoundError)
+    async def _unknown(request: Request, exc: NotFoundError) -> JSONResponse:
         return JSONResponse(detail(request, str(exc)), status_code=404)
 
     @app.exception_handler(InputError)
@@ -58,17 +57,7 @@ def create_app(config: ServerConfig | None = None) -> Any:
         logger.exception("%s %s failed", request.method, request.url.path)
         return JSONResponse(detail(request, f"internal server error: {type(exc).__name__}: {exc}"), status_code=500)
 
-    for module in (routes_service, routes_training, routes_sampling, routes_runs):
-        app.include_router(module.router)
+    app.include_router(routes.router)
     guarded = Guard(app, config.owners(), config.max_body_bytes)
     guarded.fastapi = app  # type: ignore[attr-defined]
     return guarded
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +154,19 @@ class ServerConfig:
             port=int(getattr(args, "port", None) or 8000),
         )
 
-    def model_names(self) -> Sequence[str]:
-        return self.models
-
     def owners(self) -> dict[str, str] | None:
         """API key -> owner, or None when no key is needed (everything is ``DEFAULT_OWNER``'s)."""
         keys = dict(self.api_keys)
         if self.api_key:
             keys.setdefault(self.api_key, DEFAULT_OWNER)
         return keys or None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` reaches only this machine (a server there needs no API key)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -45,9 +45,9 @@ def weight_bytes(model: str, dtype_bytes: int) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..models import _load_config
+    from ..models.loading import load_config
 
-    config, _ = _load_config(model)
+    config, _ = load_config(model)
     with torch.device("meta"):
         module = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values()) * dtype_bytes

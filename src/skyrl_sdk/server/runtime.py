@@ -11,59 +11,26 @@ and response shapes in :mod:`.wire` / :mod:`.proto`, durable records in :mod:`.s
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import re
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import attrs
 
-from ..checkpoint import clean_interrupted_saves, protect_directory
-from ..coerce import adam_params_from_any, lora_config_from_any
-from ..errors import InputError, UnknownError
-from ..types import LoraConfig
+from ..errors import InputError, NotFoundError
+from ..inputs.coerce import adam_params_from_any, lora_config_from_any
+from ..models.checkpoint import clean_interrupted_saves, protect_directory
 from . import proto, wire
-from .catalog import Catalog
 from .config import ServerConfig
 from .futures import FutureRecord, FutureStore, Job, Result, Sequencer, Worker
 from .sampling import Sampling
 from .served import ServedModels
-from .sessions import Sessions
-from .snapshots import WeightsSnapshot
+from .sessions import Sessions, TrainingModel
 from .store import SEGMENT_TO_KIND, Store, TinkerPath
 
 logger = logging.getLogger(__name__)
-
-
-@attrs.define(eq=False)
-class TrainingModel:
-    model_id: str
-    owner: str
-    session_id: str
-    base_model: str
-    lora: LoraConfig | None
-    worker: Worker
-    sequencer: Sequencer
-    ready: asyncio.Event
-    backend: Any = None
-    error: str | None = None
-    version: int = 0
-    pinned: set = attrs.Factory(set)
-    #: pinned version -> its snapshot (in memory, or a scratch directory)
-    snapshots: collections.OrderedDict[int, WeightsSnapshot | Path] = attrs.Factory(collections.OrderedDict)
-    dropped: set = attrs.Factory(set)
-    #: why the model was released (None while it is live)
-    closed: str | None = None
-
-    def require_backend(self):
-        if self.closed:
-            raise InputError(f"model {self.model_id} was released: {self.closed}")
-        if self.backend is None:
-            raise InputError(f"model {self.model_id} could not be created: {self.error or 'unknown error'}")
-        return self.backend
 
 
 class Runtime:
@@ -74,7 +41,6 @@ class Runtime:
         self.futures = FutureStore(loop, redact=self.redact)
         self.served = ServedModels(config, offload_root=self.store.scratch_dir("offload"))
         self.sampling = Sampling(config, self.store, self.served)
-        self.catalog = Catalog(self.store)
         self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
         self.models: dict[str, TrainingModel] = {}
         self._path_re = re.compile(re.escape(str(self.store.root)) + r"(/[^\s'\"]*)?")
@@ -140,7 +106,7 @@ class Runtime:
     def model(self, owner: str, model_id: Any) -> TrainingModel:
         m = self.models.get(model_id) if isinstance(model_id, str) else None
         if m is None or m.owner != owner:
-            raise UnknownError(
+            raise NotFoundError(
                 f"unknown model_id {model_id!r}: this server has no such model (models live in memory and are "
                 f"lost when the server restarts; recreate it with create_training_client_from_state)"
             )

@@ -22,22 +22,20 @@ import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
-from ..coerce import lora_config_from_any
-from ..errors import InputError, UnknownError
+from ..errors import InputError, NotFoundError
+from ..inputs.coerce import lora_config_from_any
 from . import proto
 from .config import ServerConfig
 from .futures import Job, Result, Worker
 from .served import RNG_LOCK, ServedModels
+from .sessions import TrainingModel
 from .snapshots import SnapshotCache, WeightsSnapshot, load_tensors, supports_memory_snapshots, take_tensors
 from .store import Store, TinkerPath
 from .wire import SampleSpec
-
-if TYPE_CHECKING:
-    from .runtime import TrainingModel
 
 
 @attrs.define(eq=False)
@@ -83,7 +81,7 @@ class Sampling:
                ) -> SamplingSession:
         """A durable session on a base model or a saved path (survives a restart)."""
         if (old := self.sessions.get(sid)) is not None and old.owner != owner:
-            raise UnknownError(f"unknown session {session_id!r}")
+            raise NotFoundError(f"unknown session {session_id!r}")
         session = self.session_from(owner, model_path, base_model, sid)
         self.sessions[sid] = session
         self.store.add_sampling_session(sid, owner, session_id, session.base_model, session.model_path)
@@ -114,7 +112,7 @@ class Sampling:
             s = self.session_from(owner, row["model_path"], row["base_model"], sid)
             self.sessions[sid] = s
         if s is None or s.owner != owner:
-            raise UnknownError(f"unknown sampling session {sid!r} (ephemeral sampling sessions are lost when the "
+            raise NotFoundError(f"unknown sampling session {sid!r} (ephemeral sampling sessions are lost when the "
                                f"server restarts)")
         return s
 

@@ -42,7 +42,7 @@ def _canonical(name: str) -> str:
 
 def position_limit(model: str) -> int | None:
     """The model's ``max_position_embeddings`` (or equivalent) from its config.json, if any."""
-    from ..models import TINY_DIR
+    from ..models.loading import TINY_DIR
 
     directory = TINY_DIR if model == "tiny" else Path(model).expanduser()
     try:

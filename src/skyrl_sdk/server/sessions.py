@@ -1,4 +1,5 @@
-"""Client sessions: who owns them, whether they are alive, and their expiry.
+"""Client sessions: who owns them, whether they are alive, their expiry, and the training
+models they own (:class:`TrainingModel`, shared by the runtime and the sampler).
 
 A session is alive while its client shows signs of life (a heartbeat, any request on its
 models or sampling sessions, polling their futures) or one of its models is busy. One
@@ -9,15 +10,22 @@ models; later requests on it say it expired.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, UnknownError
+import attrs
+
+from ..errors import InputError, NotFoundError
+from ..types import LoraConfig
 from . import wire
 from .config import ServerConfig
+from .futures import Sequencer, Worker
+from .snapshots import WeightsSnapshot
 from .store import Store
 
 logger = logging.getLogger(__name__)
@@ -52,7 +60,7 @@ class Sessions:
         """``owner``'s live session (refreshing its liveness): unknown, finished or expired -> error."""
         row = self.store.session(session_id, owner)
         if row is None:
-            raise UnknownError(f"unknown session {session_id!r}")
+            raise NotFoundError(f"unknown session {session_id!r}")
         if row["finished_at"] is not None:
             if row["finish_reason"] == f'"{EXPIRED}"':
                 raise InputError(f"session {session_id} expired: no heartbeat for {self.config.session_timeout_s:g} s "
@@ -71,7 +79,7 @@ class Sessions:
         session_id = wire.session_id(body)
         try:
             self.open(owner, session_id)
-        except UnknownError:
+        except NotFoundError:
             raise
         except InputError as exc:
             return str(exc)
@@ -80,7 +88,7 @@ class Sessions:
 
     def finish(self, owner: str, session_id: str, reason: Any) -> None:
         if self.store.session(session_id, owner) is None:
-            raise UnknownError(f"unknown session {session_id!r}")
+            raise NotFoundError(f"unknown session {session_id!r}")
         self._end(session_id, reason, "its session finished")
 
     def _end(self, session_id: str, reason: Any, why: str) -> None:
@@ -116,5 +124,36 @@ class Sessions:
     def get(self, owner: str, session_id: str) -> dict:
         row = self.store.session(session_id, owner)
         if row is None:
-            raise UnknownError(f"unknown session {session_id!r}")
+            raise NotFoundError(f"unknown session {session_id!r}")
         return wire.session_json(row, self.store.run_ids_of_session(session_id, owner))
+
+
+@attrs.define(eq=False)
+class TrainingModel:
+    """A client's training model: its Backend (built on its worker), the order its requests
+    run in, and the pinned weights its sampling sessions read."""
+
+    model_id: str
+    owner: str
+    session_id: str
+    base_model: str
+    lora: LoraConfig | None
+    worker: Worker
+    sequencer: Sequencer
+    ready: asyncio.Event
+    backend: Any = None
+    error: str | None = None
+    version: int = 0
+    pinned: set = attrs.Factory(set)
+    #: pinned version -> its snapshot (in memory, or a scratch directory)
+    snapshots: collections.OrderedDict[int, WeightsSnapshot | Path] = attrs.Factory(collections.OrderedDict)
+    dropped: set = attrs.Factory(set)
+    #: why the model was released (None while it is live)
+    closed: str | None = None
+
+    def require_backend(self):
+        if self.closed:
+            raise InputError(f"model {self.model_id} was released: {self.closed}")
+        if self.backend is None:
+            raise InputError(f"model {self.model_id} could not be created: {self.error or 'unknown error'}")
+        return self.backend

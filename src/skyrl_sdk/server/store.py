@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import InputError, UnknownError
+from ..errors import InputError, NotFoundError
 from .config import DEFAULT_OWNER
 
 #: tinker path segment -> checkpoint type (Tinker's names)
@@ -296,7 +296,7 @@ class Store:
             want = KIND_TO_SEGMENT[kind]
             raise InputError(f"{path}: expected a tinker://<run>/{want}/<name> path here")
         if self.checkpoint(tp, owner) is None:
-            raise UnknownError(f"no checkpoint {path} on this server")
+            raise NotFoundError(f"no checkpoint {path} on this server")
         directory = self.checkpoint_dir(tp)
         if not directory.is_dir():
             raise InputError(f"checkpoint {path} is recorded but its files are gone")

@@ -24,10 +24,10 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..checks import check_number, check_sample_counts
 from ..errors import InputError, did_you_mean_keys
-from ..serde import model_input_from_json
+from ..inputs.tinker_json import model_input_from_json
 from ..types import SamplingParams
+from ..types.numbers import check_number, check_sample_counts
 from .store import check_name, check_run_id, iso
 
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
@@ -262,7 +262,7 @@ def parse_sample_request(body: Mapping[str, Any], max_num_samples: int) -> Sampl
 
 def sampling_params_from_json(obj: Mapping[str, Any]) -> SamplingParams:
     """``sampling_params``: SamplingParams checks every field it has (numbers through
-    :func:`~skyrl_sdk.checks.check_number`); other keys are ignored (a newer client may send more)."""
+    :func:`~skyrl_sdk.types.numbers.check_number`); other keys are ignored (a newer client may send more)."""
     if not isinstance(obj, Mapping):
         raise InputError(f"sampling_params: expected an object, got {type(obj).__name__}")
     known = {f.name for f in attrs.fields(SamplingParams)}

@@ -7,7 +7,7 @@ documented. Tensors are numpy-backed (:class:`TensorData`): no per-element Pytho
 
 from __future__ import annotations
 
-from ..arrays import TensorDtype, densify_csr
+from .arrays import TensorDtype, densify_csr
 from .datum import Datum
 from .model_input import EncodedTextChunk, ModelInput
 from .outputs import (

@@ -8,8 +8,8 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
-from ..arrays import as_numpy
 from ..errors import InputError
+from .arrays import as_numpy
 
 
 def _token_vector(tokens: Any) -> np.ndarray:

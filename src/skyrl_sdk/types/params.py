@@ -1,5 +1,5 @@
 """The parameters of a call: ``AdamParams``, ``LoraConfig``, ``SamplingParams`` (Tinker's
-names and defaults). Every number goes through :mod:`skyrl_sdk.checks`."""
+names and defaults). Every number goes through :mod:`skyrl_sdk.types.numbers`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..checks import check_number, number_validator, to_float
 from ..errors import AdamParamsError, InputError
+from .numbers import check_number, number_validator, to_float
 
 #: The smallest eps AdamW may use: float32's (and bfloat16's) smallest normal number. Below
 #: it ``sqrt(v) + eps`` can round to 0 and the update becomes NaN.

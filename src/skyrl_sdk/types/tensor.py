@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..arrays import TensorDtype, as_numpy, densify_csr
+from .arrays import TensorDtype, as_numpy, densify_csr
 
 #: loss_fn_inputs keys whose tensors are integer token ids; every other key is float32.
 INTEGER_KEYS = frozenset({"target_tokens"})

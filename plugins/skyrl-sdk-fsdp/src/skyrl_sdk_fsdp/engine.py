@@ -17,20 +17,12 @@ from typing import Any
 import attrs
 import numpy as np
 
-from skyrl_sdk.engines import (
-    EngineConfig,
-    EngineInfo,
-    EngineResult,
-    MetricAccumulator,
-    ResolvedLoss,
-    StateLayout,
-    check_engine_metadata,
-    check_state_files,
-    datums_to_plain,
-    load_tokenizer,
-    loss_to_plain,
-)
+from skyrl_sdk.engines import Engine, EngineConfig, EngineInfo, EngineResult, ResolvedLoss
+from skyrl_sdk.engines.plain import datums_to_plain, loss_to_plain
+from skyrl_sdk.engines.state import StateLayout, check_engine_metadata, check_state_files
 from skyrl_sdk.errors import CheckpointError, InputError
+from skyrl_sdk.losses.metrics import MetricAccumulator
+from skyrl_sdk.models import load_tokenizer
 from skyrl_sdk.types import AdamParams, Datum, LoraConfig, SampleOutput, SamplingParams
 
 from .options import FSDP_KEYS, SHARDED_DIR, FSDPOptions, launcher_env
@@ -47,7 +39,7 @@ def _default_world_size(device_type: str) -> int:
     return 2
 
 
-class FSDPEngine:
+class FSDPEngine(Engine):
     """PyTorch FSDP2 over ``world_size`` ranks, driven from this process (see docs/engines.md)."""
 
     name = "fsdp"
@@ -114,8 +106,8 @@ class FSDPEngine:
 
     def _start_transport(self, env):
         if self.launcher == "torchrun":
+            from .dispatch import TorchrunJob
             from .entrypoint import worker_main
-            from .session import TorchrunJob
             from .transport import CollectiveTransport
 
             if env.rank != 0:

@@ -17,8 +17,7 @@ import sys
 import threading
 import time
 
-#: Environment variables the controller passes to spawned ranks (this module imports no torch).
-ENV_PREFIX = "SKYRL_FSDP_"
+from .options import ENV_PREFIX  # this module imports no torch at the top
 
 
 def _watch_parent(parent_pid: int, interval: float = 0.5) -> None:
@@ -110,7 +109,7 @@ def worker_main() -> None:
     import torch.distributed as dist
 
     from . import control
-    from .session import TorchrunJob
+    from .dispatch import TorchrunJob
 
     job = TorchrunJob.get()
     group = job.session.control_group

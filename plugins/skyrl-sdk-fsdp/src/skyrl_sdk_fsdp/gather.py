@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from skyrl_sdk.engines import (
+from skyrl_sdk.engines.export import (
     TensorPlan,
-    hf_model,
     merge_lora_delta,
     write_hf_config,
     write_hf_weights_stream,
     write_tensor_stream,
 )
+from skyrl_sdk.models import hf_model
 
 _BASE = ".base_layer."
 

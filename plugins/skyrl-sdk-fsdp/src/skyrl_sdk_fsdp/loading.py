@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from skyrl_sdk.engines import TINY_NAME, LoadedModel, hf_model, load_model, read_rows, tensor_shapes, weight_files
+from skyrl_sdk.models import TINY_NAME, LoadedModel, hf_model, load_model
+from skyrl_sdk.models.weight_files import read_rows, tensor_shapes, weight_files
 from skyrl_sdk.types import LoraConfig
 
 logger = logging.getLogger(__name__)

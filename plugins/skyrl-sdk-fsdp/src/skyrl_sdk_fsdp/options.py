@@ -1,4 +1,5 @@
-"""The ``engine_config`` keys the fsdp engine adds to the shared :class:`EngineConfig`."""
+"""The ``engine_config`` keys the fsdp engine adds to the shared :class:`EngineConfig`, and the
+environment the controller and the launcher pass to rank processes."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from typing import Any
 
 import attrs
 
-from skyrl_sdk.checks import check_number
 from skyrl_sdk.errors import InputError
+from skyrl_sdk.types.numbers import check_number
+
+#: Environment variables the controller passes to spawned ranks.
+ENV_PREFIX = "SKYRL_FSDP_"
 
 #: Engine-specific keys (passed to ``EngineConfig.from_mapping(extra_keys=...)``).
 FSDP_KEYS = (

@@ -17,15 +17,10 @@ import types
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from skyrl_sdk.engines import (
-    FUSED_METHOD,
-    ScoringModel,
-    enable_activation_checkpointing,
-    fusable_linear,
-    hf_model,
-    linear_target_logprobs,
-    transformer_blocks,
-)
+from skyrl_sdk.models import hf_model
+from skyrl_sdk.models.activation_checkpointing import enable_activation_checkpointing, transformer_blocks
+from skyrl_sdk.models.logprobs import FUSED_METHOD, fusable_linear, linear_target_logprobs
+from skyrl_sdk.models.scoring import ScoringModel
 
 
 class ShardedScoringModel(ScoringModel):

@@ -14,24 +14,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from skyrl_sdk import errors
-from skyrl_sdk.engines import (
-    OPTIMIZER_FILE,
-    WEIGHTS_FILE,
-    EngineConfig,
-    StateLayout,
-    count_parameters,
-    datums_from_plain,
-    generate,
-    hf_model,
-    load_tensors,
-    loss_from_plain,
-)
+from skyrl_sdk.engines import EngineConfig, EngineInfo, runner_options, scoring_model
+from skyrl_sdk.engines.plain import datums_from_plain, loss_from_plain
+from skyrl_sdk.engines.state import StateLayout
+from skyrl_sdk.models import hf_model
+from skyrl_sdk.models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, load_tensors
+from skyrl_sdk.sampling import generate
 from skyrl_sdk.types import AdamParams, LoraConfig, SamplingParams
 
 from .gather import StreamingGather
@@ -73,7 +68,7 @@ class RankEngine:
                                               dtype=self.config.master_torch_dtype, rank=self.rank,
                                               group=self.mesh.get_group())
         module = self.loaded.module
-        total, trainable = count_parameters(module)
+        info = EngineInfo.of(self.loaded)  # counted before sharding: full sizes
         # names that alias an earlier tensor (tied embeddings), found before sharding
         self.aliases = tied_aliases(module)
         self.hf_aliases = tied_aliases(hf_model(module))
@@ -81,8 +76,7 @@ class RankEngine:
         trainable_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.state_layout = StateLayout.of(module.state_dict(), trainable_params, self.aliases)
         full = dict(hf_model(module).state_dict()) if source == "rank0" and self.rank == 0 else {}
-        scoring = ShardedScoringModel(module, role)
-        scoring.chunk_elements = self.config.logprob_chunk_elements
+        scoring = scoring_model(module, role, self.config, cls=ShardedScoringModel)
         loss_scale = parallelize(
             scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward,
             compute_dtype=self.config.torch_dtype if self.config.mixed_precision else None,
@@ -91,17 +85,10 @@ class RankEngine:
         materialize(self.loaded, source, self.device, full)
         del full
         self.weights_source = source
-        self.runner = ShardedRunner(
-            scoring, group=self.mesh.get_group(), device=self.device,
-            micro_batch_tokens=self.config.micro_batch_tokens, batching=self.config.batching,
-            pad_id=self.loaded.pad_token_id, loss_scale=float(loss_scale),
-        )
-        eos = self.loaded.eos_token_id
-        self.engine_info = dict(
-            model_name=self.loaded.name, architecture=self.loaded.architecture, vocab_size=self.loaded.vocab_size,
-            tokenizer_dir=self.loaded.tokenizer_dir, num_parameters=total, num_trainable_parameters=trainable,
-            eos_token_id=eos,
-        )
+        # FSDP2's mixed precision casts the gathered parameters: no autocast on the ranks
+        options = {**runner_options(self.config, self.loaded, self.device), "autocast_dtype": None}
+        self.runner = ShardedRunner(scoring, group=self.mesh.get_group(), loss_scale=float(loss_scale), **options)
+        self.engine_info = attrs.asdict(info)
         self.gather = StreamingGather(self.loaded, self.runner, self.aliases, self.hf_aliases, self.rank)
         self.weights_version = 0  # bumped whenever the weights change (sampler cache key)
         self._sampler: tuple[int, Any] | None = None

@@ -1,28 +1,19 @@
-"""This process's place in the process group, and the torchrun job every engine shares.
+"""This process's place in the process group (:class:`DistSession`) and joining it.
 
-A spawned rank joins a private group through the controller's TCP store; under torchrun,
-one :class:`TorchrunJob` per process holds the group, the control group and the request
-dispatcher, shared by every fsdp engine the script creates (each gets its own engine id).
+A spawned rank joins a private group through the controller's TCP store; under torchrun the
+group comes from the launcher's environment (see :class:`~.dispatch.TorchrunJob`).
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import datetime
-import os
 import sys
-import threading
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
-
-from skyrl_sdk.errors import InputError
-
-from . import control
-from .entrypoint import ENV_PREFIX
 
 
 @attrs.define
@@ -89,66 +80,3 @@ def init_session(
         # Idle ranks wait here for the next request for as long as the user's script runs.
         session.control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
     return session
-
-
-class TorchrunJob:
-    """The torchrun job of this process: created on first use, identically on every rank."""
-
-    _lock = threading.Lock()
-    _current: TorchrunJob | None = None
-
-    def __init__(self, session: DistSession, dispatcher) -> None:
-        self.session = session
-        self.dispatcher = dispatcher
-        self.closed = False
-        self._next_engine_id = 0
-
-    @classmethod
-    def get(cls, timeout_s: float | None = None) -> TorchrunJob:
-        from .dispatch import Dispatcher
-        from .options import launcher_env
-
-        with cls._lock:
-            if cls._current is not None:
-                return cls._current
-            env = launcher_env()
-            if env is None:
-                raise InputError(
-                    "engine_config['launcher']='torchrun' but RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are not set: "
-                    "start the script with torchrun"
-                )
-            if timeout_s is None:
-                timeout_s = float(os.environ.get(ENV_PREFIX + "TIMEOUT_S", "1800"))
-            device_type = os.environ.get(ENV_PREFIX + "DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-            session = init_session(
-                rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device_type=device_type,
-                timeout_s=timeout_s, control_group=True,
-            )
-            job = cls._current = cls(session, Dispatcher(session))
-            if env.rank == 0:
-                atexit.register(job.release_ranks)
-            return job
-
-    def new_engine_id(self) -> int:
-        """Engines are numbered in creation order, the same on every rank (SPMD)."""
-        with self._lock:
-            engine_id = self._next_engine_id
-            self._next_engine_id += 1
-            return engine_id
-
-    def release_ranks(self) -> None:
-        """Rank 0 at exit: tell ranks 1..N-1 to leave their loop."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-        try:
-            control.send([(None, "exit", None)] * self.session.world_size, self.session.control_group)
-        except Exception:  # peers already gone: torchrun tears the job down anyway
-            pass
-        control.keep_last_message_alive()
-        # Shut the process groups down now, in order, rather than leave it to interpreter teardown.
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass

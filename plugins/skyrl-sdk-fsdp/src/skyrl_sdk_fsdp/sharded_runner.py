@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from skyrl_sdk.engines import EngineResult, ModelRunner, ResolvedLoss, ScoringModel
+from skyrl_sdk.engines import EngineResult, ModelRunner, ResolvedLoss
+from skyrl_sdk.models.scoring import ScoringModel
 from skyrl_sdk.types import Datum
 
 from .parallelize import reshard

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from skyrl_sdk.engines import StateLayout, TensorSpec
+from skyrl_sdk.engines.state import StateLayout, TensorSpec
 from skyrl_sdk.errors import CheckpointError
 
 #: How many problems one error message lists.

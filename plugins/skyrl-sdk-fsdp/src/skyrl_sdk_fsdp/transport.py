@@ -35,7 +35,7 @@ from typing import Any
 
 from skyrl_sdk import errors
 
-from .entrypoint import ENV_PREFIX
+from .options import ENV_PREFIX
 
 logger = logging.getLogger(__name__)
 

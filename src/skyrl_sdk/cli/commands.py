@@ -1,0 +1,363 @@
+"""The ``skyrl-sdk`` command: inspect plugins and losses, run the demo, serve over HTTP.
+
+Every listing has a ``--json`` form that prints exactly one JSON document on stdout (logs
+and warnings go to stderr), so scripts and tests can read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from ..errors import SkyrlError
+from ..version import __version__
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "SKYRL_SDK_API_KEY"
+DESCRIPTION = "skyrl-sdk: train Hugging Face causal LMs behind Tinker's API, in-process or over HTTP."
+EPILOG = "Start with: skyrl-sdk demo. Each command has its own --help."
+
+
+# ---- output helpers -----------------------------------------------------------------------
+
+
+def _print_json(doc: Any) -> None:
+    # repr() keeps odd config defaults (e.g. an enum) printable instead of crashing.
+    print(json.dumps(doc, indent=2, sort_keys=False, default=repr))
+
+
+def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Left-aligned columns, two spaces apart; the last column is not padded."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    for row in [headers, *rows]:
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths[:-1], strict=True)] + [str(row[-1])]
+        print("  ".join(cells).rstrip())
+
+
+# ---- plugins ------------------------------------------------------------------------------
+
+
+def plugin_rows() -> list[dict[str, Any]]:
+    """One dict per plugin, loaded or failed, in load order."""
+    from ..plugins.manager import get_plugins
+
+    return [info.to_dict() for info in get_plugins().plugins]
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    rows = plugin_rows()
+    if args.json:
+        _print_json(rows)
+        return 0
+    _print_table(
+        ("NAME", "PACKAGE", "VERSION", "BUILTIN", "REGISTERED"),
+        [
+            (
+                r["name"], r["package"], r["version"], "yes" if r["builtin"] else "no",
+                f"ERROR: {r['error']}" if r["error"] else (", ".join(r["registered"]) or "-"),
+            )
+            for r in rows
+        ],
+    )
+    return 0
+
+
+# ---- losses -------------------------------------------------------------------------------
+
+
+def dialect_names(dialect: Any, spec: Any) -> list[str]:
+    """The names a client of ``dialect`` calls ``spec`` by.
+
+    Asks the dialect's own converter (its ``convert.names`` lists the names it maps), so the
+    tables stay in the dialect; a native name the dialect does not claim falls through
+    to the registry and is callable as it is.
+    """
+    names = []
+    for name in getattr(dialect.convert, "names", ()):
+        try:
+            converted = dialect.convert(name, None, spec.role)
+        except Exception:  # a name that needs a config is still listed by its owner's docs
+            continue
+        if converted is not None and converted[0] == spec.name:
+            names.append(name)
+    try:
+        shadowed = dialect.convert(spec.name, None, spec.role) is not None
+    except Exception:
+        shadowed = True
+    if not shadowed and spec.name not in names:
+        names.append(spec.name)
+    return names
+
+
+def config_defaults(spec: Any) -> dict[str, Any]:
+    """Default config values, as an instance built with no arguments holds them (factories run)."""
+    if spec.config_cls is None:
+        return {}
+    return attrs.asdict(spec.config_cls(), recurse=False)
+
+
+def loss_rows(dialect: str | None = None) -> list[dict[str, Any]]:
+    """One dict per registered loss, sorted by name."""
+    from ..plugins.manager import get_registry
+
+    registry = get_registry()
+    dialects = registry.dialects if dialect is None else {dialect: registry.dialect_spec(dialect)}
+    rows = []
+    for name in sorted(registry.losses):
+        spec = registry.losses[name]
+        rows.append({
+            "name": spec.name,
+            "plugin": registry.owners.get(("loss", name)),
+            "role": spec.role,
+            "dialect_names": {d: dialect_names(ds, spec) for d, ds in dialects.items()},
+            "required_inputs": list(spec.required_inputs),
+            "optional_inputs": list(spec.optional_inputs),
+            "outputs": list(spec.outputs),
+            "config": config_defaults(spec),
+            "accepts_topk_targets": spec.accepts_topk_targets,
+            "description": spec.description,
+        })
+    return rows
+
+
+def _loss_text(row: dict[str, Any]) -> tuple[str, ...]:
+    names = "; ".join(f"{d}: {', '.join(n) or '-'}" for d, n in row["dialect_names"].items())
+    inputs = ", ".join(row["required_inputs"])
+    if row["optional_inputs"]:
+        inputs += " [" + ", ".join(row["optional_inputs"]) + "]"
+    config = ", ".join(f"{k}={v!r}" for k, v in row["config"].items()) or "-"
+    return (row["name"], row["role"], names, inputs, config, row["description"])
+
+
+def _print_loss_records(rows: Sequence[dict[str, Any]], width: int) -> None:
+    """One block per loss, every line wrapped to ``width`` columns."""
+    for i, row in enumerate(rows):
+        name, role, names, inputs, config, description = _loss_text(row)
+        if i:
+            print()
+        print(f"{name} ({role})")
+        for label, text in (("called as", names), ("inputs", inputs), ("config", config), ("", description)):
+            if not text:
+                continue
+            lead = f"  {label}: " if label else "  "
+            print(textwrap.fill(text, width=width, initial_indent=lead, subsequent_indent=" " * len(lead),
+                                break_on_hyphens=False))
+
+
+def cmd_losses(args: argparse.Namespace) -> int:
+    from ..errors import UnknownNameError
+    from ..plugins.manager import get_registry
+
+    if args.dialect is not None:
+        try:
+            get_registry().dialect_spec(args.dialect)
+        except UnknownNameError as exc:
+            print(f"skyrl-sdk: {exc}", file=sys.stderr)
+            return 2
+    rows = loss_rows(args.dialect)
+    if args.json:
+        _print_json(rows)
+        return 0
+    if args.wide:
+        _print_table(("NAME", "ROLE", "CALLED AS", "INPUTS [optional]", "CONFIG DEFAULTS", "DESCRIPTION"),
+                     [_loss_text(r) for r in rows])
+    else:
+        _print_loss_records(rows, width=min(100, shutil.get_terminal_size((100, 24)).columns))
+    return 0
+
+
+# ---- version ------------------------------------------------------------------------------
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    if not args.json:
+        print(f"skyrl-sdk {__version__}")
+        return 0
+    deps = ("torch", "transformers", "pluggy", "attrs", "tinker")
+    _print_json({
+        "skyrl_sdk": __version__,
+        "python": sys.version.split()[0],
+        **{d: _dist_version(d) for d in deps},
+    })
+    return 0
+
+
+# ---- demo / serve (written elsewhere, imported only when used) ----------------------------
+
+
+def _lazy(module: str, func: str, hint: str) -> Callable[[argparse.Namespace], int]:
+    """A handler that imports ``module`` on use, so listing plugins never pulls in a server."""
+
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            why = "not in this installation" if (exc.name or "").startswith("skyrl_sdk") else hint
+            print(f"skyrl-sdk {args.command}: cannot import {exc.name!r} ({why})", file=sys.stderr)
+            return 2
+        result = getattr(mod, func)(args)
+        return int(result or 0)
+
+    return handler
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _command(sub: Any, common: argparse.ArgumentParser, name: str, summary: str, **kwargs: Any):
+    """A subcommand whose one-line summary is both its entry in ``skyrl-sdk --help`` and the
+    first line of its own ``--help``."""
+    return sub.add_parser(name, parents=[common], help=summary, description=summary[0].upper() + summary[1:] + ".",
+                          **kwargs)
+
+
+def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _command(sub, common, "demo", ("train the tiny model to reverse digit strings: SFT, then RL "
+                                        "(about 10 s on an idle CPU, slower on a loaded one)"))
+    p.add_argument("--steps", type=int, default=120, help="supervised steps (default 120)")
+    p.add_argument("--rl-steps", type=int, default=16, help="RL steps after SFT (default 16)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON document")
+    p.add_argument("--out", default="./skyrl-demo-out", help="output directory (default ./skyrl-demo-out)")
+    p.add_argument("--short", action="store_true", help="a tiny run (for tests)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.demo", "main", "is skyrl-sdk fully installed?"))
+
+
+SERVE_EPILOG = """\
+Point the tinker client at it:
+  export TINKER_BASE_URL=http://127.0.0.1:8000   # or ServiceClient(base_url="http://127.0.0.1:8000")
+  export TINKER_API_KEY=tml-anything             # the client insists on a key starting with "tml-",
+                                                 # even when the server checks none (no --api-key)
+Models, engine and engine config are checked before the server binds; a problem exits with
+status 2 and the reason. See docs/server.md.
+"""
+
+
+def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = _command(sub, common, "serve", "serve models over Tinker's HTTP API for the tinker client and the cookbook",
+                 epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--model", action="append", default=None, dest="model",
+                   help="a model to serve: 'tiny' or a local HF directory; repeatable (default: tiny)")
+    p.add_argument("--engine", default="local", help="engine name (default local)")
+    p.add_argument("--engine-config", type=_json_object, default=None, metavar="JSON",
+                   help='engine options as a JSON object, e.g. \'{"device": "cpu"}\'')
+    p.add_argument("--state-dir", default="./skyrl-server-state",
+                   help="checkpoints and saved weights (default ./skyrl-server-state)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"required X-API-Key (default: ${API_KEY_ENV}; unset accepts any key)")
+    # owners and limits (docs/server.md)
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="API keys with owners, one 'KEY [OWNER]' per line; each owner sees only its own things")
+    p.add_argument("--session-timeout", type=float, default=None, metavar="SECONDS",
+                   help="free the models of a session without heartbeat for this long (default 300)")
+    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                   help="longest sequence accepted (default: each model's max_position_embeddings)")
+    p.add_argument("--max-num-samples", type=int, default=None, metavar="N",
+                   help="most samples one sample request may ask for (default 256)")
+    p.add_argument("--share-base", action=argparse.BooleanOptionalAction, default=None,
+                   help="LoRA clients of a model share one copy of its weights (default: on; "
+                        "--no-share-base gives each client its own copy; docs/server.md)")
+    p.add_argument("--max-lora-adapters", type=int, default=None, metavar="N",
+                   help="LoRA adapters per shared base kept in memory; the least recently used beyond N "
+                        "wait on disk (default: no limit)")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="memory the loaded models may take, e.g. 8GiB (default: no limit)")
+    p.add_argument("--snapshot-memory", default=None, metavar="SIZE",
+                   help="memory for in-memory weight snapshots of ephemeral sampling clients, least "
+                        "recently used evicted beyond it (default 2GiB)")
+    p.add_argument("--lazy", action="store_true",
+                   help="check models and engine config without loading the weights at start "
+                        "(big models: they load when a client first asks)")
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.serve", "serve", "pip install 'skyrl-sdk[server]'"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # -v is accepted before or after the subcommand; SUPPRESS keeps a later default from
+    # overwriting an earlier -v.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="more logging (-v info, -vv debug)")
+    parser = argparse.ArgumentParser(prog="skyrl-sdk", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    parser.add_argument("--version", action="version", version=f"skyrl-sdk {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = _command(sub, common, "plugins", "list installed plugins and what each registered")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=cmd_plugins)
+
+    p = _command(sub, common, "losses", "list losses: the names each dialect calls them, inputs, config defaults")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--dialect", default=None, help="show only the names of this dialect")
+    p.add_argument("--wide", action="store_true", help="one line per loss (a wide table) instead of wrapped blocks")
+    p.set_defaults(func=cmd_losses)
+
+    p = _command(sub, common, "version", "print the version (with --json, also key dependencies)")
+    p.add_argument("--json", action="store_true", help="also the versions of key dependencies, as JSON")
+    p.set_defaults(func=cmd_version)
+
+    _add_demo(sub, common)
+    _add_serve(sub, common)
+    return parser
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _silence_broken_pipe() -> int:
+    """``skyrl-sdk losses | head``: the reader left; exit quietly instead of a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+    return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `skyrl-sdk`: show what there is to do
+        parser.print_help()
+        return 0
+    if getattr(args, "model", "absent") is None:
+        args.model = ["tiny"]  # an append default would be appended to, so fill it here
+    _setup_logging(args.verbose)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _silence_broken_pipe()
+    except SkyrlError as exc:
+        print(f"skyrl-sdk: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+

@@ -1,0 +1,124 @@
+"""``skyrl-sdk serve``: check everything a client will need, bind, then say how to connect.
+
+The server itself creates a Backend only when a client asks for a model, so a wrong
+``--model``, ``--engine`` or ``--engine-config`` would otherwise surface minutes later as a
+failed ``create_model``. Here they are checked first and the process exits with status 2
+and the reason; the banner is printed once the port is bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn  # the [server] extra: imported here so `skyrl-sdk serve` can say what to install
+
+from ..errors import InputError, SkyrlError
+from ..server.app import create_app
+from ..server.config import ServerConfig, is_loopback
+
+logger = logging.getLogger(__name__)
+
+EXIT_BAD_CONFIG = 2
+
+
+class CannotServe(SkyrlError, ValueError):
+    """A served model, the engine or its config fails the start-up check."""
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def check_engine(engine: str) -> None:
+    """The engine is registered (a plugin engine needs its package installed)."""
+    from ..plugins.manager import get_registry
+
+    try:
+        get_registry().engine_spec(engine)
+    except InputError as exc:
+        raise InputError(f"--engine: {exc}") from None
+
+
+def check_model_files(model: str) -> None:
+    """Without loading weights: ``tiny``, or a directory whose config transformers reads and that has weights."""
+    from ..models.loading import load_config
+
+    load_config(model)
+    if model != "tiny" and not any(any(Path(model).expanduser().glob(p)) for p in _WEIGHT_PATTERNS):
+        raise InputError(f"model {model!r}: directory has no weights (*.safetensors or *.bin)")
+
+
+def trial_backend(model: str, engine: str, engine_config: dict[str, Any]) -> None:
+    """Build and close one Backend: the engine accepts its config and the model loads with it."""
+    from ..backend import Backend
+
+    Backend(model=model, engine=engine, engine_config=engine_config).close()
+
+
+def preflight(models: tuple[str, ...], engine: str, engine_config: dict[str, Any], lazy: bool) -> None:
+    """Raise :class:`CannotServe` naming the first problem; cheap checks run first.
+
+    Without ``lazy`` every model is loaded once with the engine. With ``lazy`` the engine
+    and its config are tried on the built-in ``tiny`` model instead, and the served models'
+    files are only inspected, so a big model's weights load once, when a client asks.
+    """
+    try:
+        check_engine(engine)
+        for model in models:
+            check_model_files(model)
+    except SkyrlError as exc:
+        raise CannotServe(str(exc)) from None
+    for model in ("tiny",) if lazy else models:
+        try:
+            trial_backend(model, engine, engine_config)
+        except Exception as exc:  # whatever stops a Backend now would stop the first client later
+            where = f"engine {engine!r} with this --engine-config" if lazy else f"model {model!r} on engine {engine!r}"
+            raise CannotServe(f"{where}: {type(exc).__name__}: {exc}") from None
+
+
+def client_hint(url: str, api_key: str | None) -> str:
+    """How to point the tinker client at ``url``: lines a user can copy as they are."""
+    if api_key:
+        key, note = "$SKYRL_SDK_API_KEY", "the key this server was given (--api-key)"
+    else:
+        key, note = "tml-local", "tml-<anything>: the client insists on the prefix; this server checks no key"
+    return (f"  point the tinker client here:\n"
+            f"    export TINKER_BASE_URL={url} TINKER_API_KEY={key}   # {note}\n"
+            f"    or in Python: tinker.ServiceClient(base_url=\"{url}\", api_key=...)")
+
+
+def banner(config: Any) -> str:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    url = f"http://{host}:{config.port}"
+    return (f"skyrl-sdk serve: listening on http://{config.host}:{config.port} "
+            f"(models: {', '.join(config.models)}; engine: {config.engine}; state: {config.state_dir})\n"
+            f"{client_hint(url, config.api_key)}\n  Ctrl-C stops it.")
+
+
+def serve(args: Any) -> int:
+    """The ``serve`` subcommand: validate, bind, announce, run until Ctrl-C."""
+    try:
+        config = ServerConfig.from_args(args)
+        preflight(config.models, config.engine, config.engine_config, lazy=bool(getattr(args, "lazy", False)))
+    except SkyrlError as exc:
+        print(f"skyrl-sdk serve: cannot start: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    if not is_loopback(config.host) and not config.owners():
+        logger.warning("serving on %s without an API key: anyone who can reach it can train and read "
+                       "checkpoints (pass --api-key or set SKYRL_SDK_API_KEY)", config.host)
+
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # bound and listening; a failed bind has exited already
+                print(banner(config), file=sys.stderr, flush=True)
+
+    server = AnnouncingServer(uvicorn.Config(
+        create_app(config), host=config.host, port=config.port, log_level="warning",
+        timeout_graceful_shutdown=5, lifespan="on",
+    ))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C while shutting down
+        pass
+    return 0 if server.started else 1

@@ -1,0 +1,160 @@
+"""Group a call's datums into micro-batches by a token budget.
+
+Two layouts, both exact (a datum is never split, so SUM losses add up):
+
+- ``bucket`` (default): sort by length and cut the sorted list into right-padded groups
+  with ``rows * longest <= micro_batch_tokens``, choosing the cuts that minimise padded
+  tokens plus a small per-micro-batch overhead (exact dynamic programme); an attention
+  mask hides the padding. Padding is what makes a hand-written loop slow on varied
+  lengths: this cuts it to a few percent while keeping micro-batches large.
+  Rows are right-padded, so with a causal model the real tokens never attend to the
+  padding (``ScoringModel`` then drops the mask and attention runs its causal path).
+- ``pack``: concatenate datums into one row per micro-batch with ``position_ids``
+  restarting per datum (needs ``use_cache=False``; on CUDA with flash attention this is
+  the padding-free varlen path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+import numpy as np
+import torch
+
+from ..types import Datum
+
+Layout = Literal["bucket", "pack"]
+
+
+@attrs.frozen(eq=False)
+class MicroBatch:
+    """Model inputs for a group of datums plus how to find their tokens in the output.
+
+    ``flat_index`` (T,) indexes the flattened (rows * length) model output and lists the
+    real tokens datum after datum in ``datum_indices`` order; ``segment_ids`` (T,) gives the
+    local datum number of each; ``offsets`` (len+1,) the start of each datum in T.
+    """
+
+    datum_indices: tuple[int, ...]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    flat_index: torch.Tensor
+    segment_ids: torch.Tensor
+    offsets: np.ndarray
+
+
+#: Cost of one more micro-batch, in padded tokens, when ``bucket`` chooses its cuts: the
+#: fixed per-forward/backward cost (Python, kernel launches) measured on CPU is about this.
+MICRO_BATCH_OVERHEAD_TOKENS = 64
+#: Above this many (datum, cut) candidates the exact cut search falls back to greedy filling.
+_MAX_DP_WORK = 20_000_000
+
+
+def _group_greedy(order: np.ndarray, lengths: np.ndarray, budget: int, layout: Layout) -> list[list[int]]:
+    """Fill micro-batches in length order while the budget allows (padded tokens for buckets)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    used = 0
+    for idx in order.tolist():
+        n = int(lengths[idx])
+        if layout == "bucket":
+            cost = max(longest, n) * (len(current) + 1)
+        else:
+            cost = used + n
+        if current and cost > budget:
+            groups.append(current)
+            current, longest, used = [], 0, 0
+        current.append(idx)
+        longest = max(longest, n)
+        used += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _group_buckets(order: np.ndarray, lengths: np.ndarray, budget: int) -> list[list[int]] | None:
+    """Optimal cuts of the length-sorted (longest first) datums into padded buckets.
+
+    ``best[j]`` is the least cost of the first ``j`` datums; a bucket ``[i, j)`` costs
+    ``L[i] * (j - i)`` padded tokens (``L[i]`` is its longest) plus the overhead, and may
+    not exceed the budget unless it holds a single datum. Returns None when the search
+    would be too long (then the caller fills greedily).
+    """
+    sorted_len = lengths[order]
+    n = len(sorted_len)
+    # the widest bucket that can end at j starts no earlier than j - budget // L[j-1]
+    widths = np.minimum(np.arange(1, n + 1), np.maximum(1, budget // np.maximum(sorted_len, 1)))
+    if int(widths.sum()) > _MAX_DP_WORK:
+        return None
+    best = np.zeros(n + 1, dtype=np.float64)
+    start = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        lo = j - int(widths[j - 1])
+        i = np.arange(lo, j)
+        cost = sorted_len[lo:j] * (j - i)
+        total = best[lo:j] + cost + MICRO_BATCH_OVERHEAD_TOKENS
+        total[cost > budget] = np.inf
+        total[-1] = best[j - 1] + sorted_len[j - 1] + MICRO_BATCH_OVERHEAD_TOKENS  # one datum always fits
+        k = int(np.argmin(total))
+        best[j] = total[k]
+        start[j] = lo + k
+    groups = []
+    j = n
+    while j > 0:
+        i = int(start[j])
+        groups.append(order[i:j].tolist())
+        j = i
+    return groups[::-1]
+
+
+def _group(lengths: np.ndarray, budget: int, layout: Layout) -> list[list[int]]:
+    """Length-sorted grouping under the token budget (padded tokens for buckets)."""
+    order = np.argsort(-lengths, kind="stable")
+    if layout == "bucket" and len(lengths) > 1:
+        groups = _group_buckets(order, lengths, budget)
+        if groups is not None:
+            return groups
+    return _group_greedy(order, lengths, budget, layout)
+
+
+def make_micro_batches(
+    data: Sequence[Datum], micro_batch_tokens: int, layout: Layout = "bucket", pad_id: int = 0
+) -> list[MicroBatch]:
+    if layout not in ("bucket", "pack"):
+        raise ValueError(f"engine_config['batching'] must be 'bucket' or 'pack', got {layout!r}")
+    tokens = [d.model_input.to_numpy() for d in data]
+    lengths = np.array([len(t) for t in tokens], dtype=np.int64)
+    batches = []
+    for group in _group(lengths, max(1, int(micro_batch_tokens)), layout):
+        seqs = [tokens[i] for i in group]
+        lens = lengths[group]
+        offsets = np.concatenate([[0], np.cumsum(lens)])
+        segment_ids = torch.from_numpy(np.repeat(np.arange(len(group)), lens))
+        if layout == "pack":
+            input_ids = torch.from_numpy(np.concatenate(seqs)).unsqueeze(0)
+            position_ids = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).unsqueeze(0)
+            flat_index = torch.arange(int(offsets[-1]))
+            batches.append(MicroBatch(tuple(group), input_ids, None, position_ids, flat_index, segment_ids, offsets))
+            continue
+        width = int(lens.max())
+        ids = np.full((len(group), width), pad_id, dtype=np.int64)
+        mask = np.zeros((len(group), width), dtype=np.int64)
+        for row, seq in enumerate(seqs):
+            ids[row, : len(seq)] = seq
+            mask[row, : len(seq)] = 1
+        flat_index = torch.from_numpy(np.flatnonzero(mask.reshape(-1)))
+        attention_mask = None if mask.all() else torch.from_numpy(mask)
+        batches.append(
+            MicroBatch(tuple(group), torch.from_numpy(ids), attention_mask, None, flat_index, segment_ids, offsets)
+        )
+    return batches
+
+
+def pack_inputs(data: Sequence[Datum], group: Sequence[int]) -> dict[str, np.ndarray]:
+    """Concatenate each loss_fn_inputs key over the datums of a micro-batch."""
+    keys = data[group[0]].loss_fn_inputs.keys()
+    return {k: np.concatenate([data[i].loss_fn_inputs[k].array for i in group]) for k in keys}

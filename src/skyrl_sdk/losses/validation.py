@@ -1,0 +1,149 @@
+"""Everything knowable about a call, checked before any compute, so bad input changes no state.
+
+:func:`check_loss_inputs` is the per-datum check of a loss's inputs (keys, shapes; also
+used by ``evaluate_loss``); :func:`validate_data` checks a whole call. Messages name the
+datum index, the key, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import DatumError, did_you_mean
+from ..types import Datum
+from .base import LossSpec
+from .resolve import ResolvedLoss
+from .terms import with_call_normalizers
+
+
+def check_call(data: Sequence[Datum], resolved: ResolvedLoss, vocab_size: int | None) -> ResolvedLoss:
+    """Everything knowable about a call, before any compute: every datum against the loss
+    (:func:`validate_data`), the same keys on every datum, what the loss terms need; returns
+    ``resolved`` with the call-level normalizers of its reduction filled in."""
+    validate_data(data, resolved.spec, vocab_size, label=resolved.label)
+    check_same_keys(data)
+    if resolved.terms.kl_coef > 0:
+        for i, d in enumerate(data):
+            shape = d.loss_fn_inputs["target_tokens"].shape if "target_tokens" in d.loss_fn_inputs else ()
+            if len(shape) == 2:
+                raise DatumError("kl_coef > 0 needs one target per position (shape (N,)), got top-K targets "
+                                 f"of shape {list(shape)}", index=i, key="target_tokens")
+    return with_call_normalizers(resolved, data)
+
+
+def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None, label: str | None = None) -> None:
+    """Validate a whole batch against a loss; raise :class:`DatumError` on the first problem."""
+    for i, datum in enumerate(data):
+        tokens = datum.model_input.to_numpy()
+        n = int(tokens.shape[0])
+        if n == 0:
+            raise DatumError("model_input is empty; expected at least one token", index=i, key="model_input")
+        if vocab_size is not None:
+            check_token_range(tokens, vocab_size, i, "model_input")
+        shapes = {k: v.shape for k, v in datum.loss_fn_inputs.items()}
+        check_loss_inputs(spec, shapes, n, index=i, label=label)
+        for key, tensor in datum.loss_fn_inputs.items():
+            array = tensor.array
+            if key == "target_tokens":
+                if vocab_size is not None:
+                    check_token_range(array, vocab_size, i, key)
+            elif array.size and not np.isfinite(array).all():
+                bad = int(np.flatnonzero(~np.isfinite(array.reshape(-1)))[0])
+                raise DatumError(
+                    f"expected finite values, got {array.reshape(-1)[bad]} at flat position {bad}", index=i, key=key
+                )
+            elif key in _RATIO_BOUNDS:
+                _check_ratio_bound(array, key, i)
+
+
+def token_range_problem(tokens: np.ndarray, vocab_size: int) -> str | None:
+    """Why ``tokens`` are not valid ids of a ``vocab_size`` vocabulary (first offender), or None."""
+    flat = tokens.reshape(-1)
+    if flat.size == 0 or (int(flat.min()) >= 0 and int(flat.max()) < vocab_size):
+        return None
+    bad = int(np.flatnonzero((flat < 0) | (flat >= vocab_size))[0])
+    return f"token ids must be in [0, {vocab_size}) (the vocabulary size), got {int(flat[bad])} at flat position {bad}"
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, index: int, key: str) -> None:
+    problem = token_range_problem(tokens, vocab_size)
+    if problem:
+        raise DatumError(problem, index=index, key=key)
+
+
+#: Per-token absolute ratio bounds (Tinker): 0 <= clip_low_threshold <= 1 <= clip_high_threshold
+#: (which also orders them, so no separate low <= high check is needed).
+_RATIO_BOUNDS = {"clip_low_threshold": (0.0, 1.0), "clip_high_threshold": (1.0, np.inf)}
+
+
+def _check_ratio_bound(array: np.ndarray, key: str, index: int) -> None:
+    lo, hi = _RATIO_BOUNDS[key]
+    bad = np.flatnonzero((array < lo) | (array > hi))
+    if bad.size:
+        pos = int(bad[0])
+        expected = "0 <= value <= 1" if key == "clip_low_threshold" else "value >= 1"
+        raise DatumError(
+            f"expected an absolute ratio bound with {expected}, got {float(array[pos]):.6g} at position {pos}",
+            index=index, key=key,
+        )
+
+
+def check_same_keys(datums: Sequence[Datum]) -> None:
+    """All datums of a call carry the same loss_fn_inputs keys (they are packed together)."""
+    first = set(datums[0].loss_fn_inputs)
+    for i, d in enumerate(datums[1:], start=1):
+        keys = set(d.loss_fn_inputs)
+        if keys != first:
+            raise DatumError(
+                f"loss_fn_inputs keys {sorted(keys)} differ from datum 0's {sorted(first)}; "
+                f"every datum of a call must carry the same keys",
+                index=i,
+            )
+
+
+def check_loss_inputs(
+    spec: LossSpec, shapes: Mapping[str, tuple[int, ...]], n: int, *, index: int, need_targets: bool = True,
+    label: str | None = None,
+) -> None:
+    """Required keys present, no unknown keys, first dimension equal to the datum length.
+
+    ``label`` names the loss as the caller typed it (``ResolvedLoss.label``)."""
+    label = label or f"loss {spec.name!r}"
+    accepted = set(spec.required_inputs) | set(spec.optional_inputs)
+    for key in spec.required_inputs:
+        if key == "target_tokens" and not need_targets:
+            continue
+        if key not in shapes:
+            raise DatumError(
+                f"{label} requires input {key!r} (required: {list(spec.required_inputs)}), "
+                f"got keys {sorted(shapes)}",
+                index=index,
+            )
+    for key, shape in shapes.items():
+        if key not in accepted:
+            raise DatumError(
+                f"{label} does not take this input; accepted inputs: "
+                f"{sorted(accepted)}{did_you_mean(key, accepted)}",
+                index=index,
+                key=key,
+            )
+        if len(shape) == 0 or shape[0] != n:
+            raise DatumError(
+                f"expected first dimension {n} (the model_input length), got shape {list(shape)}",
+                index=index,
+                key=key,
+            )
+        topk_ok = spec.accepts_topk_targets and key in ("target_tokens", "weights")
+        if len(shape) != 1 and not (topk_ok and len(shape) == 2):
+            expected = "(N,) or (N, K)" if topk_ok else "(N,)"
+            raise DatumError(f"expected shape {expected} with N={n}, got {list(shape)}", index=index, key=key)
+    if spec.accepts_topk_targets and "target_tokens" in shapes and "weights" in shapes:
+        if shapes["target_tokens"] != shapes["weights"]:
+            raise DatumError(
+                f"weights shape {list(shapes['weights'])} must equal target_tokens shape "
+                f"{list(shapes['target_tokens'])}",
+                index=index,
+                key="weights",
+            )

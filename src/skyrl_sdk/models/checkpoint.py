@@ -1,0 +1,362 @@
+"""Atomic, pickle-free saves: safetensors for tensors, JSON for metadata.
+
+Everything is written into a temporary directory beside the target, fsynced, then switched
+into place. A save only ever replaces a directory that is itself a checkpoint of ours (it
+carries :data:`MARKER_FILE`), never the working directory, the home directory, a protected
+root or one of their parents. Overwriting exchanges the two directories in one
+``renameat2(RENAME_EXCHANGE)`` (Linux), so at every instant the name holds the old or the
+new checkpoint. Where the exchange is unavailable, two renames are used and
+:func:`clean_interrupted_saves` puts the old checkpoint back if a crash fell between them.
+Leftovers of interrupted saves are recognisable by name (``.<name>.skyrl-tmp-<pid>-<id>``,
+``.<name>.skyrl-old-<pid>-<id>``) and removed at the next save into the same folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import re
+import secrets
+import shutil
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import CheckpointError
+
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+#: AdamW state of a training checkpoint: ``<param>::exp_avg``, ``::exp_avg_sq``, ``::step``.
+OPTIMIZER_FILE = "optimizer.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+#: Written last into every directory a save produces: "this directory is a checkpoint of ours".
+MARKER_FILE = ".skyrl_checkpoint"
+#: A training-state directory of an earlier version (no marker yet) is ours too.
+LEGACY_MARKERS = ("skyrl_state.json",)
+
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.skyrl-(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]+$")
+_ACTIVE: set[Path] = set()  # temporary directories of saves running in this process
+_ACTIVE_LOCK = threading.Lock()
+_PROTECTED: set[Path] = set()
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+class _NoRenameat2(Exception):
+    """renameat2 is missing (not Linux, old libc) or unsupported by this file system."""
+
+
+def protect_directory(root: str | os.PathLike) -> None:
+    """Never let a save replace ``root`` or a parent of it (the server protects its state dir)."""
+    _PROTECTED.add(Path(root).expanduser().resolve())
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    func = getattr(libc, "renameat2", None)
+    if func is None:
+        raise _NoRenameat2()
+    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) != 0:
+        code = ctypes.get_errno()
+        if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise _NoRenameat2()
+        raise OSError(code, os.strerror(code), str(src), None, str(dst))
+
+
+# ---- the steps of a save (separate functions: the crash-injection tests stop at each) -------
+def _write_marker(tmp: Path) -> None:
+    (tmp / MARKER_FILE).write_text('{"format": "skyrl-sdk checkpoint"}\n')
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two directories in one step (raises :class:`_NoRenameat2` where unsupported)."""
+    _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    os.rename(src, dst)
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- checks ---------------------------------------------------------------------------------
+def is_checkpoint_dir(path: Path) -> bool:
+    """A real directory (not a link) written by a save of ours."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return any((path / m).is_file() and not (path / m).is_symlink() for m in (MARKER_FILE, *LEGACY_MARKERS))
+
+
+def _unsafe_reason(target: Path, protected: Iterable[str | os.PathLike]) -> str | None:
+    roots = [(Path.cwd().resolve(), "the working directory"), (Path.home().resolve(), "the home directory")]
+    roots += [(p, "a protected directory") for p in _PROTECTED]
+    roots += [(Path(p).expanduser().resolve(), "a protected directory") for p in protected]
+    for root, what in roots:
+        if target == root:
+            return f"it is {what}"
+        if target in root.parents:
+            return f"it contains {what} ({root})"
+    return None
+
+
+def _target_of(path: str | os.PathLike) -> Path:
+    """The absolute target, with its last component unresolved (a link there is not followed)."""
+    if not str(path).strip():
+        raise CheckpointError("a checkpoint path may not be empty")
+    absolute = Path(os.path.abspath(Path(path).expanduser()))
+    if not absolute.name:  # the file system root
+        return absolute
+    return absolute.parent.resolve() / absolute.name
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def clean_interrupted_saves(root: str | os.PathLike, *, recursive: bool = False) -> list[Path]:
+    """Remove the leftovers of interrupted saves in ``root`` (and below, with ``recursive``).
+
+    Only our own names are touched, and only those of processes that are gone (or of this
+    process, when no save of it is using them). A checkpoint whose name is missing because a
+    save died between its two fallback renames is put back first. Returns what was removed.
+    """
+    root = Path(root)
+    if not root.is_dir() or root.is_symlink():
+        return []
+    removed: list[Path] = []
+    folders = [Path(d) for d, _, _ in os.walk(root)] if recursive else [root]
+    for folder in folders:
+        try:
+            entries = sorted(folder.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            match = _LEFTOVER.match(entry.name)
+            if not match or entry.is_symlink() or not entry.is_dir():
+                continue
+            with _ACTIVE_LOCK:
+                if entry in _ACTIVE or (int(match["pid"]) != os.getpid() and _pid_alive(int(match["pid"]))):
+                    continue
+            target = folder / match["name"]
+            if match["kind"] == "old" and not os.path.lexists(target) and is_checkpoint_dir(entry):
+                with contextlib.suppress(OSError):  # the fallback switch died halfway: restore the old one
+                    _rename(entry, target)
+                continue  # never delete the only copy
+            _remove_tree(entry)
+            removed.append(entry)
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    path: str | os.PathLike, *, overwrite: bool = False, protected: Iterable[str | os.PathLike] = ()
+) -> Iterator[Path]:
+    """Yield a temporary directory that becomes ``path`` only if the block succeeds.
+
+    ``overwrite`` may replace only a checkpoint of ours; ``protected`` roots (and their
+    parents) are never replaced, nor the working or home directory.
+    """
+    target = _target_of(path)
+    parent = target.parent
+    reason = _unsafe_reason(target, protected)
+    if reason is not None:
+        raise CheckpointError(f"refusing to save to {target}: {reason}")
+    _check_replaceable(target, overwrite)
+    blocking = _non_directory_ancestor(parent)
+    if blocking is not None:
+        raise CheckpointError(f"cannot save to {target}: {blocking}")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot save to {target}: cannot create {parent}: {exc.strerror or exc}") from None
+    clean_interrupted_saves(parent)
+    token = secrets.token_hex(4)
+    tmp = parent / f".{target.name}.skyrl-tmp-{os.getpid()}-{token}"
+    with _ACTIVE_LOCK:
+        try:
+            os.mkdir(tmp)
+        except OSError as exc:
+            raise CheckpointError(f"cannot save to {target}: {exc.strerror or exc}") from None
+        _ACTIVE.add(tmp)
+    try:
+        yield tmp
+        _write_marker(tmp)
+        _fsync_tree(tmp)
+        _switch(tmp, target, overwrite, parent / f".{target.name}.skyrl-old-{os.getpid()}-{token}")
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(tmp)
+        if tmp.exists():
+            _remove_tree(tmp)
+
+
+def _non_directory_ancestor(directory: Path) -> str | None:
+    """Why ``directory`` cannot be created: its nearest existing ancestor (or itself) is not a directory."""
+    for p in (directory, *directory.parents):
+        if os.path.lexists(p):
+            if p.is_dir():
+                return None
+            if p.is_symlink():
+                return f"{p} is a broken symbolic link, not a directory"
+            return f"{p} is a file, not a directory"
+    return None
+
+
+def _check_replaceable(target: Path, overwrite: bool) -> None:
+    if not os.path.lexists(target):
+        return
+    if not overwrite:
+        raise CheckpointError(f"{target} already exists (pass overwrite=True to replace it)")
+    if target.is_symlink():
+        raise CheckpointError(f"refusing to replace {target}: it is a symbolic link")
+    if not is_checkpoint_dir(target):
+        raise CheckpointError(f"refusing to replace {target}: it is not a checkpoint written by skyrl-sdk")
+
+
+def _switch(tmp: Path, target: Path, overwrite: bool, old: Path) -> None:
+    """Put the finished ``tmp`` at ``target``: at every instant, the old or the new is there."""
+    _check_replaceable(target, overwrite)  # again: the block may have run for a long time
+    try:
+        if os.path.lexists(target):
+            try:
+                _exchange(tmp, target)  # tmp now holds the old checkpoint
+                _fsync_dir(target.parent)
+                _remove_tree(tmp)
+                return
+            except _NoRenameat2:
+                pass
+            _rename(target, old)  # a crash after this: clean_interrupted_saves restores `old`
+            _rename(tmp, target)
+            _fsync_dir(target.parent)
+            _remove_tree(old)
+            return
+        try:
+            _renameat2(tmp, target, _RENAME_NOREPLACE)
+        except _NoRenameat2:
+            _rename(tmp, target)
+        _fsync_dir(target.parent)
+    except OSError as exc:
+        raise CheckpointError(f"cannot save to {target}: {exc.strerror or exc}") from None
+
+
+def dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Drop tensors that alias an earlier one (tied weights); return (unique, alias->kept)."""
+    seen: dict[tuple, str] = {}
+    unique, aliases = {}, {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype) \
+            if tensor.device.type != "meta" else (name,)
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        unique[name] = tensor
+    return unique, aliases
+
+
+def save_tensors(state: dict[str, torch.Tensor], file: Path, metadata: dict[str, str] | None = None) -> None:
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    save_file(tensors, str(file), metadata=metadata)
+
+
+def reject_symlinks(directory: Path) -> None:
+    """A checkpoint to load is a real directory of real files: a link could point anywhere."""
+    directory = Path(directory)
+    if directory.is_symlink():
+        raise CheckpointError(f"{directory} is a symbolic link; load the directory it points to")
+    for dirpath, dirnames, filenames in os.walk(directory):
+        for name in dirnames + filenames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                raise CheckpointError(f"{os.path.join(dirpath, name)} is a symbolic link; a checkpoint holds "
+                                      f"regular files only")
+
+
+def load_tensors(file: Path) -> dict[str, torch.Tensor]:
+    if file.is_symlink():
+        raise CheckpointError(f"{file} is a symbolic link; a checkpoint holds regular files only")
+    if not file.is_file():
+        raise CheckpointError(f"missing checkpoint file {file}")
+    try:
+        return load_file(str(file))
+    except Exception as exc:
+        raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from None
+
+
+def write_hf_weights(
+    state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> None:
+    """Write HF-style safetensors weights, sharded with an index when above ``max_shard_bytes``."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_tensors(shards[0], directory / WEIGHTS_FILE, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    total = 0
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_tensors(shard, directory / fname, metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
+
+
+def write_json(file: Path, obj: Any) -> None:
+    file.write_text(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def read_json(file: Path) -> Any:
+    if file.is_symlink():
+        raise CheckpointError(f"{file} is a symbolic link; a checkpoint holds regular files only")
+    if not file.is_file():
+        raise CheckpointError(f"missing checkpoint file {file}")
+    try:
+        return json.loads(file.read_text())
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, absurd nesting
+        raise CheckpointError(f"{file} is not valid JSON: {exc}") from None

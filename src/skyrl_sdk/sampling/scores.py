@@ -1,0 +1,95 @@
+"""Logprobs the sampler reports besides its draws, scored the way ``forward`` scores.
+
+- **Prompt logprobs** and top-k prompt logprobs, from the prefill's hidden states, with the
+  function ``forward`` uses (:func:`~skyrl_sdk.models.logprobs.target_logprobs`), chunk by
+  chunk, so no (prompt tokens x vocab) buffer beyond one chunk is ever alive.
+- **Rescoring** for low-precision weights. In float32 the decode loop's logprobs agree with
+  ``forward`` to ~1e-6. In bfloat16 the one-query attention over the KV cache rounds
+  differently from a full causal pass (~4e-3 apart), so the sequences are scored once more
+  without a cache, right-padded, in micro-batches of at most :data:`RESCORE_TOKENS` tokens:
+  the computation ``forward`` runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..models.logprobs import CHUNK_SIZE_ELEMENTS, CHUNK_THRESHOLD_ELEMENTS, target_logprobs
+
+#: Padded tokens per rescoring micro-batch (bounds activations, like ``micro_batch_tokens``).
+RESCORE_TOKENS = 8192
+
+
+def needs_rescoring(module: torch.nn.Module) -> bool:
+    """True when some floating-point weight is below float32 precision, or when the decode
+    loop runs under autocast to a narrower compute dtype (mixed precision)."""
+    if any(p.is_floating_point() and p.dtype != torch.float32 and p.dtype != torch.float64
+           for p in module.parameters()):
+        return True
+    device = next((p.device.type for p in module.parameters()), "cpu")
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in (torch.bfloat16, torch.float16)
+
+
+def rescore(
+    backbone: torch.nn.Module, head: Callable, vocab_size: int, prompts: Sequence[np.ndarray],
+    num_samples: int, tokens: list[list[int]], lengths: list[int], pad_token_id: int, device: torch.device,
+) -> list[list[float]]:
+    """Logprobs of ``tokens[r][:lengths[r]]`` after their prompt, for every row ``r``."""
+    rows = [np.concatenate([np.asarray(prompts[r // num_samples], dtype=np.int64),
+                            np.asarray(tokens[r][:lengths[r]], dtype=np.int64)]) for r in range(len(tokens))]
+    order = sorted(range(len(rows)), key=lambda r: len(rows[r]))
+    out: list[list[float]] = [[] for _ in rows]
+    start = 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and len(rows[order[end]]) * (end + 1 - start) <= RESCORE_TOKENS:
+            end += 1
+        batch = order[start:end]
+        width = len(rows[batch[-1]])
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, :len(rows[r])] = torch.from_numpy(rows[r])
+        hidden = backbone(input_ids=ids.to(device), use_cache=False).last_hidden_state
+        for i, r in enumerate(batch):
+            n_prompt, n_gen = len(rows[r]) - lengths[r], lengths[r]
+            if n_gen == 0:
+                continue
+            h = hidden[i, n_prompt - 1:n_prompt - 1 + n_gen]
+            targets = ids[i, n_prompt:n_prompt + n_gen].to(device)
+            lp, _ = target_logprobs(h, head, targets, vocab_size, want_entropy=False,
+                                    chunk_elements=CHUNK_THRESHOLD_ELEMENTS)
+            out[r] = lp.float().cpu().tolist()
+        del hidden
+        start = end
+    return out
+
+
+def prompt_logprobs(
+    hidden: torch.Tensor, head: Callable, prompt: torch.Tensor, vocab_size: int
+) -> list[float | None]:
+    """``[None, lp(x1|x0), lp(x2|x0,x1), ...]`` from the (n, H) hidden states of one prompt."""
+    if prompt.shape[0] < 2:
+        return [None]
+    lp, _ = target_logprobs(hidden[:-1], head, prompt[1:], vocab_size, want_entropy=False,
+                            chunk_elements=CHUNK_THRESHOLD_ELEMENTS)
+    return [None] + lp.float().cpu().tolist()
+
+
+def topk_prompt_logprobs(
+    hidden: torch.Tensor, head: Callable, k: int, vocab_size: int
+) -> list[list[tuple[int, float]] | None]:
+    """Per prompt position, the ``k`` most likely ``(token_id, logprob)`` (None at position 0)."""
+    k = min(k, vocab_size)
+    out: list[list[tuple[int, float]] | None] = [None]
+    chunk = max(1, CHUNK_SIZE_ELEMENTS // max(1, vocab_size))
+    for start in range(0, hidden.shape[0] - 1, chunk):
+        logits = head(hidden[start:min(start + chunk, hidden.shape[0] - 1)]).float()
+        values, ids = torch.topk(logits, k, dim=-1)
+        values = values - torch.logsumexp(logits, dim=-1, keepdim=True)
+        del logits
+        for row_ids, row_lps in zip(ids.cpu().tolist(), values.cpu().tolist(), strict=True):
+            out.append(list(zip(row_ids, row_lps, strict=True)))
+    return out

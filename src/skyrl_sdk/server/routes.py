@@ -1,0 +1,229 @@
+"""Every HTTP endpoint of the server, as thin handlers over :class:`~.runtime.Runtime`.
+
+Sections: service (health, client config, sessions, telemetry, capabilities), training
+(models, forward/backward as protobuf, optimizer, weights, futures), sampling (sessions,
+asample) and the catalog (an owner's training runs and checkpoints, which the RestClient and
+tinker-cookbook's resume and rolling saves use). Each handler reads the caller's owner (set
+by :class:`~.guard.Guard`) and passes it on: another owner's ids read as unknown (404).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..errors import NotFoundError
+from . import wire
+from .guard import OWNER_SCOPE_KEY
+from .runtime import Runtime
+from .store import Store, TinkerPath
+
+router = APIRouter(prefix="/api/v1")
+
+
+def runtime(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def owner(request: Request) -> str:
+    """The owner of the request's API key (set by :class:`~.guard.Guard`)."""
+    return request.scope[OWNER_SCOPE_KEY]
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The JSON object body (an empty body is ``{}``); InputError when it is not one."""
+    return wire.json_object(await request.body())
+
+
+async def submit(request: Request, route: str) -> dict[str, Any]:
+    """A future route: the runtime accepts the body and answers with a request id."""
+    return runtime(request).submit(owner(request), route, await request.body(),
+                                   request.headers.get("content-type", ""))
+
+
+# ---- service -------------------------------------------------------------------------------------
+@router.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.post("/client/config")
+async def client_config(request: Request) -> dict:
+    # The client's defaults suit a loopback server; say that plain API keys are used and
+    # that none of the optional server features (server-side losses, futures polling) exist.
+    flags = {"pjwt_auth_enabled": False, "credential_default_source": "api_key", "proto_compress_fwdbwd": False,
+             "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+             "sample_join_sampling_session": False}
+    return {**flags, **runtime(request).config.client_config}
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config(request: Request) -> dict:
+    return {"sample_cancel_enabled": False}
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(request: Request) -> dict:
+    rt = runtime(request)
+    return {"supported_models": [
+        {"model_name": m, "trainable": True, "sampleable": True} for m in rt.config.models
+    ]}
+
+
+@router.get("/loaded")
+async def loaded(request: Request) -> dict:
+    """What is loaded: shared bases with their LoRA adapters (bytes, offloaded), own copies, memory."""
+    return runtime(request).loaded(owner(request))
+
+
+@router.post("/create_session")
+async def create_session(request: Request) -> dict:
+    sid = runtime(request).sessions.create(owner(request), await json_body(request))
+    return {"type": "create_session", "session_id": sid}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(request: Request):
+    ended = runtime(request).sessions.heartbeat(owner(request), await json_body(request))
+    if ended is not None:
+        return JSONResponse({"detail": ended}, status_code=410)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, request: Request) -> dict:
+    body = await json_body(request)
+    runtime(request).sessions.finish(owner(request), session_id, body.get("reason"))
+    return {}
+
+
+@router.get("/sessions")
+async def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
+    return runtime(request).sessions.list(owner(request), limit, offset)
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> dict:
+    return runtime(request).sessions.get(owner(request), session_id)
+
+
+@router.post("/telemetry")
+async def telemetry(request: Request) -> dict:
+    await request.body()  # accepted and dropped
+    return {"status": "accepted"}
+
+
+# ---- training ------------------------------------------------------------------------------------
+#: Routes answered with a future: the runtime accepts the body (forward_backward's is protobuf)
+#: and answers with a request id; the client then long-polls ``/retrieve_future``.
+FUTURE_ROUTES = ("create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
+                 "load_weights", "asample")
+
+
+def _future_route(route: str):
+    async def handler(request: Request) -> dict:
+        return await submit(request, route)
+
+    handler.__name__ = route
+    return handler
+
+
+for _route in FUTURE_ROUTES:
+    router.post(f"/{_route}")(_future_route(_route))
+
+
+@router.post("/get_info")
+async def get_info(request: Request) -> dict:
+    return await runtime(request).get_info(owner(request), await json_body(request))
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(request: Request) -> Response:
+    """Long-poll: the result once ready, else ``try_again`` after ``long_poll_s``."""
+    answer = await runtime(request).retrieve(owner(request), await json_body(request))
+    if isinstance(answer, dict):
+        return JSONResponse(answer)
+    return Response(content=answer.body, media_type=answer.media_type)
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request) -> dict:
+    sid = runtime(request).create_sampling_session(owner(request), await json_body(request))
+    return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, request: Request) -> dict:
+    return runtime(request).get_sampler(owner(request), sampler_id)
+
+
+@router.post("/cancel_future")
+async def cancel_future(request: Request) -> dict:
+    """Accepted and ignored: a sample already queued runs to the end (the client only sends
+    this when the server's dynamic config enables it, which this one does not)."""
+    await request.body()
+    return {}
+
+
+# ---- catalog: training runs and checkpoints ------------------------------------------------------
+def _run(store: Store, owner: str, run_id: Any) -> dict:
+    run = store.run(run_id, owner) if isinstance(run_id, str) else None
+    if run is None:
+        raise NotFoundError(f"unknown training run {run_id!r}")
+    return run
+
+
+def _run_json(store: Store, owner: str, run_id: str) -> dict:
+    run = _run(store, owner, run_id)
+    return wire.run_json(run, store.last_checkpoint(run["run_id"], "training"),
+                         store.last_checkpoint(run["run_id"], "sampler"))
+
+
+def _checkpoints(store: Store, owner: str, run_id: str | None, limit: int = 10**9, offset: int = 0) -> dict:
+    if run_id is not None:
+        _run(store, owner, run_id)
+        return {"checkpoints": store.list_checkpoints(owner, run_id)[0], "cursor": None}
+    checkpoints, total = store.list_checkpoints(owner, None, max(0, limit), max(0, offset))
+    return {"checkpoints": checkpoints, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+
+@router.get("/training_runs")
+async def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
+    store, who = runtime(request).store, owner(request)
+    runs, total = store.list_runs(who, max(0, limit), max(0, offset))
+    return {"training_runs": [_run_json(store, who, r["run_id"]) for r in runs],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+
+@router.get("/training_runs/{run_id}")
+async def get_training_run(run_id: str, request: Request) -> dict:
+    return _run_json(runtime(request).store, owner(request), run_id)
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_checkpoints(run_id: str, request: Request) -> dict:
+    return _checkpoints(runtime(request).store, owner(request), run_id)
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict:
+    store, who = runtime(request).store, owner(request)
+    tp = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}")
+    if store.run(tp.run_id, who) is None or not store.delete_checkpoint(tp):
+        raise NotFoundError(f"no checkpoint {tp} on this server")
+    return {}
+
+
+@router.get("/checkpoints")
+async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
+    return _checkpoints(runtime(request).store, owner(request), None, limit, offset)
+
+
+@router.post("/weights_info")
+async def weights_info(request: Request) -> dict:
+    store, who = runtime(request).store, owner(request)
+    tp, _ = store.resolve_checkpoint((await json_body(request)).get("tinker_path"), who)
+    return wire.weights_info_json(_run(store, who, tp.run_id))

@@ -1,0 +1,101 @@
+"""One rule for every number a caller or a config gives us.
+
+Why one place: AdamParams, LoraConfig, SamplingParams, loss configs, engine configs and the
+FSDP options all take numbers, and each had its own check with its own gaps (``inf``
+accepted here, ``True`` accepted there). Here a number is a real, finite, non-bool value
+within its bounds, and the message names the field and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import InputError
+
+
+def check_number(
+    what: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    integer: bool = False,
+    error: type[InputError] = InputError,
+) -> Any:
+    """Return ``value`` as a plain ``float`` (or ``int`` when ``integer``) or raise ``error``.
+
+    Rejects bools, non-numbers, NaN and infinities; ``low``/``high`` are inclusive unless
+    ``low_open``/``high_open``. numpy scalars are accepted and returned as Python numbers.
+    The message names ``what``, the whole expectation (kind and bounds) and the value.
+    """
+    bounds = _bounds(low, high, low_open, high_open, integer)
+    kind = "an integer" if integer else "a finite number"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+        raise error(f"{what}: expected {kind}{bounds}, got {value!r}")
+    number = int(value) if integer else float(value)
+    if not math.isfinite(number):
+        raise error(f"{what}: expected {kind}{bounds}, got {value!r}")
+    if (low is not None and (number <= low if low_open else number < low)) or (
+            high is not None and (number >= high if high_open else number > high)):
+        raise error(f"{what}: expected {'an integer' if integer else 'a value'}{bounds}, got {value!r}")
+    return number
+
+
+def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool, integer: bool) -> str:
+    """`` in 1..8`` (closed integer ranges), else `` >= 0.0``, `` > 0.0 and <= 1.0``, or ``""``."""
+    if integer and low is not None and high is not None and not (low_open or high_open):
+        return f" in {low}..{high}"
+    parts = [f"{'>' if low_open else '>='} {low}"] if low is not None else []
+    parts += [f"{'<' if high_open else '<='} {high}"] if high is not None else []
+    return " " + " and ".join(parts) if parts else ""
+
+
+def check_sample_counts(num_samples: Any, topk_prompt_logprobs: Any, *, max_num_samples: int | None = None,
+                        max_topk: int | None = None) -> tuple[int, int]:
+    """A sample call's ``num_samples`` (>= 1) and ``topk_prompt_logprobs`` (>= 0), checked alike
+    by ``Backend.sample`` and the server, which also bounds both from above."""
+    return (check_number("num_samples", num_samples, low=1, high=max_num_samples, integer=True),
+            check_number("topk_prompt_logprobs", topk_prompt_logprobs, low=0, high=max_topk, integer=True))
+
+
+def number_validator(
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    integer: bool = False,
+    qualified: bool = False,
+    error: type[InputError] = InputError,
+) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator applying :func:`check_number` to a field.
+
+    Plugin authors use it on their loss config classes::
+
+        @attrs.frozen
+        class MyConfig:
+            beta: float = attrs.field(default=0.1, validator=skyrl_sdk.number_validator(0.0))
+
+    The message names the key (``beta: expected ...``), or ``ClassName.key`` when
+    ``qualified`` (the public types, whose class name the caller typed).
+    """
+
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        what = f"{type(instance).__name__}.{attribute.name}" if qualified else attribute.name
+        check_number(what, value, low=low, high=high, low_open=low_open, high_open=high_open,
+                     integer=integer, error=error)
+
+    return validate
+
+
+def to_float(value: Any) -> Any:
+    """attrs converter for float fields: ints and numpy scalars become plain floats; anything
+    else is left as it is for the validator to reject with the field's name."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return value
