@@ -68,23 +68,29 @@ def ratio_summary(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
 
 
 def alternate(
-    sides: Mapping[str, Callable[[], Any]], reps: int, warmup: int = 1
+    sides: Mapping[str, Callable[[], Any]], reps: int, warmup: int = 1,
+    setup: Callable[[str], Any] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Time each side ``reps`` times, interleaved; the order flips every repetition (ABBA).
 
     Returns (wall-clock seconds, this process's CPU seconds) per side. CPU time counts only
     the time the process actually ran, so it is much less sensitive to other jobs on a
     shared machine (for in-process compute; a server or worker ranks run elsewhere).
+    ``setup(side)``, when given, runs untimed before each call of that side.
     """
     names = list(sides)
     for _ in range(warmup):
         for name in names:
+            if setup is not None:
+                setup(name)
             sides[name]()
     wall: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(reps):
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
+            if setup is not None:
+                setup(name)
             c0, t0 = time.process_time(), time.perf_counter()
             sides[name]()
             wall[name].append(time.perf_counter() - t0)

@@ -33,6 +33,7 @@ from benchmarks import (
     grpo,
     input_path,
     memory,
+    optim_step,
     precision,
     qwen,
     sampling,
@@ -57,6 +58,7 @@ BENCHMARKS = {
     checkpointing.NAME: checkpointing,
     qwen.NAME: qwen,
     grpo.NAME: grpo,
+    optim_step.NAME: optim_step,
 }
 
 
@@ -120,6 +122,9 @@ def targets(results: dict) -> list[dict]:
     r = results.get(step.NAME, {})
     for case, c in r.get("cases", {}).items():
         add(step.NAME, f"{case} step-time ratio (SDK / hand loop)", c["ratio"], c["target"], c["verdict"])
+    r = results.get(optim_step.NAME, {})
+    for case, c in r.get("cases", {}).items():
+        add(optim_step.NAME, f"{case} optim_step / bare clip + fused AdamW (CPU)", c["ratio"], c["target"], c["verdict"])
     r = results.get(memory.NAME, {})
     if "ratio" in r:
         add(memory.NAME, "peak-memory ratio (SDK / hand loop)", r["ratio"], r["target"], r["verdict"])

@@ -112,12 +112,13 @@ def test_adam_params_that_would_destroy_the_model_are_refused(kwargs, match):
         types.AdamParams(**kwargs)
 
 
-def test_a_huge_learning_rate_is_rolled_back_not_applied():
-    """lr=3e38 passes validation (finite, >= 0), but the step would overflow: it is undone."""
+def test_a_huge_learning_rate_is_refused_not_applied():
+    """lr=3e38 passes validation (finite, >= 0), but the step would overflow: it is refused and
+    nothing changes (weights, moments, step counts)."""
     with skyrl_sdk.Backend(model="tiny", seed=0) as b:
         data = make_sft_data([6, 9], seed=5)
         b.forward_backward(data)
-        b.optim_step(types.AdamParams(learning_rate=1e-3))  # moments exist, so their rollback is tested
+        b.optim_step(types.AdamParams(learning_rate=1e-3))  # moments exist: they must stay as they are
         before = _state(b)
         moments = {k: v.clone() for k, v in b.engine.runner.optimizer_tensors().items()}
         b.forward_backward(data)
@@ -131,26 +132,6 @@ def test_a_huge_learning_rate_is_rolled_back_not_applied():
         b.forward_backward(data)
         assert b.optim_step(types.AdamParams(learning_rate=1e-3)).metrics["skipped"] == 0.0
         assert all(torch.isfinite(w).all() for w in weights_of(b).values())
-
-
-def test_an_ordinary_step_takes_the_fast_path_and_matches_plain_adamw():
-    """The guard must not change ordinary steps: compare with torch's AdamW on a copy."""
-    from skyrl_sdk.engines.step_guard import step_is_provably_finite
-
-    with skyrl_sdk.Backend(model="tiny", seed=0) as b:
-        b.forward_backward(make_sft_data([6, 9], seed=6))
-        runner = b.engine.runner
-        params = [p for _, p in runner.named_trainable() if p.grad is not None]
-        adam = types.AdamParams(learning_rate=1e-3, weight_decay=0.1)
-        ref = [p.detach().clone().requires_grad_() for p in params]
-        for r, p in zip(ref, params, strict=True):
-            r.grad = p.grad.clone()
-        ref_opt = torch.optim.AdamW(ref, lr=1e-3, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.1)
-        assert step_is_provably_finite(runner._ensure_optimizer(), params, adam)
-        b.optim_step(adam)
-        ref_opt.step()
-        for r, p in zip(ref, params, strict=True):
-            torch.testing.assert_close(p.detach(), r.detach(), atol=1e-7, rtol=1e-6)
 
 
 def test_optim_step_without_gradients_says_so(backend, caplog):
@@ -174,27 +155,3 @@ def test_loss_fn_inputs_must_be_a_mapping_of_named_tensors():
         types.Datum(model_input=[1, 2], loss_fn_inputs=[1, 2])
     with pytest.raises(errors.InputError, match="keys must be non-empty strings"):
         types.Datum(model_input=[1, 2], loss_fn_inputs={1: [1, 2]})
-
-
-def test_step_guard_bound_handles_empty_shards():
-    """A rank's shard of a small tensor (a critic head row) can be empty: max |x| is 0 there."""
-    from skyrl_sdk.engines.step_guard import _max_abs
-
-    assert _max_abs([torch.zeros(0), torch.tensor([-3.0, 2.0]), torch.zeros(0, 4)]) == [0.0, 3.0, 0.0]
-
-
-def test_step_guard_max_abs_matches_a_per_tensor_reference(monkeypatch):
-    """max |x| per tensor across measuring groups, mixed dtypes, empty tensors and NaN (which
-    must propagate: a NaN bound sends the step to the checked, roll-back-able path)."""
-    import math
-
-    from skyrl_sdk.engines import step_guard
-
-    monkeypatch.setattr(step_guard, "_GROUP_ELEMENTS", 7)  # several groups, a boundary mid-list
-    gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(3, generator=gen), torch.zeros(0), torch.randn(2, 4, generator=gen).bfloat16(),
-               -torch.rand(5, generator=gen) * 1e30, torch.tensor([1.0, float("nan")]), torch.randn(1, generator=gen)]
-    got = step_guard._max_abs(tensors)
-    want = [float(t.float().abs().max()) if t.numel() else 0.0 for t in tensors]
-    assert got[4] != got[4] and math.isnan(want[4])
-    assert [g for i, g in enumerate(got) if i != 4] == [w for i, w in enumerate(want) if i != 4]

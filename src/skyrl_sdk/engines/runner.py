@@ -22,7 +22,7 @@ from ..models.scoring import ScoringModel
 from ..types import AdamParams, Datum
 from .base import EngineResult, scores_key
 from .batching import make_micro_batches, pack_inputs
-from .step_guard import guarded_step
+from .step_guard import StepBound, measure_step
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,19 @@ class ModelRunner:
         self.autocast_dtype = autocast_dtype
         self.optimizer: torch.optim.Optimizer | None = None
         self.step_count = 0
+        #: (optimizer, bound on its state after its last step): see step_guard; a new optimizer
+        #: or loaded moments forget it, and the next step measures instead
+        self._bound: tuple[torch.optim.Optimizer, StepBound] | None = None
+        self._trainable: tuple[object, list[tuple[str, torch.nn.Parameter]]] | None = None
 
     # ---- parameters -------------------------------------------------------------------
     def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in self.scoring.model.named_parameters() if p.requires_grad]
+        """The parameters the optimizer steps (found once per model: walking every module of a
+        large model on each step costs more than a LoRA step itself)."""
+        model = self.scoring.model
+        if self._trainable is None or self._trainable[0] is not model:
+            self._trainable = (model, [(n, p) for n, p in model.named_parameters() if p.requires_grad])
+        return self._trainable[1]
 
     def has_pending_grads(self) -> bool:
         return any(p.grad is not None for _, p in self.named_trainable())
@@ -192,15 +201,33 @@ class ModelRunner:
             group["betas"] = (params.beta1, params.beta2)
             group["eps"] = params.eps
             group["weight_decay"] = params.weight_decay
-        if not guarded_step(optimizer, with_grads, params, self.any_rank):
-            logger.warning("optim_step would make weights non-finite with %s: rolled back, skipped", params)
+        grad_max = min(norm_value, params.grad_clip_norm) if params.grad_clip_norm > 0 else norm_value
+        bound = self._next_bound(optimizer, params, grad_max)
+        if bound is None:
+            logger.warning("optim_step would make weights non-finite with %s: skipped, nothing changed", params)
             self.zero_grad()
             metrics.update(skipped=1.0, nonfinite_update=1.0, step=float(self.step_count))
             return metrics
+        optimizer.step()
+        self._bound = (optimizer, bound)
         self.zero_grad()
         self.step_count += 1
         metrics.update(skipped=0.0, step=float(self.step_count))
         return metrics
+
+    def _next_bound(self, optimizer: torch.optim.Optimizer, params: AdamParams, grad_max: float) -> StepBound | None:
+        """The bound on the state after the step about to run, or None when that step would
+        make a weight or moment non-finite (on any rank). Usually scalar arithmetic on the last
+        step's bound; the step is measured tensor by tensor when that cannot prove it."""
+        trainable = [p for _, p in self.named_trainable()]
+        if self._bound is not None and self._bound[0] is optimizer:
+            bound = self._bound[1].after(params, grad_max)
+            if not self.any_rank(not bound.proves(params)):
+                return bound
+        measured = measure_step(optimizer, trainable, params)
+        if self.any_rank(not measured.within_range()):
+            return None
+        return measured
 
     def any_rank(self, flag: bool) -> bool:
         """OR a flag over ranks (overridden by sharded engines)."""
@@ -239,6 +266,7 @@ class ModelRunner:
     ) -> None:
         optimizer = self._ensure_optimizer()
         optimizer.state.clear()
+        self._bound = None  # new moments: the next step measures them
         for name, p in self.named_trainable():
             if f"{name}::exp_avg" not in tensors:
                 continue

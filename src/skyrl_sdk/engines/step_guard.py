@@ -1,118 +1,128 @@
-"""No accepted AdamParams may turn finite weights non-finite.
+"""No accepted AdamParams may turn finite weights (or AdamW moments) non-finite, at the cost
+of the gradient norm the step computes anyway.
 
-AdamW's update is ``p <- p * (1 - lr*wd) - lr/bc1 * m / (sqrt(v/bc2) + eps)``, and
-``|m / (sqrt(v/bc2) + eps)| <= |m| / eps``. So with finite gradients
+AdamW's update is ``p <- p * (1 - lr*wd) - lr/bc1 * m / (sqrt(v/bc2) + eps)`` with
+``m <- b1*m + (1-b1)*g`` and ``v <- b2*v + (1-b2)*g^2``. With ``G >= max|g|`` (the global
+L2 norm of the gradients, after clipping, bounds every element) and ``0 <= lr*wd <= 1``
+(AdamParams enforces it), three scalars bound a whole optimizer's state from one step to
+the next, stepped or not, whatever the other hyper-parameters were before:
 
-    max|p_new| <= max|p| * |1 - lr*wd| + lr/bc1 * max|m_new| / eps,
-    max|m_new| <= beta1 * max|m| + (1 - beta1) * max|g|,
+    M' = max(M, b1*M + (1-b1)*G)             >= max|m|
+    V' = max(V, b2*V + (1-b2)*G^2)           >= max v
+    P' = P + lr / (1-b1) * M' / eps          >= max|p|     (|m / (sqrt(v/bc2) + eps)| <= |m| / eps,
+                                                             bc1 = 1 - b1^t >= 1 - b1)
 
-and when that bound stays below half the dtype's largest value the step is provably
-finite: it runs as is (three max-reductions per tensor, no copy). Only a step the bound
-cannot clear (absurd hyper-parameters or gradients) is taken on a snapshot, checked, and
-rolled back if any weight or moment became non-finite (or torch refused the step midway).
+So the usual step is proved finite by scalar arithmetic on a :class:`StepBound` carried
+from step to step: no pass over the weights or moments, no temporary. When the scalars
+cannot clear the dtype's range (the first step, a step after a load, absurd
+hyper-parameters or gradients, or a tiny ``eps`` that makes ``M/eps`` loose),
+:func:`measure_step` computes the step's exact outcome tensor by tensor, chunk by chunk
+(temporaries of at most :data:`CHUNK_ELEMENTS` elements), without changing anything: if it
+is finite the step runs and the measured maxima become the new bound, else the step is
+refused and the weights, moments and step counts stay as they were.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
 
+import attrs
 import torch
 
 from ..types import AdamParams
 
+#: Elements per chunk when a step is measured: the largest temporary of the check.
+CHUNK_ELEMENTS = 2**20
+#: Headroom against rounding: every bound must stay below this fraction of the dtype's largest value.
+HEADROOM = 0.5
+#: Bounds grow by this relative margin per step: float rounding of the step itself.
+ROUNDING = 1.0 + 2.0**-7
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local shard of a DTensor (the bound is elementwise), or the tensor itself."""
+    """The rank-local shard of a DTensor (the bounds are elementwise), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-#: Elements whose ``|x|`` copies exist at once while measuring (64 MiB of float32): the
-#: foreach kernels are ~5x faster than ``_foreach_norm(inf)`` on CPU but need the copies.
-_GROUP_ELEMENTS = 2**24
+@attrs.frozen
+class StepBound:
+    """Upper bounds on ``max|p|``, ``max|exp_avg|`` and ``max exp_avg_sq`` over every parameter
+    of one optimizer (on this rank), and the largest value the narrowest of their dtypes holds."""
+
+    weights: float
+    exp_avg: float
+    exp_avg_sq: float
+    limit: float
+
+    def after(self, adam: AdamParams, grad_max: float) -> StepBound:
+        """The bound after one AdamW step with ``adam`` on gradients with ``max|g| <= grad_max``."""
+        b1, b2 = adam.beta1, adam.beta2
+        m = max(self.exp_avg, b1 * self.exp_avg + (1.0 - b1) * grad_max) * ROUNDING
+        v = max(self.exp_avg_sq, b2 * self.exp_avg_sq + (1.0 - b2) * grad_max * grad_max) * ROUNDING
+        p = (self.weights + adam.learning_rate / (1.0 - b1) * (m / adam.eps)) * ROUNDING
+        return StepBound(p, m, v, self.limit)
+
+    def proves(self, adam: AdamParams) -> bool:
+        """Whether this bound (of the step ``adam``, from :meth:`after`) proves the step finite:
+        its results and intermediates ``m/eps`` and ``v/bc2`` stay within range (a NaN bound
+        proves nothing)."""
+        ceiling = self.limit * HEADROOM
+        values = (self.weights, self.exp_avg / adam.eps, self.exp_avg_sq / max(1.0 - adam.beta2, 1e-300))
+        return all(x < ceiling for x in values)
+
+    def within_range(self) -> bool:
+        """Whether measured maxima (from :func:`measure_step`) are finite with headroom."""
+        ceiling = self.limit * HEADROOM
+        return all(x < ceiling for x in (self.weights, self.exp_avg, self.exp_avg_sq))
 
 
-def _max_abs(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """max |x| of each tensor (0 for an empty one: a rank's shard of a small tensor can be empty)."""
-    local = [_local(t).detach() for t in tensors]
-    filled = [i for i, t in enumerate(local) if t.numel()]
-    maxes: list[torch.Tensor] = []
-    group: list[torch.Tensor] = []
-    size = 0
-    for i in filled:
-        group.append(local[i])
-        size += local[i].numel()
-        if size >= _GROUP_ELEMENTS or i == filled[-1]:
-            maxes += torch._foreach_max(torch._foreach_abs(group))
-            group, size = [], 0
-    out = [0.0] * len(local)
-    if filled:
-        for i, value in zip(filled, torch.stack([m.float() for m in maxes]).tolist(), strict=True):  # one host sync
-            out[i] = value
-    return out
+def dtype_limit(params: Sequence[torch.Tensor]) -> float:
+    """The largest finite value of the narrowest floating dtype among ``params``."""
+    return min((float(torch.finfo(p.dtype).max) for p in params), default=float(torch.finfo(torch.float32).max))
 
 
-def step_is_provably_finite(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], adam: AdamParams) -> bool:
-    """Whether the AdamW step about to run on ``params`` (all with finite grads) cannot overflow."""
-    if not params:
-        return True
-    p_max = _max_abs(params)
-    g_max = _max_abs([p.grad for p in params])
-    states = [optimizer.state.get(p) or {} for p in params]
-    with_moments = [i for i, state in enumerate(states) if "exp_avg" in state]
-    m_maxes = dict(zip(with_moments, _max_abs([states[i]["exp_avg"] for i in with_moments]), strict=True))
-    counted = [i for i, state in enumerate(states) if "step" in state]
-    # one optimizer keeps every step counter on one device: one host sync for all of them
-    step_values = torch.stack([torch.as_tensor(states[i]["step"], dtype=torch.float64).reshape(())
-                               for i in counted]).tolist() if counted else []
-    steps = dict(zip(counted, step_values, strict=True))
-    decay = abs(1.0 - adam.learning_rate * adam.weight_decay)
-    for i, p in enumerate(params):
-        m_max = m_maxes.get(i, 0.0)
-        step = steps.get(i, 0.0) + 1.0
-        bias1 = 1.0 - adam.beta1 ** step
-        m_new = adam.beta1 * m_max + (1.0 - adam.beta1) * g_max[i]
-        bound = p_max[i] * decay + adam.learning_rate / bias1 * m_new / adam.eps
-        if not bound < torch.finfo(p.dtype).max / 2:
-            return False
-    return True
+def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    flat = _local(t).detach().reshape(-1)
+    return [flat[i:i + CHUNK_ELEMENTS] for i in range(0, flat.numel(), CHUNK_ELEMENTS)]
 
 
-def all_finite(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
-    """Every weight and AdamW moment of ``params`` is finite (rank-local)."""
-    tensors = list(params)
+def measure_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], adam: AdamParams) -> StepBound:
+    """The exact maxima after the AdamW step ``adam`` would make (``params``: all this optimizer
+    steps, with gradients or not), computed chunk by chunk in float32 without changing
+    anything. A non-finite outcome shows as an infinite or NaN bound."""
+    b1, b2, lr, eps = adam.beta1, adam.beta2, adam.learning_rate, adam.eps
+    decay = 1.0 - lr * adam.weight_decay
+    limit = dtype_limit(params)
+    p_max, m_max, v_max, ratio_max = [], [], [], []
     for p in params:
         state = optimizer.state.get(p) or {}
-        tensors += [state[k] for k in ("exp_avg", "exp_avg_sq") if k in state]
-    return all(bool(torch.isfinite(_local(t)).all()) for t in tensors)
+        if p.grad is None:  # not stepped: it keeps its values
+            p_max += [c.abs().amax().float() for c in _chunks(p) if c.numel()]
+            if "exp_avg" in state:
+                m_max += [c.abs().amax().float() for c in _chunks(state["exp_avg"]) if c.numel()]
+                v_max += [c.amax().float() for c in _chunks(state["exp_avg_sq"]) if c.numel()]
+            continue
+        step = float(state["step"]) + 1.0 if "step" in state else 1.0
+        bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
+        if lr / bc1 >= limit * HEADROOM:  # a step size beyond the dtype's range (torch refuses it too)
+            return StepBound(math.inf, math.inf, math.inf, limit)
+        moments = (_chunks(state["exp_avg"]), _chunks(state["exp_avg_sq"])) if "exp_avg" in state else None
+        for i, (pc, gc) in enumerate(zip(_chunks(p), _chunks(p.grad), strict=True)):
+            g = gc.float()
+            m = g * (1.0 - b1) if moments is None else moments[0][i].float().mul(b1).add_(g, alpha=1.0 - b1)
+            v = g * g * (1.0 - b2) if moments is None else moments[1][i].float().mul(b2).addcmul_(g, g, value=1.0 - b2)
+            ratio = m / v.div(bc2).sqrt_().add_(eps)
+            new_p = pc.float().mul(decay).sub_(ratio, alpha=lr / bc1)
+            for out, x in ((p_max, new_p), (m_max, m), (v_max, v), (ratio_max, ratio)):
+                if x.numel():
+                    out.append(x.abs().amax())
 
+    def top(values: list[torch.Tensor]) -> float:
+        return float(torch.stack(values).max()) if values else 0.0  # NaN propagates through max
 
-def guarded_step(
-    optimizer: torch.optim.Optimizer,
-    params: Sequence[torch.Tensor],
-    adam: AdamParams,
-    any_rank: Callable[[bool], bool] = lambda flag: flag,
-) -> bool:
-    """Run ``optimizer.step()``; return False (and change nothing) if it would make a weight
-    or moment non-finite. ``any_rank`` ORs a flag over ranks (sharded engines)."""
-    if not any_rank(not step_is_provably_finite(optimizer, params, adam)):
-        optimizer.step()
-        return True
-    saved_params = [_local(p).detach().clone() for p in params]
-    saved_state = {p: copy.deepcopy(optimizer.state[p]) for p in params if p in optimizer.state}
-    try:
-        optimizer.step()
-        ok = all_finite(optimizer, params)
-    except RuntimeError:  # e.g. torch refusing a step size beyond float range, mid-step
-        ok = False
-    if not any_rank(not ok):
-        return True
-    with torch.no_grad():
-        for p, old in zip(params, saved_params, strict=True):
-            _local(p).copy_(old)
-    for p in params:
-        if p in saved_state:
-            optimizer.state[p] = saved_state[p]
-        else:
-            optimizer.state.pop(p, None)
-    return False
+    ratio = top(ratio_max)
+    bound = StepBound(top(p_max), top(m_max), top(v_max), limit)
+    if not math.isfinite(ratio) or ratio >= bound.limit * HEADROOM:
+        return attrs.evolve(bound, weights=math.inf)
+    return bound
