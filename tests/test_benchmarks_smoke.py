@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # each test runs a script or a server: seconds to
 REPO = Path(__file__).resolve().parent.parent
 #: every benchmark registered in benchmarks/run.py must run in smoke mode
 BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "fsdp_loading", "scaling",
-              "sampling", "tenancy", "mixed_precision", "activation_checkpointing", "qwen_0p5b", "grpo"]
+              "sampling", "tenancy", "mixed_precision", "activation_checkpointing", "qwen_0p5b", "grpo", "optim_step"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")
@@ -45,6 +45,9 @@ def test_smoke_mode_emits_valid_json(tmp_path):
     mem = doc["benchmarks"]["peak_memory"]
     assert mem["sdk_peak_mib"]["median"] >= 0 and mem["hand_peak_mib"]["median"] > 0
     assert 0 <= doc["benchmarks"]["input_path"]["fraction_of_step"]["median"] < 1
+    for mode in ("full", "lora"):
+        c = doc["benchmarks"]["optim_step"]["cases"][mode]
+        assert c["ratio"]["median"] > 0 and c["tensors"] > 0 and c["verdict"] in ("met", "NOT met")
     scaling = doc["benchmarks"]["scaling"]
     assert scaling["tokens"] and scaling["seq_len"]
     assert all(r["step_s"]["median"] > 0 for r in scaling["tokens"] + scaling["seq_len"])
