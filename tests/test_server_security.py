@@ -21,11 +21,12 @@ from _probes import Probes
 from _server_harness import ServerThread, raw_client, wait_result
 from skyrl_sdk.errors import InputError
 from skyrl_sdk.server.config import read_api_keys
+from skyrl_sdk.server.guard import OPEN_PATHS
 
 ALICE, BOB = "tml-alice", "tml-bob"
-#: entries of the route table: every route of the app but /healthz (which needs no key),
-#: load_weights and asample each in both their forms
-ROUTES = 30
+#: entries of the route table: every route of the app but the open ones (/healthz, the console's
+#: page and static files: guard.OPEN_PATHS), load_weights and asample each in both their forms
+ROUTES = 35
 #: route x key probes tried / handled, by group; $SKYRL_PROBE_REPORT
 PROBES = Probes("server security: route x key")
 _probe_report = PROBES.report_fixture()
@@ -97,6 +98,11 @@ def _routes(w: dict) -> list[tuple[str, str, dict]]:
         ("GET", "/api/v1/checkpoints", {}),
         ("POST", "/api/v1/weights_info", {"tinker_path": w["saved"]}),
         ("POST", "/api/v1/telemetry", {"events": []}),
+        ("GET", "/console/api/me", {}),
+        ("GET", "/console/api/runs", {}),
+        ("GET", f"/console/api/runs/{run}", {}),
+        ("GET", f"/console/api/runs/{run}/curves", {}),
+        ("GET", "/console/api/server", {}),
     ]
 
 
@@ -115,7 +121,7 @@ def test_the_route_table_covers_every_route_of_the_app(world):
     import re
 
     paths = world["srv"].app.fastapi.openapi()["paths"]
-    served = {(m.upper(), p) for p, ops in paths.items() for m in ops} - {("GET", "/api/v1/healthz")}
+    served = {(m.upper(), p) for p, ops in paths.items() for m in ops} - {("GET", p) for p in OPEN_PATHS}
     table = [(m, p) for m, p, _ in _routes(world)]
 
     def covered(method: str, template: str) -> bool:
@@ -141,6 +147,18 @@ def test_every_route_needs_a_known_key(world, key):
     assert PROBES.of(group) == (tried + len(routes), handled + len(routes))
 
 
+def test_the_open_paths_answer_the_same_to_anyone_and_hold_no_data(world):
+    """The routes without a key (health, the console's page and files) say nothing of anyone."""
+    answers = []
+    for key in (None, "tml-wrong", ALICE):
+        with raw_client(world["srv"], key) as http:
+            answers.append({p: http.get(p) for p in sorted(OPEN_PATHS)})
+    for path in OPEN_PATHS:
+        first = answers[0][path]
+        assert first.status_code == 200 and all(a[path].content == first.content for a in answers), path
+        assert world["run"] not in first.text and world["sid"] not in first.text and "alice" not in first.text
+
+
 def test_another_owner_sees_nothing_and_changes_nothing(world):
     w = world
     group = "another owner's key"
@@ -150,12 +168,12 @@ def test_another_owner_sees_nothing_and_changes_nothing(world):
             PROBES.tried(group)
             r = _send(bob, method, path, body)
             if path.endswith(("/client/config", "/dynamic_config", "/get_server_capabilities", "/telemetry",
-                              "/cancel_future", "/create_session", "/loaded")):
+                              "/cancel_future", "/create_session", "/loaded", "/console/api/me")):
                 assert r.status_code == 200
                 assert w["run"] not in r.text and w["sid"] not in r.text, (path, r.text)
                 PROBES.handled(group, "200, nothing of another owner")
                 continue
-            if path.endswith(("/sessions", "/training_runs", "/checkpoints")) and method == "GET" \
+            if path.endswith(("/sessions", "/training_runs", "/checkpoints", "/console/api/runs")) and method == "GET" \
                     and "/training_runs/" not in path:
                 assert r.status_code == 200, (path, r.text)
                 assert w["run"] not in r.text and w["sid"] not in r.text, (path, r.text)
@@ -165,6 +183,10 @@ def test_another_owner_sees_nothing_and_changes_nothing(world):
                 answer = wait_result(bob, r.json()["request_id"]).json()  # a future route: failed, "unknown"
                 assert "unknown" in answer["error"] or "no checkpoint" in answer["error"], (path, answer)
                 PROBES.handled(group, "failed future, unknown")
+                continue
+            if path == "/console/api/server":  # Bob is no operator
+                assert r.status_code == 403 and w["run"] not in r.text, r.text
+                PROBES.handled(group, "403, operators only")
                 continue
             if path.endswith("/retrieve_future"):
                 assert "unknown request_id" in r.json()["error"]

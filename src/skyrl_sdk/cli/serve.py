@@ -87,12 +87,20 @@ def client_hint(url: str, api_key: str | None) -> str:
             f"    or in Python: tinker.ServiceClient(base_url=\"{url}\", api_key=...)")
 
 
+def console_hint(url: str, needs_key: bool) -> str:
+    """Where the browser console is (docs/server.md, "Console"); the key is never printed."""
+    if not needs_key:
+        return f"  console in a browser: {url}/"
+    return (f"  console in a browser: {url}/ (type an API key there, or open {url}/#key=<key>: "
+            f"the part after # never reaches the server)")
+
+
 def banner(config: Any) -> str:
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     url = f"http://{host}:{config.port}"
     return (f"skyrl-sdk serve: listening on http://{config.host}:{config.port} "
             f"(models: {', '.join(config.models)}; engine: {config.engine}; state: {config.state_dir})\n"
-            f"{client_hint(url, config.api_key)}\n  Ctrl-C stops it.")
+            f"{client_hint(url, config.api_key)}\n{console_hint(url, config.owners() is not None)}\n  Ctrl-C stops it.")
 
 
 def serve(args: Any) -> int:

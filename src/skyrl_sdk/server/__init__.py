@@ -6,8 +6,10 @@ zstd), ``futures`` (workers, seq_id ordering, long-poll results), ``store`` (SQL
 and checkpoint paths), ``wire`` (JSON requests and answers), ``proto`` (protobuf messages),
 ``served`` (served models and their limits), ``memory`` (the memory budget), ``sessions``
 (client sessions and their expiry), ``sampling`` (sampling sessions, sampler cache),
-``snapshots`` (pinned weights), ``runtime`` (models, request ordering; the one entry for
-routes), ``routes`` (HTTP endpoints), ``app`` (``create_app``). See docs/server.md.
+``snapshots`` (pinned weights), ``history`` (metrics per step, for the console), ``runtime``
+(models, request ordering; the one entry for routes), ``routes`` (HTTP endpoints),
+``console`` (the browser console: its page and JSON), ``app`` (``create_app``). See
+docs/server.md.
 """
 
 from .config import ServerConfig

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from ..errors import InputError, NotFoundError
 from ..version import __version__
-from . import routes
+from . import console, routes
 from .config import ServerConfig
 from .guard import Guard
 from .runtime import Runtime
@@ -58,6 +58,7 @@ def create_app(config: ServerConfig | None = None) -> Any:
         return JSONResponse(detail(request, f"internal server error: {type(exc).__name__}: {exc}"), status_code=500)
 
     app.include_router(routes.router)
+    app.include_router(console.router)
     guarded = Guard(app, config.owners(), config.max_body_bytes)
     guarded.fastapi = app  # type: ignore[attr-defined]
     return guarded

@@ -23,11 +23,15 @@ DEFAULT_MAX_NUM_SAMPLES = 256
 DEFAULT_SNAPSHOT_MEMORY = 2 * 1024**3
 #: the owner of everything when the server has one key (``--api-key``) or none
 DEFAULT_OWNER = "default"
+#: third column of an ``--api-keys`` line that makes its owner an operator
+OPERATOR_MARK = "operator"
 
 
-def read_api_keys(path: str | os.PathLike) -> dict[str, str]:
+def read_api_keys(path: str | os.PathLike, operators: set[str] | None = None) -> dict[str, str]:
     """``--api-keys FILE``: one ``KEY [OWNER]`` per line (``#`` comments and blank lines
-    skipped). Keys sharing an owner see the same things; a key without an owner is its own."""
+    skipped). Keys sharing an owner see the same things; a key without an owner is its own.
+    A line ``KEY OWNER operator`` also marks OWNER an operator (the console shows operators
+    the server: docs/server.md); those owners are added to ``operators`` when it is given."""
     try:
         lines = Path(path).expanduser().read_text().splitlines()
     except OSError as exc:
@@ -37,8 +41,13 @@ def read_api_keys(path: str | os.PathLike) -> dict[str, str]:
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
+        if len(fields) == 3 and fields[2] == OPERATOR_MARK:  # the console's operators (issue 25)
+            fields = fields[:2]
+            if operators is not None:
+                operators.add(fields[1])
         if len(fields) > 2:
-            raise InputError(f"--api-keys {path}, line {number}: expected 'KEY [OWNER]', got {len(fields)} fields")
+            raise InputError(f"--api-keys {path}, line {number}: expected 'KEY [OWNER [operator]]', got "
+                             f"{len(fields)} fields")
         key = fields[0]
         if key in keys:
             raise InputError(f"--api-keys {path}, line {number}: this key is listed twice")
@@ -119,6 +128,9 @@ class ServerConfig:
     #: least recently used beyond it are evicted (docs/server.md)
     snapshot_memory: int = attrs.field(default=DEFAULT_SNAPSHOT_MEMORY,
                                        converter=lambda v: parse_bytes(v, "--snapshot-memory"))
+    #: owners who see the server in the console (marked ``operator`` in ``--api-keys``; the
+    #: ``--api-key`` holder always does: see :meth:`is_operator`)
+    operators: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
     #: extra flags merged into the answer to the client's ``/client/config`` (e.g.
     #: ``{"fwdbwd_max_chunk_len": 256}``; see ``tinker.types.ClientConfigResponse``)
     client_config: dict[str, Any] = attrs.field(factory=dict)
@@ -139,9 +151,11 @@ class ServerConfig:
             if value is not None and not value > 0:
                 raise InputError(f"--{name.removesuffix('_s').replace('_', '-')}: expected a positive number, "
                                  f"got {value!r}")
+        operators: set[str] = set()
         return cls(
             share_base=getattr(args, "share_base", None) is not False,
-            api_keys=read_api_keys(keys_file) if keys_file else {},
+            api_keys=read_api_keys(keys_file, operators) if keys_file else {},
+            operators=operators,
             max_memory=getattr(args, "max_memory", None),
             snapshot_memory=getattr(args, "snapshot_memory", None) or DEFAULT_SNAPSHOT_MEMORY,
             **{k: v for k, v in limits.items() if v is not None},
@@ -160,6 +174,11 @@ class ServerConfig:
         if self.api_key:
             keys.setdefault(self.api_key, DEFAULT_OWNER)
         return keys or None
+
+    def is_operator(self, owner: str) -> bool:
+        """Whether ``owner`` sees the whole server in the console: owners marked ``operator`` in
+        ``--api-keys``, the ``--api-key`` holder, and with no key at all the one default owner."""
+        return owner in self.operators or (owner == DEFAULT_OWNER and (bool(self.api_key) or not self.api_keys))
 
 
 def is_loopback(host: str) -> bool:

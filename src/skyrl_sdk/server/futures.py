@@ -312,6 +312,10 @@ class FutureStore:
     def __len__(self) -> int:
         return len(self._records)
 
+    def unfinished_by_owner(self) -> dict[str, int]:
+        """Owner -> requests accepted and not finished yet (queued or running; the console)."""
+        return dict(collections.Counter(r.owner for r in self._records.values() if r.result is None))
+
     def lookup(self, dedup_key: tuple | None) -> FutureRecord | None:
         """The record of an earlier submission with the same key (a retry), if any; InputError
         when that submission ran but its record has expired."""

@@ -18,7 +18,10 @@ from typing import Any
 
 from .config import DEFAULT_OWNER
 
-OPEN_PATHS = frozenset({"/api/v1/healthz"})
+#: the console's page and its static files: they carry no data, so they need no key (what the
+#: page shows comes from /console/api/*, behind the key like every other route)
+CONSOLE_STATIC = frozenset({"/", "/console/console.js", "/console/console.css"})
+OPEN_PATHS = frozenset({"/api/v1/healthz"}) | CONSOLE_STATIC
 OWNER_SCOPE_KEY = "skyrl_sdk.owner"
 
 

@@ -25,6 +25,7 @@ from ..models.checkpoint import clean_interrupted_saves, protect_directory
 from . import proto, wire
 from .config import ServerConfig
 from .futures import FutureRecord, FutureStore, Job, Result, Sequencer, Worker
+from .history import History
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
@@ -38,6 +39,7 @@ class Runtime:
         self.config = config
         self.loop = loop
         self.store = Store(config.state_dir)
+        self.history = History(self.store.root / "server.sqlite3")  # the console's curves
         self.futures = FutureStore(loop, redact=self.redact)
         self.served = ServedModels(config, offload_root=self.store.scratch_dir("offload"))
         self.sampling = Sampling(config, self.store, self.served)
@@ -278,7 +280,10 @@ class Runtime:
             def run() -> Result:
                 backend = model.require_backend()
                 fn = backend.forward if req.forward_only else backend.forward_backward
+                started = time.time()
                 out = fn(req.data, loss_fn=req.loss_fn, loss_fn_config=req.loss_fn_config)
+                if not req.forward_only:
+                    self.history.forward_backward(model.model_id, out.metrics, started)
                 return Result.proto(proto.forward_backward_output_to_proto(out))
 
             return run
@@ -295,6 +300,7 @@ class Runtime:
                 self.sampling.before_weight_change(model)
                 out = backend.optim_step(params)
                 model.version += 1
+                self.history.optim_step(model.model_id, out.metrics)
                 return Result.json(wire.optim_step_json(out.metrics))
 
             return run
@@ -402,4 +408,5 @@ class Runtime:
                     logger.exception("closing %s", m.model_id)
         self.sampling.close()
         self.served.close()
+        self.history.close()
         self.store.close()

@@ -1,0 +1,260 @@
+"""Each training run's metrics over its steps, for the console's curves: recorded on the
+model's worker thread when a job's result is known, written to SQLite by a writer thread of
+its own (never in a request handler), bounded per run, downsampled when read.
+
+A **step** is one ``optim_step``: the ``forward_backward`` calls since the previous one are
+summed into it (``loss:sum``, tokens), and its own metrics (``grad_norm``, learning rate,
+skipped) are added. Its **seconds** are the wall time from the end of the previous step (for
+the first, from the start of its first ``forward_backward``) to its end: what a step costs
+the client, waiting and other clients' turns included.
+
+**Bounded.** A run's steps are stored in buckets of ``stride`` consecutive steps (at first 1:
+every step exactly). Each bucket keeps, per series, the count, sum, min and max of its steps'
+values. When a run would need more than ``max_rows`` buckets, its stride doubles and
+neighbouring buckets merge in pairs, so a run never holds more than ``max_rows`` rows
+(2048: about 1 MB at most) however long it trains, and every bucket covers the same number of
+steps. Reading merges buckets again into at most ``points`` points (min/max buckets: each
+point is the mean, min and max of its steps, so a spike stays visible).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: the curves, in the console's order
+SERIES = ("loss_per_token", "loss_sum", "grad_norm", "learning_rate", "skipped", "tokens", "seconds")
+MAX_ROWS = 2048
+#: most points one curves answer holds
+MAX_POINTS = 2000
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS metrics_runs (run_id TEXT PRIMARY KEY, stride INTEGER NOT NULL, steps INTEGER NOT NULL,
+                                         last TEXT);
+CREATE TABLE IF NOT EXISTS metrics (run_id TEXT NOT NULL, bucket INTEGER NOT NULL, agg TEXT NOT NULL,
+                                    PRIMARY KEY (run_id, bucket));
+"""
+
+
+def _finite(value: Any) -> float | None:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def bucket_of(point: Mapping[str, Any]) -> dict[str, Any]:
+    """One step as a bucket: per series ``[count, sum, min, max]`` (count 0 when the value is
+    missing, e.g. the ``grad_norm`` of a skipped step)."""
+    series = {}
+    for name in SERIES:
+        v = point.get(name)
+        series[name] = [0, 0.0, None, None] if v is None else [1, v, v, v]
+    return {"n": 1, "s0": point["step"], "s1": point["step"], "t1": point["time"], "m": series}
+
+
+def merge(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+    """Bucket ``a`` followed by bucket ``b``, as one."""
+    if a is None:
+        return b
+    series = {}
+    for name in SERIES:
+        (ca, sa, lo_a, hi_a), (cb, sb, lo_b, hi_b) = a["m"][name], b["m"][name]
+        los = [v for v in (lo_a, lo_b) if v is not None]
+        his = [v for v in (hi_a, hi_b) if v is not None]
+        series[name] = [ca + cb, sa + sb, min(los) if los else None, max(his) if his else None]
+    return {"n": a["n"] + b["n"], "s0": a["s0"], "s1": b["s1"], "t1": b["t1"], "m": series}
+
+
+def downsample(buckets: list[dict[str, Any]], points: int) -> list[dict[str, Any]]:
+    """``buckets`` (in step order) merged in runs of equal length into at most ``points``."""
+    k = max(1, math.ceil(len(buckets) / max(1, points)))
+    out = []
+    for i in range(0, len(buckets), k):
+        acc = None
+        for b in buckets[i:i + k]:
+            acc = merge(acc, b)
+        out.append(acc)
+    return out
+
+
+def curves_json(run_id: str, steps: int, stride: int, buckets: list[dict[str, Any]]) -> dict[str, Any]:
+    """Columns the console draws: per point its step range and, per series, mean / min / max."""
+    series = {}
+    for name in SERIES:
+        cols = [b["m"][name] for b in buckets]
+        series[name] = {"mean": [s / c if c else None for c, s, _, _ in cols],
+                        "min": [lo for _, _, lo, _ in cols], "max": [hi for _, _, _, hi in cols]}
+    return {"run_id": run_id, "steps": steps, "stride": stride, "points": len(buckets),
+            "step": [b["s1"] for b in buckets], "step_first": [b["s0"] for b in buckets],
+            "n": [b["n"] for b in buckets], "time": [b["t1"] for b in buckets], "series": series}
+
+
+class History:
+    """Steps recorded by workers, written every ``flush_s`` seconds by one writer thread.
+
+    Two locks: ``_pending_lock`` (workers append; held for microseconds) and ``_db_lock``
+    (the writer's transaction, and readers, who take it first and then ``_pending_lock`` so a
+    step is always either in the database or still pending, never in neither)."""
+
+    def __init__(self, db_path: Path, flush_s: float = 1.0, max_rows: int = MAX_ROWS,
+                 max_pending: int = 100_000) -> None:
+        self.flush_s = flush_s
+        self.max_rows = max_rows
+        self.max_pending = max_pending
+        self.dropped = 0
+        self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+        self._db_lock = threading.Lock()
+        self._pending_lock = threading.Lock()
+        self._pending: list[tuple[str, dict[str, Any]]] = []
+        #: run id -> forward_backward sums since its last step, and when its last step ended
+        self._open: dict[str, dict[str, Any]] = {}
+        self._wake = threading.Event()
+        self._closed = False
+        self._writer = threading.Thread(target=self._loop, name="skyrl-metrics-writer", daemon=True)
+        self._writer.start()
+
+    # ---- recording (model worker threads) -------------------------------------------------
+    def forward_backward(self, run_id: str, metrics: Mapping[str, Any], started: float) -> None:
+        """A ``forward_backward`` of ``run_id`` finished (``started``: its ``time.time()`` at start)."""
+        with self._pending_lock:
+            acc = self._open.setdefault(run_id, {"since": None})
+            if acc.get("since") is None:
+                acc["since"] = started
+            for key in ("loss:sum", "num_tokens:sum", "num_loss_tokens:sum"):
+                if (v := _finite(metrics.get(key))) is not None:
+                    acc[key] = acc.get(key, 0.0) + v
+
+    def optim_step(self, run_id: str, metrics: Mapping[str, Any]) -> None:
+        """An ``optim_step`` of ``run_id`` finished: one step, queued for the writer."""
+        now = time.time()
+        with self._pending_lock:
+            acc = self._open.pop(run_id, None) or {"since": None}
+            self._open[run_id] = {"since": now}
+            loss, tokens = acc.get("loss:sum"), acc.get("num_tokens:sum")
+            scored = acc.get("num_loss_tokens:sum", tokens)
+            step = _finite(metrics.get("step"))
+            point = {"step": int(step) if step is not None else None, "time": now, "loss_sum": loss, "tokens": tokens,
+                     "loss_per_token": loss / scored if loss is not None and scored else None,
+                     "grad_norm": _finite(metrics.get("grad_norm")),
+                     "learning_rate": _finite(metrics.get("learning_rate")),
+                     "skipped": _finite(metrics.get("skipped")),
+                     "seconds": now - acc["since"] if acc.get("since") is not None else None}
+            if len(self._pending) >= self.max_pending:  # the writer is stuck: keep memory bounded
+                self._pending.pop(0)
+                self.dropped += 1
+            self._pending.append((run_id, point))
+
+    # ---- writing (the writer thread) ------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._closed:
+            self._wake.wait(self.flush_s)
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception:  # pragma: no cover - a full disk must not end the writer
+                logger.exception("writing the metrics history failed")
+
+    def flush(self) -> None:
+        """Write every pending step now (one transaction)."""
+        with self._db_lock:
+            with self._pending_lock:
+                batch, self._pending = self._pending, []
+            if not batch:
+                return
+            by_run: dict[str, list[dict[str, Any]]] = {}
+            for run_id, point in batch:
+                by_run.setdefault(run_id, []).append(point)
+            self._db.execute("BEGIN")
+            try:
+                for run_id, points in by_run.items():
+                    self._write_run(run_id, points)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _meta(self, run_id: str) -> tuple[int, int]:
+        row = self._db.execute("SELECT stride, steps FROM metrics_runs WHERE run_id = ?", (run_id,)).fetchone()
+        return (row[0], row[1]) if row else (1, 0)
+
+    def _write_run(self, run_id: str, points: list[dict[str, Any]]) -> None:
+        stride, steps = self._meta(run_id)
+        rows: dict[int, dict[str, Any]] = {}
+        for point in points:
+            bucket = steps // stride
+            if bucket not in rows:
+                found = self._db.execute("SELECT agg FROM metrics WHERE run_id = ? AND bucket = ?",
+                                         (run_id, bucket)).fetchone()
+                rows[bucket] = json.loads(found[0]) if found else None
+            rows[bucket] = merge(rows[bucket], bucket_of(point))
+            steps += 1
+        self._db.executemany("INSERT OR REPLACE INTO metrics (run_id, bucket, agg) VALUES (?, ?, ?)",
+                             [(run_id, b, json.dumps(agg, separators=(",", ":"))) for b, agg in rows.items()])
+        while math.ceil(steps / stride) > self.max_rows:
+            stride = self._compact(run_id, stride)
+        self._db.execute("INSERT OR REPLACE INTO metrics_runs (run_id, stride, steps, last) VALUES (?, ?, ?, ?)",
+                         (run_id, stride, steps, json.dumps(points[-1])))
+
+    def _compact(self, run_id: str, stride: int) -> int:
+        """Merge the run's buckets in pairs; returns the doubled stride."""
+        merged: dict[int, dict[str, Any]] = {}
+        for bucket, agg in self._db.execute("SELECT bucket, agg FROM metrics WHERE run_id = ? ORDER BY bucket",
+                                            (run_id,)).fetchall():
+            merged[bucket // 2] = merge(merged.get(bucket // 2), json.loads(agg))
+        self._db.execute("DELETE FROM metrics WHERE run_id = ?", (run_id,))
+        self._db.executemany("INSERT INTO metrics (run_id, bucket, agg) VALUES (?, ?, ?)",
+                             [(run_id, b, json.dumps(agg, separators=(",", ":"))) for b, agg in merged.items()])
+        return stride * 2
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def curves(self, run_id: str, points: int = 1000) -> dict[str, Any]:
+        """The run's curves in at most ``points`` points (steps not yet written included)."""
+        with self._db_lock:
+            stride, steps = self._meta(run_id)
+            rows = self._db.execute("SELECT bucket, agg FROM metrics WHERE run_id = ? ORDER BY bucket",
+                                    (run_id,)).fetchall()
+            with self._pending_lock:
+                pending = [p for r, p in self._pending if r == run_id]
+        buckets = {b: json.loads(agg) for b, agg in rows}
+        for point in pending:
+            buckets[steps // stride] = merge(buckets.get(steps // stride), bucket_of(point))
+            steps += 1
+        merged = downsample([buckets[b] for b in sorted(buckets)], min(max(1, points), MAX_POINTS))
+        return curves_json(run_id, steps, stride, merged)
+
+    def summaries(self, run_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Run id -> ``{"steps", "last"}`` (its step count and its last step's values)."""
+        ids = list(run_ids)
+        out = {r: {"steps": 0, "last": None} for r in ids}
+        with self._db_lock:
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                marks = ",".join("?" * len(chunk))
+                for run_id, steps, last in self._db.execute(
+                        f"SELECT run_id, steps, last FROM metrics_runs WHERE run_id IN ({marks})", chunk):
+                    out[run_id] = {"steps": steps, "last": json.loads(last) if last else None}
+            with self._pending_lock:
+                pending = [(r, p) for r, p in self._pending if r in out]
+        for run_id, point in pending:
+            out[run_id] = {"steps": out[run_id]["steps"] + 1, "last": point}
+        return out
+
+    def close(self) -> None:
+        """Write what is pending and stop the writer."""
+        self._closed = True
+        self._wake.set()
+        self._writer.join(30)
+        self.flush()
+        self._db.close()

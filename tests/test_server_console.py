@@ -1,0 +1,267 @@
+"""The console's data: the metrics history (steps, bounding, downsampling: checked against
+numpy over the raw values) and the JSON endpoints the page reads, through a real server and
+the unmodified tinker client (values equal what the client itself got back; owners see only
+their own; the server view is for operators). The page in a browser:
+tests/test_server_console_browser.py."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import time
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+pytest.importorskip("fastapi")
+from tinker import types as tt
+
+from _server_harness import API_KEY, ServerThread, raw_client
+from skyrl_sdk.errors import InputError
+from skyrl_sdk.server.config import DEFAULT_OWNER, ServerConfig, read_api_keys
+from skyrl_sdk.server.history import SERIES, History
+
+ALICE, BOB, OPS = "tml-alice", "tml-bob", "tml-ops"
+
+
+# ---- the history ----------------------------------------------------------------------------------
+def _record(h: History, run: str, values, first_step: int = 1) -> None:
+    """One step per value: a forward_backward with loss:sum = value (1 scored token, 2 tokens),
+    then an optim_step with grad_norm = |value|."""
+    for i, v in enumerate(values, first_step):
+        h.forward_backward(run, {"loss:sum": float(v), "num_tokens:sum": 2.0, "num_loss_tokens:sum": 1.0}, time.time())
+        h.optim_step(run, {"step": float(i), "grad_norm": abs(float(v)), "learning_rate": 0.1, "skipped": 0.0})
+
+
+def _rows(db, run: str) -> int:
+    with sqlite3.connect(db) as c:
+        return c.execute("SELECT COUNT(*) FROM metrics WHERE run_id = ?", (run,)).fetchone()[0]
+
+
+def test_a_step_sums_the_forward_backward_calls_since_the_last_one(tmp_path):
+    h = History(tmp_path / "db", flush_s=3600)
+    t0 = time.time() - 100.0
+    h.forward_backward("r", {"loss:sum": 6.0, "num_tokens:sum": 10.0, "num_loss_tokens:sum": 4.0}, t0)
+    h.forward_backward("r", {"loss:sum": 3.0, "num_tokens:sum": 5.0, "num_loss_tokens:sum": 2.0}, t0 + 1)
+    h.optim_step("r", {"grad_norm": 2.5, "learning_rate": 1e-3, "skipped": 0.0, "step": 1.0})
+    h.optim_step("r", {"grad_norm": math.nan, "learning_rate": 1e-3, "skipped": 1.0, "step": 2.0})  # no fb, skipped
+    pending = h.curves("r")
+    h.flush()
+    stored = h.curves("r")
+    assert pending == stored  # not yet written or written: the same answer
+    s = stored["series"]
+    assert stored["steps"] == 2 and stored["step"] == [1, 2] and stored["n"] == [1, 1]
+    assert s["loss_per_token"]["mean"] == [9.0 / 6.0, None] and s["loss_sum"]["mean"] == [9.0, None]
+    assert s["tokens"]["mean"] == [15.0, None] and s["grad_norm"]["mean"] == [2.5, None]
+    assert s["skipped"]["mean"] == [0.0, 1.0] and s["learning_rate"]["mean"] == [1e-3, 1e-3]
+    assert s["seconds"]["mean"][0] >= 100.0 and 0.0 <= s["seconds"]["mean"][1] < 100.0
+    assert h.summaries(["r", "other"]) == {"r": {"steps": 2, "last": h.summaries(["r"])["r"]["last"]},
+                                           "other": {"steps": 0, "last": None}}
+    assert h.summaries(["r"])["r"]["last"]["skipped"] == 1.0
+    h.close()
+
+
+def test_a_run_is_bounded_and_its_buckets_equal_numpy_over_the_raw_steps(tmp_path):
+    values = np.random.default_rng(0).normal(size=100)
+    h = History(tmp_path / "db", flush_s=3600, max_rows=8)
+    for start in range(0, 100, 7):  # written in uneven batches, compacting on the way
+        _record(h, "r", values[start:start + 7], first_step=start + 1)
+        h.flush()
+    assert _rows(tmp_path / "db", "r") <= 8
+    for points, width in ((1000, 16), (3, 48)):  # stride 16: 7 stored buckets; 3 points of 3 buckets each
+        c = h.curves("r", points=points)
+        assert c["stride"] == 16 and c["steps"] == 100 and c["points"] == math.ceil(100 / width)
+        for j in range(c["points"]):
+            chunk = values[j * width:(j + 1) * width]
+            assert (c["step_first"][j], c["step"][j], c["n"][j]) == (j * width + 1, j * width + len(chunk), len(chunk))
+            lpt = c["series"]["loss_per_token"]
+            assert lpt["mean"][j] == pytest.approx(chunk.mean(), rel=1e-12, abs=1e-15)
+            assert (lpt["min"][j], lpt["max"][j]) == (chunk.min(), chunk.max())
+            assert c["series"]["grad_norm"]["max"][j] == np.abs(chunk).max()
+            assert c["series"]["tokens"]["mean"][j] == 2.0
+    h.close()
+
+
+def test_how_steps_are_batched_into_writes_changes_nothing(tmp_path):
+    values = np.random.default_rng(1).normal(size=40)
+    every, once = History(tmp_path / "a", flush_s=3600, max_rows=4), History(tmp_path / "b", flush_s=3600, max_rows=4)
+    for i, v in enumerate(values, 1):
+        _record(every, "r", [v], first_step=i)
+        every.flush()
+    _record(once, "r", values)
+    once.flush()
+    a, b = every.curves("r"), once.curves("r")
+    assert a["stride"] == b["stride"] == 16 and (a["n"], a["step"]) == (b["n"], b["step"])
+    for name in set(SERIES) - {"seconds"}:  # (wall time differs)
+        for stat in ("mean", "min", "max"):
+            assert a["series"][name][stat] == pytest.approx(b["series"][name][stat], rel=1e-12), (name, stat)
+    every.close()
+    once.close()
+
+
+def test_the_history_survives_a_restart(tmp_path):
+    h = History(tmp_path / "db", flush_s=3600)
+    _record(h, "r", [3.0, 2.0, 1.0])
+    before = h.curves("r")
+    h.close()  # writes what is pending
+    again = History(tmp_path / "db", flush_s=3600)
+    assert again.curves("r") == before and again.summaries(["r"])["r"]["steps"] == 3
+    again.close()
+
+
+@pytest.mark.slow
+def test_100k_steps_stay_within_the_bounds(tmp_path):
+    h = History(tmp_path / "db", flush_s=3600)
+    for start in range(0, 100_000, 5_000):
+        for i in range(start, start + 5_000):
+            h.optim_step("r", {"step": i + 1.0, "grad_norm": float(i), "learning_rate": 0.1, "skipped": 0.0})
+        h.flush()
+    assert _rows(tmp_path / "db", "r") <= 2048
+    c = h.curves("r", points=1000)
+    assert c["steps"] == 100_000 and c["points"] <= 1000 and sum(c["n"]) == 100_000
+    assert (c["step_first"][0], c["step"][-1]) == (1, 100_000)
+    assert c["series"]["grad_norm"]["min"][0] == 0.0 and c["series"]["grad_norm"]["max"][-1] == 99_999.0
+    h.close()
+
+
+# ---- who is an operator -----------------------------------------------------------------------------
+def test_operators_are_marked_in_the_keys_file_or_hold_the_api_key(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("tml-a alice operator\ntml-b bob\ntml-c carol  # operator\n")
+    operators: set[str] = set()
+    assert read_api_keys(f, operators) == {"tml-a": "alice", "tml-b": "bob", "tml-c": "carol"}
+    assert operators == {"alice"}
+    both = ServerConfig(api_keys=read_api_keys(f), operators=operators, api_key="tml-k")
+    assert [both.is_operator(o) for o in ("alice", "bob", "carol", DEFAULT_OWNER)] == [True, False, False, True]
+    file_only = ServerConfig(api_keys=read_api_keys(f), operators=operators)
+    assert not file_only.is_operator(DEFAULT_OWNER) and file_only.is_operator("alice")
+    assert ServerConfig().is_operator(DEFAULT_OWNER)  # no key at all: the one owner runs the server
+    f.write_text("tml-a alice admin\n")
+    with pytest.raises(InputError, match=r"line 1: expected 'KEY \[OWNER \[operator\]\]', got 3 fields"):
+        read_api_keys(f)
+
+
+# ---- the endpoints ---------------------------------------------------------------------------------
+def _train(service, steps: int):
+    tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
+    ids = list(range(1, 13))
+    datum = tt.Datum(model_input=tt.ModelInput.from_ints(ids[:-1]),
+                     loss_fn_inputs={"target_tokens": ids[1:], "weights": [0.0] * 3 + [1.0] * 8})
+    results = []
+    for _ in range(steps):
+        fb = tc.forward_backward([datum, datum], "cross_entropy").result()
+        opt = tc.optim_step(tt.AdamParams(learning_rate=1e-2)).result()
+        results.append((fb.metrics, opt.metrics))
+    return tc, results
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"{ALICE} alice\n{BOB} bob\n{OPS} ops operator\n")
+    operators: set[str] = set()
+    with ServerThread(tmp_path_factory.mktemp("state"), api_keys=read_api_keys(keys, operators),
+                      operators=operators) as srv:
+        alice, bob = srv.service_client(api_key=ALICE), srv.service_client(api_key=BOB)
+        tc, results = _train(alice, 3)
+        saved = tc.save_state("ckpt").result().path
+        sampler_path = tc.save_weights_for_sampler("smp").result().path
+        alice.create_sampling_client(model_path=sampler_path).result()
+        bob_tc, _ = _train(bob, 1)
+        yield dict(srv=srv, alice=alice, run=tc.model_id, results=results, saved=saved, sampler_path=sampler_path,
+                   bob_run=bob_tc.model_id)
+        alice.close("success").result()
+        bob.close("success").result()
+
+
+def test_an_owner_lists_their_own_runs_with_steps_status_and_sampling(world):
+    with raw_client(world["srv"], ALICE) as http:
+        page = http.get("/console/api/runs").json()
+    assert page["total"] == 1 and [r["model_id"] for r in page["runs"]] == [world["run"]]
+    run = page["runs"][0]
+    assert (run["base_model"], run["lora_rank"], run["steps"], run["status"]) == ("tiny", 2, 3, "live")
+    assert run["sampling_sessions"] == 1 and run["created"] <= run["last_request"]
+    fb, _ = world["results"][-1]
+    assert run["last"]["loss_per_token"] == pytest.approx(fb["loss:sum"] / fb["num_loss_tokens:sum"], rel=1e-6)
+    with raw_client(world["srv"], BOB) as http:
+        assert [r["model_id"] for r in http.get("/console/api/runs").json()["runs"]] == [world["bob_run"]]
+
+
+def test_curves_equal_what_the_client_got_back(world):
+    with raw_client(world["srv"], ALICE) as http:
+        c = http.get(f"/console/api/runs/{world['run']}/curves").json()
+    assert c["steps"] == 3 and c["step"] == [1, 2, 3] and c["n"] == [1, 1, 1]
+    for i, (fb, opt) in enumerate(world["results"]):
+        s = {k: v["mean"][i] for k, v in c["series"].items()}
+        assert s["loss_per_token"] == pytest.approx(fb["loss:sum"] / fb["num_loss_tokens:sum"], rel=1e-6)
+        assert s["loss_sum"] == pytest.approx(fb["loss:sum"], rel=1e-6) and s["tokens"] == 22.0
+        assert (s["grad_norm"], s["learning_rate"], s["skipped"]) == (opt["grad_norm"], 1e-2, 0.0)
+        assert s["seconds"] > 0
+    assert c["series"]["loss_per_token"]["mean"][-1] < c["series"]["loss_per_token"]["mean"][0]  # it learns
+
+
+def test_a_run_shows_its_checkpoints_with_paths_and_sizes(world):
+    with raw_client(world["srv"], ALICE) as http:
+        run = http.get(f"/console/api/runs/{world['run']}").json()
+    found = {c["tinker_path"]: c for c in run["checkpoints"]}
+    assert set(found) == {world["saved"], world["sampler_path"]}
+    assert found[world["saved"]]["checkpoint_type"] == "training"
+    assert all(c["size_bytes"] > 0 and c["time"] for c in found.values())
+    assert len(run["sampling_session_ids"]) == 1
+
+
+def test_another_owners_run_reads_as_unknown(world):
+    with raw_client(world["srv"], BOB) as http:
+        for path in (f"/console/api/runs/{world['run']}", f"/console/api/runs/{world['run']}/curves"):
+            r = http.get(path)
+            assert r.status_code == 404 and r.json()["detail"].startswith("unknown training run"), r.text
+
+
+def test_the_server_view_is_for_operators(world):
+    for key in (OPS, API_KEY):  # marked operator in --api-keys; the --api-key holder
+        with raw_client(world["srv"], key) as http:
+            me, srv = http.get("/console/api/me").json(), http.get("/console/api/server").json()
+        assert me["operator"] is True
+        (base,) = srv["bases"]
+        owners = {a["model_id"]: a["owner"] for a in base["adapters"] if a["model_id"]}
+        assert owners[world["run"]] == "alice" and owners[world["bob_run"]] == "bob"
+        assert base["adapters_in_memory"] >= 2 and base["base_bytes"] > 0 and srv["memory"]["used_bytes"] > 0
+        work = {w["owner"]: w for w in srv["work"]}
+        assert work["alice"]["live_models"] == 1 and work["bob"]["live_models"] == 1
+        assert srv["limits"]["max_num_samples"] == 256 and srv["limits"]["models"] == ["tiny"]
+    with raw_client(world["srv"], ALICE) as http:
+        me = http.get("/console/api/me").json()
+        assert (me["owner"], me["operator"], me["key_required"], me["models"]) == ("alice", False, True, ["tiny"])
+        r = http.get("/console/api/server")
+        assert r.status_code == 403 and "operators" in r.json()["detail"]
+
+
+def test_runs_page_and_a_freed_run(world):
+    service = world["srv"].service_client(api_key=ALICE)
+    newer = service.create_lora_training_client(base_model="tiny", rank=2).result().model_id
+    with raw_client(world["srv"], ALICE) as http:
+        first = http.get("/console/api/runs", params={"limit": 1}).json()
+        second = http.get("/console/api/runs", params={"limit": 1, "offset": 1}).json()
+        assert (first["total"], [r["model_id"] for r in first["runs"] + second["runs"]]) == (2, [newer, world["run"]])
+        service.close("success").result()
+        assert http.get(f"/console/api/runs/{newer}").json()["status"] == "freed"
+        for params, field in (({"limit": 0}, "limit"), ({"limit": 201}, "limit"), ({"offset": -1}, "offset")):
+            r = http.get("/console/api/runs", params=params)
+            assert r.status_code == 400 and r.json()["detail"].startswith(f"{field}: expected an integer"), r.text
+        r = http.get(f"/console/api/runs/{world['run']}/curves", params={"points": 1})
+        assert r.status_code == 400 and r.json()["detail"].startswith("points: expected an integer in 2..2000")
+
+
+def test_the_page_needs_no_key_and_carries_no_data(world):
+    with raw_client(world["srv"], None) as http:
+        page = http.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        assert '<script src="/console/console.js"' in page.text
+        for path, media in (("/console/console.js", "text/javascript"), ("/console/console.css", "text/css")):
+            r = http.get(path)
+            assert r.status_code == 200 and r.headers["content-type"].startswith(media)
+            assert world["run"] not in r.text
+        assert world["run"] not in page.text and "alice" not in page.text
+        assert http.get("/console/api/me").status_code == 401 and http.get("/console/other.js").status_code == 401
