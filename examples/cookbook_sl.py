@@ -4,10 +4,13 @@
     pip install blobfile chz datasets tiktoken termcolor aiohttp pillow pyrage
     python examples/cookbook_sl.py                     # tiny model, the cookbook's example chats
     python examples/cookbook_sl.py --model ./my-hf-model
+    python examples/cookbook_sl.py --base-url http://127.0.0.1:8000 --model ./tiny-hf  # your own server
 
 It starts ``skyrl-sdk serve`` as a separate process (as you would in a terminal), waits for
 its banner, points the cookbook at it (base_url, TINKER_API_KEY=tml-...), trains one epoch
-of LoRA SFT on the cookbook's example conversations and prints the train NLL per step.
+of LoRA SFT on the cookbook's example conversations and prints the train NLL per step. With
+``--base-url`` it trains on a server you started yourself (``--model``: the directory that
+server serves), whose console (the banner's link) shows the loss falling while it trains.
 """
 
 from __future__ import annotations
@@ -83,7 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", default="./cookbook-sl-out", help="logs, checkpoints, server state")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--conversations", type=int, default=None, help="use only the first N conversations")
+    parser.add_argument("--base-url", default=None,
+                        help="train on this running skyrl-sdk serve instead of starting one (needs --model)")
     args = parser.parse_args(argv)
+    if args.base_url and args.model is None:
+        parser.error("--base-url needs --model: the model directory that server serves (its --model)")
 
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -97,15 +104,18 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TINKER_API_KEY", "tml-local")  # the client insists on a tml- key
     os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-    port = free_port()
-    server = start_server(model, port, workdir / "state")
-    try:
-        test_size = min(16, max(1, (args.conversations or 128) // 4))
-        train(model, f"http://127.0.0.1:{port}", workdir, conversations_file(workdir, args.conversations),
-              args.batch_size, test_size)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    test_size = min(16, max(1, (args.conversations or 128) // 4))
+    conversations = conversations_file(workdir, args.conversations)
+    if args.base_url:
+        train(model, args.base_url, workdir, conversations, args.batch_size, test_size)
+    else:
+        port = free_port()
+        server = start_server(model, port, workdir / "state")
+        try:
+            train(model, f"http://127.0.0.1:{port}", workdir, conversations, args.batch_size, test_size)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
     metrics = [json.loads(line) for line in (workdir / "log" / "metrics.jsonl").read_text().splitlines()]
     nll = [m["train_mean_nll"] for m in metrics if "train_mean_nll" in m]
     print("train NLL per step:", " ".join(f"{x:.3f}" for x in nll))

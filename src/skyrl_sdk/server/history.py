@@ -3,10 +3,13 @@ model's worker thread when a job's result is known, written to SQLite by a write
 its own (never in a request handler), bounded per run, downsampled when read.
 
 A **step** is one ``optim_step``: the ``forward_backward`` calls since the previous one are
-summed into it (``loss:sum``, tokens), and its own metrics (``grad_norm``, learning rate,
-skipped) are added. Its **seconds** are the wall time from the end of the previous step (for
-the first, from the start of its first ``forward_backward``) to its end: what a step costs
-the client, waiting and other clients' turns included.
+summed into it (``loss:sum``, ``num_tokens:sum``, and the data's weights, ones where a datum has
+none), and its own metrics (``grad_norm``, learning rate, skipped) are added. Its **loss per
+token** is ``loss:sum`` over the summed weights: the weighted mean loss per token, which for
+``cross_entropy`` is the NLL per token that tinker-cookbook prints as its train NLL (its weights
+need not be 0/1: the cookbook's sum to 1 per sequence). Its **seconds** are the wall time from
+the end of the previous step (for the first, from the start of its first ``forward_backward``)
+to its end: what a step costs the client, waiting and other clients' turns included.
 
 **Bounded.** A run's steps are stored in buckets of ``stride`` consecutive steps (at first 1:
 every step exactly). Each bucket keeps, per series, the count, sum, min and max of its steps'
@@ -25,9 +28,11 @@ import math
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from ..losses.reduction import call_normalizers
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +131,16 @@ class History:
         self._writer.start()
 
     # ---- recording (model worker threads) -------------------------------------------------
-    def forward_backward(self, run_id: str, metrics: Mapping[str, Any], started: float) -> None:
-        """A ``forward_backward`` of ``run_id`` finished (``started``: its ``time.time()`` at start)."""
+    def forward_backward(self, run_id: str, metrics: Mapping[str, Any], started: float, data: Sequence) -> None:
+        """A ``forward_backward`` of ``run_id`` on ``data`` (its Datums) finished; ``started``: its
+        ``time.time()`` when it started."""
+        weights = call_normalizers(data)[0]
         with self._pending_lock:
             acc = self._open.setdefault(run_id, {"since": None})
             if acc.get("since") is None:
                 acc["since"] = started
-            for key in ("loss:sum", "num_tokens:sum", "num_loss_tokens:sum"):
+            acc["weights"] = acc.get("weights", 0.0) + weights
+            for key in ("loss:sum", "num_tokens:sum"):
                 if (v := _finite(metrics.get(key))) is not None:
                     acc[key] = acc.get(key, 0.0) + v
 
@@ -142,11 +150,10 @@ class History:
         with self._pending_lock:
             acc = self._open.pop(run_id, None) or {"since": None}
             self._open[run_id] = {"since": now}
-            loss, tokens = acc.get("loss:sum"), acc.get("num_tokens:sum")
-            scored = acc.get("num_loss_tokens:sum", tokens)
+            loss, tokens, weights = acc.get("loss:sum"), acc.get("num_tokens:sum"), acc.get("weights")
             step = _finite(metrics.get("step"))
             point = {"step": int(step) if step is not None else None, "time": now, "loss_sum": loss, "tokens": tokens,
-                     "loss_per_token": loss / scored if loss is not None and scored else None,
+                     "loss_per_token": loss / weights if loss is not None and weights else None,
                      "grad_norm": _finite(metrics.get("grad_norm")),
                      "learning_rate": _finite(metrics.get("learning_rate")),
                      "skipped": _finite(metrics.get("skipped")),
@@ -176,13 +183,20 @@ class History:
             by_run: dict[str, list[dict[str, Any]]] = {}
             for run_id, point in batch:
                 by_run.setdefault(run_id, []).append(point)
-            self._db.execute("BEGIN")
             try:
-                for run_id, points in by_run.items():
-                    self._write_run(run_id, points)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
+                # IMMEDIATE: take the write lock now, waiting for the store's writes (a deferred
+                # transaction that must upgrade from reading fails at once instead of waiting)
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for run_id, points in by_run.items():
+                        self._write_run(run_id, points)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            except BaseException:  # nothing was written: the steps wait for the next flush
+                with self._pending_lock:
+                    self._pending[:0] = batch
                 raise
 
     def _meta(self, run_id: str) -> tuple[int, int]:

@@ -283,7 +283,7 @@ class Runtime:
                 started = time.time()
                 out = fn(req.data, loss_fn=req.loss_fn, loss_fn_config=req.loss_fn_config)
                 if not req.forward_only:
-                    self.history.forward_backward(model.model_id, out.metrics, started)
+                    self.history.forward_backward(model.model_id, out.metrics, started, req.data)
                 return Result.proto(proto.forward_backward_output_to_proto(out))
 
             return run

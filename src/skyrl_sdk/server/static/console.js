@@ -7,6 +7,7 @@ const KEY_ITEM = "skyrl-console-key";
 const RUN_ITEM = "skyrl-console-run";
 const POLL_MS = 2000;
 const PAGE = 50;
+const CHECKPOINTS_SHOWN = 10;  // the newest; a button shows the rest
 const SVG = "http://www.w3.org/2000/svg";
 const CHARTS = [
   ["loss_per_token", "loss per token"], ["loss_sum", "loss:sum"], ["grad_norm", "grad_norm"],
@@ -14,7 +15,7 @@ const CHARTS = [
   ["seconds", "seconds per step"],
 ];
 
-const state = { me: null, offset: 0, selected: null, curvesSig: null, busy: false, timer: null };
+const state = { me: null, offset: 0, selected: null, curvesSig: null, busy: false, timer: null, allCheckpoints: false };
 
 class AuthError extends Error {}
 
@@ -161,6 +162,7 @@ async function refreshRuns() {
 async function select(runId) {
   state.selected = runId;
   state.curvesSig = null;
+  state.allCheckpoints = false;
   sessionStorage.setItem(RUN_ITEM, runId);
   for (const row of $("runs").tBodies[0].rows) row.classList.toggle("selected", row.dataset.runId === runId);
   try { await refreshRun(); } catch (e) { $("error").textContent = String(e.message || e); }
@@ -198,7 +200,11 @@ function renderRun(run) {
   $("run-info").replaceChildren(...info.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
   const body = $("checkpoints").tBodies[0];
   $("checkpoints-empty").hidden = run.checkpoints.length > 0;
-  body.replaceChildren(...run.checkpoints.slice().reverse().map((c) => {
+  const newest = run.checkpoints.slice().reverse();
+  const shown = state.allCheckpoints ? newest : newest.slice(0, CHECKPOINTS_SHOWN);
+  $("checkpoints-more").hidden = shown.length === newest.length;
+  $("checkpoints-more").textContent = `show all ${newest.length}`;
+  body.replaceChildren(...shown.map((c) => {
     const copy = el("button", { type: "button", class: "copy", title: "copy the path" }, "copy");
     copy.addEventListener("click", () => copyText(c.tinker_path, copy));
     return el("tr", { "data-path": c.tinker_path }, el("td", {}, c.checkpoint_id.split("/").slice(1).join("/")),
@@ -273,7 +279,7 @@ function chart(curves, key, title) {
     label.textContent = fmtNum(t);
     axes.append(label);
   }
-  for (const t of niceTicks(x0, x1, 5).filter((t) => Number.isInteger(t))) {
+  for (const t of niceTicks(x0, x1, 6).filter((t) => Number.isInteger(t))) {
     const label = svgEl("text", { x: px(t), y: H - 6, "text-anchor": "middle" });
     label.textContent = String(t);
     axes.append(label);
@@ -380,6 +386,7 @@ document.addEventListener("DOMContentLoaded", () => {
     sessionStorage.removeItem(RUN_ITEM);
     showLogin("");
   });
+  $("checkpoints-more").addEventListener("click", () => { state.allCheckpoints = true; tick(); });
   $("prev").addEventListener("click", () => { state.offset = Math.max(0, state.offset - PAGE); tick(); });
   $("next").addEventListener("click", () => { state.offset += PAGE; tick(); });
   takeFragment();
