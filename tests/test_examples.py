@@ -65,6 +65,43 @@ def test_cookbook_sl_through_skyrl_sdk_serve(tmp_path):
     assert len(nll) == 3 and nll[-1] < nll[0]  # (40 - 10 held out) // 8 steps; it learns
 
 
+def test_cookbook_sl_on_your_own_server_shows_its_loss_in_the_console(tmp_path):
+    """docs/server.md, Console: start ``skyrl-sdk serve``, run the example against it
+    (``--base-url``), and the console's loss per token is the train NLL it printed."""
+    pytest.importorskip("tinker_cookbook")
+    import threading
+
+    import httpx
+
+    from _server_harness import free_port
+
+    model = tmp_path / "tiny-hf"
+    assert run([sys.executable, "-c", f"import skyrl_sdk; skyrl_sdk.Backend(model='tiny')"
+                f".save_weights_for_sampler({str(model)!r})"], tmp_path).returncode == 0
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "skyrl_sdk.cli", "serve", "--model", str(model), "--port",
+                               str(port), "--api-key", "tml-local", "--state-dir", str(tmp_path / "state")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = "".join(server.stderr.readline() for _ in range(5))
+        assert f"console in a browser: http://127.0.0.1:{port}/" in banner, banner
+        threading.Thread(target=server.stderr.read, daemon=True).start()  # never block on a full pipe
+        proc = run([sys.executable, str(EXAMPLES / "cookbook_sl.py"), "--base-url", f"http://127.0.0.1:{port}",
+                    "--model", str(model), "--workdir", str(tmp_path / "run"), "--conversations", "40",
+                    "--batch-size", "8"], tmp_path, env={"TINKER_API_KEY": "tml-local"})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        nll = [float(x) for x in proc.stdout.split("train NLL per step:")[1].split()]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"X-API-Key": "tml-local"}) as http:
+            (run_,) = http.get("/console/api/runs").json()["runs"]
+            curves = http.get(f"/console/api/runs/{run_['model_id']}/curves").json()
+        assert curves["step"] == list(range(1, len(nll) + 1))
+        # the same numbers (the example prints 3 decimals)
+        assert curves["series"]["loss_per_token"]["mean"] == pytest.approx(nll, abs=6e-4) and nll[-1] < nll[0]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
 def test_fsdp_under_torchrun(tmp_path):
     pytest.importorskip("skyrl_sdk_fsdp")
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
