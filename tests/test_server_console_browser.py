@@ -138,3 +138,12 @@ def test_a_screenshot_renders(world, tmp_path):
     run_chromium(tmp_path, f"{world['srv'].url}/#key={ALICE}", f"--screenshot={shot}", "--window-size=1400,1000")
     data = shot.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 20_000
+
+
+def test_a_server_without_keys_opens_at_once_with_the_server_view(tmp_path):
+    chromium()
+    with ServerThread(tmp_path / "state", api_key=None) as srv:
+        dom = Elements(run_chromium(tmp_path, f"{srv.url}/", "--dump-dom"))
+    assert "hidden" in dom.by(id="login")[0][1] and "hidden" not in dom.by(id="app")[0][1]
+    assert "hidden" not in dom.by(id="server-panel")[0][1] and "hidden" not in dom.by(id="runs-empty")[0][1]
+    assert "(operator)" in dom.by(id="who")[0][2] and dom.by(id="error")[0][2].strip() == ""
