@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _limits import HANG_S
+
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 API_KEY = "tml-test"
@@ -47,7 +49,7 @@ class ServerThread:
 
     def start(self) -> ServerThread:
         self.thread.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_S
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("test server did not start")
@@ -56,7 +58,7 @@ class ServerThread:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(30)
+        self.thread.join(HANG_S)
 
     def __enter__(self) -> ServerThread:
         return self.start()
@@ -75,7 +77,7 @@ def raw_client(server: ServerThread, api_key: str | None = API_KEY):
     import httpx
 
     headers = {"X-API-Key": api_key} if api_key is not None else {}
-    return httpx.Client(base_url=server.url, headers=headers, timeout=60)
+    return httpx.Client(base_url=server.url, headers=headers, timeout=HANG_S)
 
 
 def wait_result(http, request_id: str):

@@ -6,4 +6,6 @@ import torch
 
 from skyrl_sdk.testing import fresh_plugins, plugin_site, sft_data, tiny_backend  # noqa: F401  (fixtures)
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# One thread: on cores other jobs share, torch's threads stall each other (README, "Running
+# on CPU"); tox also sets OMP_NUM_THREADS=1 for the scripts the tests start.
+torch.set_num_threads(1)

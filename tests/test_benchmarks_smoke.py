@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from _limits import HANG_S
+
 pytestmark = pytest.mark.slow  # each test runs a script or a server: seconds to minutes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +28,7 @@ def test_smoke_mode_emits_valid_json(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--smoke", "--json", "--quiet", "--plot", str(plot)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(proc.stdout)  # exactly one JSON document on stdout
@@ -77,7 +79,7 @@ def test_grpo_smoke_runs_every_side_and_plots(tmp_path):
     plot = tmp_path / "grpo.png"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.grpo", "--smoke", "--steps", "3", "--quiet",
-                           "--plot", str(plot)], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+                           "--plot", str(plot)], cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     assert result["status"] == "ok" and result["settings"]["steps"] == 3
@@ -100,7 +102,7 @@ def test_grpo_floor_smoke_measures_every_side(tmp_path):
     pytest.importorskip("peft")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.grpo_floor", "--smoke", "--trl-steps", "0"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     assert {"floor_train_loop", "floor_train_fused", "floor_sample_generate", "floor_sample_loop_peft",

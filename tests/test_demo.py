@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from _limits import HANG_S
 
 pytestmark = pytest.mark.slow  # each test runs a script or a server: seconds to minutes
 
@@ -15,7 +18,7 @@ pytestmark = pytest.mark.slow  # each test runs a script or a server: seconds to
 def test_demo_short_mode_trains_and_exports(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "skyrl_sdk.cli", "demo", "--short", "--json", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=HANG_S,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
@@ -24,18 +27,21 @@ def test_demo_short_mode_trains_and_exports(tmp_path):
     assert weights.parent == tmp_path.resolve()
     assert (weights / "model.safetensors").is_file() and (weights / "config.json").is_file()
     assert len(result["rl_reward_curve"]) == result["rl_steps"]
+    assert result["cpu_threads"] >= 1
 
 
 def test_demo_says_what_it_does_shows_progress_and_what_next(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as in a fresh shell
     proc = subprocess.run(
         [sys.executable, "-m", "skyrl_sdk.cli", "demo", "--short", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=HANG_S, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert out.startswith("skyrl-sdk demo: teach the built-in tiny model")
     assert "reverse digit strings" in out and "reward: " in out and "accuracy: " in out
     assert "12 supervised steps" in out and "2 RL steps" in out  # --short's numbers, not the defaults
+    assert "\n  torch: 1 CPU thread (the default on CPU; --threads N to change)\n" in out  # README: Running on CPU
     weights = str(tmp_path.resolve() / "sampler_weights")
     assert f"from_pretrained({weights!r})" in out and f"skyrl-sdk serve --model {weights}" in out
     assert "docs/rl.md" in out

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from _limits import HANG_S
+
 pytestmark = pytest.mark.slow  # each test runs a script or a server: seconds to minutes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def run(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, timeout: int = 300):
+def run(args: list[str], tmp_path: Path, env: dict[str, str] | None = None, timeout: float = HANG_S):
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
                           env={**os.environ, "TINKER_TELEMETRY": "0", **(env or {})})
     return proc

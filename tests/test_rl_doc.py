@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _limits import HANG_S
 from skyrl_sdk import types
 from skyrl_sdk.errors import InputError
 from skyrl_sdk.rl import datum_from_sample, group_advantages
@@ -25,7 +26,7 @@ def first_python_block(text: str) -> str:
 def test_the_recipe_runs_as_written_and_the_reward_rises(tmp_path):
     script = tmp_path / "rl.py"
     script.write_text(first_python_block(DOC.read_text()))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rewards = [float(m) for m in re.findall(r"^step +\d+ +mean reward ([-+.\d]+)$", proc.stdout, re.M)]
     assert len(rewards) == 40, proc.stdout
@@ -59,6 +60,17 @@ def test_datum_from_sample_layout():
     # the sampled tokens sit where they are predicted: target i is the token after position i
     completion = slice(len(prompt) - 1, None)
     assert inputs["target_tokens"][completion] == sample.tokens
+
+
+def test_datum_from_sample_weights_mark_the_completion():
+    """weights=True adds a 0/1 mask over the completion; the other keys are unchanged."""
+    prompt = [256, 51, 50, 63]
+    sample = types.SampledSequence(tokens=[55, 56, 257], logprobs=[-0.5, -1.0, -2.0], stop_reason="stop")
+    plain, masked = datum_from_sample(prompt, sample, 0.75), datum_from_sample(prompt, sample, 0.75, weights=True)
+    assert masked.loss_fn_inputs["weights"].tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert {k: v.tolist() for k, v in masked.loss_fn_inputs.items() if k != "weights"} == \
+        {k: v.tolist() for k, v in plain.loss_fn_inputs.items()}
+    assert "weights" not in plain.loss_fn_inputs
 
 
 def test_datum_from_sample_trains_only_the_completion():

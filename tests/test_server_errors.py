@@ -15,6 +15,7 @@ tinker = pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
 from tinker import types as tt
 
+from _limits import HANG_S
 from _server_harness import ServerThread
 from skyrl_sdk.errors import DatumError, InputError, NotFoundError, PluginError
 from skyrl_sdk.server.futures import Result
@@ -67,8 +68,8 @@ def test_backend_exceptions_reach_the_client_by_type(trainer, monkeypatch, exc, 
 
     monkeypatch.setattr(backend, "forward_backward", fail)
     with pytest.raises(tinker.RequestFailedError) as err:
-        tc.forward_backward([_datum()], "cross_entropy").result(timeout=30)
+        tc.forward_backward([_datum()], "cross_entropy").result(timeout=HANG_S)
     assert err.value.category == category
     assert str(exc) in str(err.value)
     monkeypatch.undo()
-    assert tc.forward_backward([_datum()], "cross_entropy").result(timeout=30).metrics["loss:sum"] > 0
+    assert tc.forward_backward([_datum()], "cross_entropy").result(timeout=HANG_S).metrics["loss:sum"] > 0

@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 from tinker import types as tt
 from tinker.proto import tinker_public_pb2 as pb
 
+from _limits import HANG_S
 from _server_harness import ServerThread, raw_client, wait_result
 from skyrl_sdk import Backend, types
 from skyrl_sdk.server.memory import weight_bytes
@@ -40,7 +41,7 @@ def train_step(tc, step: int) -> None:
 
 
 def sample(client):
-    return client.sample(tt.ModelInput.from_ints(PROMPT), 2, PARAMS).result(timeout=60)
+    return client.sample(tt.ModelInput.from_ints(PROMPT), 2, PARAMS).result(timeout=HANG_S)
 
 
 def assert_same_samples(got, want):
@@ -54,7 +55,7 @@ def scratch_files(srv) -> list:
     return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
 
 
-def settled(check, timeout=10.0):
+def settled(check, timeout=HANG_S):
     """Samplers are closed by their own workers: wait for that to show."""
     deadline = time.monotonic() + timeout
     while not check() and time.monotonic() < deadline:

@@ -75,7 +75,7 @@ def test_interleaved_clients_equal_solo_backends_and_share_one_base(server):
 
 def test_base_sampling_shares_the_base(server):
     sc = server.service_client()
-    sampler = sc.create_sampling_client(base_model="tiny")
+    sampler = sc.create_sampling_client(base_model="tiny").result()
     out = sampler.sample(tt.ModelInput.from_ints([1, 2, 3]), num_samples=1,
                          sampling_params=tt.SamplingParams(max_tokens=4, seed=1)).result()
     assert len(out.sequences[0].tokens) <= 4

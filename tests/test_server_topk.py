@@ -11,6 +11,7 @@ pytest.importorskip("fastapi")
 from tinker import types as tt
 from tinker.proto import tinker_public_pb2 as pb
 
+from _limits import HANG_S
 from _server_harness import ServerThread, raw_client, wait_result
 from skyrl_sdk import Backend, types
 from skyrl_sdk.server.proto import TOPK_EMPTY_LOGPROB, sample_output_to_proto
@@ -50,7 +51,7 @@ def assert_topk_equal(got, want):
 def test_topk_prompt_logprobs_match_backend(sampler, reference, k):
     params = tt.SamplingParams(max_tokens=5, seed=4, temperature=1.0)
     got = sampler.sample(tt.ModelInput.from_ints(PROMPT), 2, params, include_prompt_logprobs=True,
-                         topk_prompt_logprobs=k).result(timeout=60)
+                         topk_prompt_logprobs=k).result(timeout=HANG_S)
     want = reference.sample([PROMPT], {"max_tokens": 5, "seed": 4, "temperature": 1.0}, 2,
                             prompt_logprobs=True, topk_prompt_logprobs=k)[0]
     assert_topk_equal(got.topk_prompt_logprobs, want.topk_prompt_logprobs)
@@ -69,23 +70,23 @@ def test_topk_without_prompt_logprobs_and_last_n(sampler, reference):
     params = tt.SamplingParams(max_tokens=1, temperature=0.0)
     want = reference.sample([PROMPT], {"max_tokens": 1, "temperature": 0.0}, 1,
                             topk_prompt_logprobs=3)[0].topk_prompt_logprobs
-    alone = sampler.sample(prompt, 1, params, topk_prompt_logprobs=3).result(timeout=60)
+    alone = sampler.sample(prompt, 1, params, topk_prompt_logprobs=3).result(timeout=HANG_S)
     assert alone.prompt_logprobs is None
     assert_topk_equal(alone.topk_prompt_logprobs, want)
     # prompt_logprobs_last_n applies to the top-k rows too: earlier rows are None
     last = sampler.sample(prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3,
-                          prompt_logprobs_last_n=2).result(timeout=60)
+                          prompt_logprobs_last_n=2).result(timeout=HANG_S)
     assert last.topk_prompt_logprobs[:-2] == [None] * (len(PROMPT) - 2)
     assert_topk_equal([None] + last.topk_prompt_logprobs[-2:], [None] + want[-2:])
     assert last.prompt_logprobs[:-2] == [None] * (len(PROMPT) - 2)
     # not asked: absent
-    plain = sampler.sample(prompt, 1, params, include_prompt_logprobs=True).result(timeout=60)
+    plain = sampler.sample(prompt, 1, params, include_prompt_logprobs=True).result(timeout=HANG_S)
     assert plain.topk_prompt_logprobs is None
 
 
 def test_topk_one_token_prompt_is_a_single_empty_row(sampler):
     res = sampler.sample(tt.ModelInput.from_ints([5]), 1, tt.SamplingParams(max_tokens=1),
-                         topk_prompt_logprobs=4).result(timeout=60)
+                         topk_prompt_logprobs=4).result(timeout=HANG_S)
     assert res.topk_prompt_logprobs == [None]
 
 
@@ -95,7 +96,7 @@ def test_concurrent_requests_with_different_k_are_not_mixed(sampler, reference):
     futures = [(k, sampler.sample(tt.ModelInput.from_ints(PROMPT), 1, params, topk_prompt_logprobs=k))
                for k in (0, 2, 4, 2, 6)]
     for k, f in futures:
-        res = f.result(timeout=60)
+        res = f.result(timeout=HANG_S)
         if k == 0:
             assert res.topk_prompt_logprobs is None
         else:
@@ -105,7 +106,7 @@ def test_concurrent_requests_with_different_k_are_not_mixed(sampler, reference):
 def test_too_wide_topk_through_the_client_is_a_user_error(sampler):
     with pytest.raises(tinker.RequestFailedError, match=f"topk_prompt_logprobs.*0..{MAX_TOPK_PROMPT_LOGPROBS}"):
         sampler.sample(tt.ModelInput.from_ints(PROMPT), 1, tt.SamplingParams(max_tokens=2),
-                       topk_prompt_logprobs=MAX_TOPK_PROMPT_LOGPROBS + 1).result(timeout=60)
+                       topk_prompt_logprobs=MAX_TOPK_PROMPT_LOGPROBS + 1).result(timeout=HANG_S)
 
 
 @pytest.mark.parametrize("bad", [-1, MAX_TOPK_PROMPT_LOGPROBS + 1, 2.0, True, "3", [2]])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from _limits import HANG_S
 from skyrl_sdk import Backend, SharedBase
 from skyrl_sdk.engines.turns import FairGate, RoundRobin
 from skyrl_sdk.errors import CheckpointError, InputError
@@ -268,7 +269,7 @@ def test_fair_gate_threads_follow_the_round_robin_order():
 
     def client(name: str) -> None:
         with gate.turn(name[0]):
-            release[name].wait(5)
+            release[name].wait(HANG_S)
 
     with gate.turn("holder"):
         threads = []
@@ -281,5 +282,5 @@ def test_fair_gate_threads_follow_the_round_robin_order():
     for ev in release.values():
         ev.set()
     for t in threads:
-        t.join(5)
+        t.join(HANG_S)
     assert list(gate.history) == ["holder", "a", "b", "c", "a", "a"]

@@ -132,7 +132,7 @@ def test_backend_suggests_the_close_engine_dialect_and_sampler():
 def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
     from transformers.utils import logging as hf_logging
 
-    from skyrl_sdk import types
+    from skyrl_sdk import SharedBase, types
     from skyrl_sdk.models.loading import load_model
 
     load_model("tiny").module.save_pretrained(tmp_path)
@@ -140,6 +140,8 @@ def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         load_model(str(tmp_path), lora=types.LoraConfig(rank=2))
+        with SharedBase("tiny") as base, base.backend(types.LoraConfig(rank=2)):  # the server's LoRA path
+            pass
         warnings.warn("the user's own deprecation", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == ["the user's own deprecation"]
     assert "Loading weights" not in capfd.readouterr().err

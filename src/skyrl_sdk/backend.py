@@ -29,7 +29,7 @@ from .inputs.coerce import (
 from .losses.metrics import MetricAccumulator
 from .losses.resolve import ResolvedLoss, resolve_loss
 from .losses.run import add_prepared_inputs
-from .losses.validation import check_call, token_range_problem
+from .losses.validation import check_call, inputs_for_forward, token_range_problem
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
 from .plugins.manager import get_registry
 from .types import (
@@ -146,9 +146,13 @@ class Backend:
             loss_fn = "value" if self.role == "critic" else "cross_entropy"
         return resolve_loss(get_registry(), loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
 
-    def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config) -> tuple[list[Datum], ResolvedLoss]:
+    def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config,
+                 backward: bool = True) -> tuple[list[Datum], ResolvedLoss]:
         resolved = self.resolve(loss_fn, loss_fn_config)
         datums = data_from_any(data)
+        if not backward:  # no gradient: take the inputs this loss reads, leave the other losses' alone
+            known = {k for spec in get_registry().losses.values() for k in spec.required_inputs + spec.optional_inputs}
+            datums = inputs_for_forward(datums, resolved.spec, known)
         resolved = check_call(datums, resolved, self.vocab_size)  # before any compute
         if resolved.spec.prepare is not None:
             datums = add_prepared_inputs(datums, resolved, self.engine.run(datums, resolved, backward=False).outputs)
@@ -183,10 +187,14 @@ class Backend:
     def forward(
         self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
     ) -> ForwardBackwardOutput:
-        """Like :meth:`forward_backward` but computes no gradient and changes no state."""
+        """Like :meth:`forward_backward` but computes no gradient and changes no state.
+
+        The datums may carry inputs of other losses (a policy's ``logprobs``, ``advantages``,
+        ``ref_logprobs``): a reference model's ``forward(data, "cross_entropy")`` scores the
+        policy's datums as they are. Keys no loss uses are refused as in ``forward_backward``."""
         with self._lock:
             self._check_open()
-            datums, resolved = self._prepare(data, loss_fn, loss_fn_config)
+            datums, resolved = self._prepare(data, loss_fn, loss_fn_config, backward=False)
             return self._outputs(self.engine.run(datums, resolved, backward=False))
 
     def optim_step(self, adam_params: Any = None) -> OptimStepOutput:

@@ -1,8 +1,9 @@
 """Small helpers for RL loops: group-relative advantages and the datum of one sample.
 
-They spell out the two steps every GRPO-style loop repeats (see docs/rl.md): normalize a
+They spell out the steps every GRPO-style loop repeats (see docs/rl.md): normalize a
 group's rewards into advantages, and turn ``prompt + sampled completion`` into a Datum
-whose prompt positions are not trained.
+whose prompt positions are not trained; a PPO loop with a KL term also adds a frozen
+reference's logprobs to those datums (docs/skyrl-parity.md).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from collections.abc import Sequence
 
 from .errors import InputError
-from .types import Datum, ModelInput, SampledSequence
+from .types import Datum, ForwardBackwardOutput, ModelInput, SampledSequence
 
 
 def group_advantages(rewards: Sequence[float], *, normalize: bool = True, eps: float = 1e-6) -> list[float]:
@@ -31,7 +32,8 @@ def group_advantages(rewards: Sequence[float], *, normalize: bool = True, eps: f
     return [c / (std + eps) for c in centred]
 
 
-def datum_from_sample(prompt: Sequence[int], sample: SampledSequence, advantage: float) -> Datum:
+def datum_from_sample(prompt: Sequence[int], sample: SampledSequence, advantage: float, *,
+                      weights: bool = False) -> Datum:
     """The training Datum of one sampled completion of ``prompt``.
 
     The model reads ``prompt + completion`` shifted by one; ``target_tokens`` are the next
@@ -40,6 +42,10 @@ def datum_from_sample(prompt: Sequence[int], sample: SampledSequence, advantage:
     completion token. Prompt positions carry logprob 0 and advantage 0, so they add
     nothing to the loss. The keys fit ``importance_sampling``, ``ppo`` and the other
     policy-gradient losses.
+
+    ``weights=True`` adds ``weights``: 0 on prompt positions, 1 on the completion. A summed
+    loss does not need it; a mean (``loss_reduction="token_mean"``, a KL or entropy term)
+    does, or the prompt positions count in its denominator.
     """
     prompt = [int(t) for t in prompt]
     tokens = [int(t) for t in sample.tokens]
@@ -53,11 +59,30 @@ def datum_from_sample(prompt: Sequence[int], sample: SampledSequence, advantage:
         raise InputError(f"advantage: expected a finite number, got {advantage!r}")
     full = prompt + tokens
     n_prompt = len(prompt) - 1  # positions whose target is still a prompt token
-    return Datum(
-        model_input=ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={
-            "target_tokens": full[1:],
-            "logprobs": [0.0] * n_prompt + [float(x) for x in sample.logprobs],
-            "advantages": [0.0] * n_prompt + [float(advantage)] * len(tokens),
-        },
-    )
+    inputs = {
+        "target_tokens": full[1:],
+        "logprobs": [0.0] * n_prompt + [float(x) for x in sample.logprobs],
+        "advantages": [0.0] * n_prompt + [float(advantage)] * len(tokens),
+    }
+    if weights:
+        inputs["weights"] = [0.0] * n_prompt + [1.0] * len(tokens)
+    return Datum(model_input=ModelInput.from_ints(full[:-1]), loss_fn_inputs=inputs)
+
+
+def with_ref_logprobs(data: Sequence[Datum], reference: ForwardBackwardOutput) -> list[Datum]:
+    """``data`` with ``ref_logprobs`` added: the logprobs ``reference`` (a frozen reference
+    Backend's ``forward(data, "cross_entropy")`` on the same datums) gave their targets. The
+    input a KL term (``kl_coef > 0``) compares the policy with."""
+    outputs = reference.loss_fn_outputs
+    if len(outputs) != len(data):
+        raise InputError(f"reference: expected the output of forward on these {len(data)} datums, "
+                         f"got {len(outputs)} outputs")
+    out = []
+    for i, (datum, output) in enumerate(zip(data, outputs, strict=True)):
+        ref = output["logprobs"].to_numpy() if "logprobs" in output else None
+        if ref is None or ref.shape != (datum.model_input.length,):
+            got = "no logprobs" if ref is None else f"logprobs of shape {list(ref.shape)}"
+            raise InputError(f"reference output {i}: expected logprobs of shape [{datum.model_input.length}] "
+                             f"(datum {i}'s length), got {got}")
+        out.append(Datum(model_input=datum.model_input, loss_fn_inputs={**datum.loss_fn_inputs, "ref_logprobs": ref}))
+    return out

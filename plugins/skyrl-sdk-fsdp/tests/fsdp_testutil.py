@@ -8,6 +8,10 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import load_file
 
+#: Seconds after which a subprocess or a wait in these tests is taken as a hang: a guard, never
+#: a speed check (cores shared with other jobs make runs many times slower than idle).
+HANG_S = 1800.0
+
 #: One datum per micro-batch on both engines, so that only FSDP (sharding, reduce-scatter,
 #: rank split) differs between them: the batching layout itself moves float32 gradients by
 #: ~3e-6 (padding width changes the attention kernels' rounding), the tolerance of these

@@ -66,7 +66,7 @@ def test_torchrun_two_ranks_match_local(tmp_path, style):
     helper_dir = str(fsdp_testutil.__file__).rsplit("/", 1)[0]
     proc = subprocess.run(
         ["torchrun", "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path), style, helper_dir],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+        capture_output=True, text=True, timeout=fsdp_testutil.HANG_S, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]  # docs/engines.md: the exit abort is fixed
     results = json.loads((tmp_path / "result.json").read_text())

@@ -44,7 +44,7 @@ def test_registered_through_its_entry_point():
     assert info.registered == ("loss:reinforce",)
     spec = plugins.get_registry().losses["reinforce"]
     assert spec.required_inputs == ("target_tokens", "advantages")
-    assert spec.optional_inputs == ("weights",)
+    assert spec.optional_inputs == ("weights", "logprobs")  # logprobs: datum_from_sample's datums fit
     assert spec.role == "policy" and spec.config_cls is None
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import SkyrlError
+from ..errors import SkyrlError, did_you_mean
 from ..version import __version__
 
 logger = logging.getLogger(__name__)
@@ -237,6 +237,14 @@ def _command(sub: Any, common: argparse.ArgumentParser, name: str, summary: str,
                           **kwargs)
 
 
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    from .threads import positive_int
+
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else 1: more threads "
+                        "stall when other jobs share the cores)")
+
+
 def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
     p = _command(sub, common, "demo", ("train the tiny model to reverse digit strings: SFT, then RL "
                                         "(about 10 s on an idle CPU, slower on a loaded one)"))
@@ -246,6 +254,7 @@ def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="./skyrl-demo-out", help="output directory (default ./skyrl-demo-out)")
     p.add_argument("--short", action="store_true", help="a tiny run (for tests)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    _add_threads(p)
     p.set_defaults(func=_lazy("skyrl_sdk.cli.demo", "main", "is skyrl-sdk fully installed?"))
 
 
@@ -296,6 +305,7 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--lazy", action="store_true",
                    help="check models and engine config without loading the weights at start "
                         "(big models: they load when a client first asks)")
+    _add_threads(p)
     p.set_defaults(func=_lazy("skyrl_sdk.cli.serve", "serve", "pip install 'skyrl-sdk[server]'"))
 
 
@@ -326,7 +336,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_demo(sub, common)
     _add_serve(sub, common)
+    parser.commands = sub.choices  # name -> the command's own parser (see parse_args)
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that an unknown option after a command is reported with
+    that command's usage (argparse would show the top-level one), naming a close option."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        own = parser.commands.get(args.command, parser)
+        options = [o for action in own._actions for o in action.option_strings]
+        typo = next((e for e in extra if e.startswith("-")), "")
+        own.error(f"unrecognized arguments: {' '.join(extra)}{did_you_mean(typo.split('=')[0], options)}")
+    return args
 
 
 def _setup_logging(verbose: int) -> None:
@@ -343,7 +366,7 @@ def _silence_broken_pipe() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.command is None:  # bare `skyrl-sdk`: show what there is to do
         parser.print_help()
         return 0

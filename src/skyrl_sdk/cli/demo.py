@@ -22,6 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .. import types
+from .threads import apply as apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ def greedy_eval(backend: Any, task: ReverseTask, problems: list[tuple[str, str]]
 def run_demo(steps: int = 120, rl_steps: int = 16, out_dir: str = "skyrl-demo-out", seed: int = 0,
              batch_size: int = 32, quiet: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
+    import torch
+
     from ..backend import Backend
 
     with Backend(model="tiny", seed=seed) as backend:
@@ -152,6 +155,7 @@ def run_demo(steps: int = 120, rl_steps: int = 16, out_dir: str = "skyrl-demo-ou
         "eval_accuracy_after_rl": after[1],
         "weights_dir": saved.path,
         "seconds": round(time.perf_counter() - t0, 1),
+        "cpu_threads": torch.get_num_threads(),
         "sft_loss_curve": [round(x, 4) for x in sft],
         "rl_reward_curve": [round(x, 4) for x in rl],
     }
@@ -202,6 +206,9 @@ def main(args) -> int:
         steps, rl_steps, batch = min(steps, 12), min(rl_steps, 2), 8
     if not args.json:
         print(intro(steps, rl_steps), flush=True)
+    threads = apply_threads(getattr(args, "threads", None))
+    if not args.json:
+        print(f"  torch: {threads}", flush=True)
     result = run_demo(steps=steps, rl_steps=rl_steps, out_dir=args.out, seed=args.seed or 0,
                       batch_size=batch, quiet=args.json)
     if args.json:

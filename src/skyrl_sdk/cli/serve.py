@@ -9,6 +9,7 @@ and the reason; the banner is printed once the port is bound.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import uvicorn  # the [server] extra: imported here so `skyrl-sdk serve` can say
 from ..errors import InputError, SkyrlError
 from ..server.app import create_app
 from ..server.config import ServerConfig, is_loopback
+from .threads import apply as apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,20 @@ def check_engine(engine: str) -> None:
         get_registry().engine_spec(engine)
     except InputError as exc:
         raise InputError(f"--engine: {exc}") from None
+
+
+def check_port(host: str, port: int) -> None:
+    """The port is a TCP port and ``host:port`` can be bound now (uvicorn binds it after the
+    slower checks; a port in use or out of range would otherwise end in its traceback)."""
+    if not 1 <= port <= 65535:
+        raise InputError(f"--port: expected a TCP port from 1 to 65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as exc:
+        raise InputError(f"--host/--port: cannot bind {host}:{port}: {(exc.strerror or str(exc)).lower()}") from None
 
 
 def check_model_files(model: str) -> None:
@@ -106,11 +122,13 @@ def banner(config: Any) -> str:
 def serve(args: Any) -> int:
     """The ``serve`` subcommand: validate, bind, announce, run until Ctrl-C."""
     try:
+        check_port(getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000))
         config = ServerConfig.from_args(args)
         preflight(config.models, config.engine, config.engine_config, lazy=bool(getattr(args, "lazy", False)))
     except SkyrlError as exc:
         print(f"skyrl-sdk serve: cannot start: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    logger.info("torch uses %s", apply_threads(getattr(args, "threads", None)))
     if not is_loopback(config.host) and not config.owners():
         logger.warning("serving on %s without an API key: anyone who can reach it can train and read "
                        "checkpoints (pass --api-key or set SKYRL_SDK_API_KEY)", config.host)

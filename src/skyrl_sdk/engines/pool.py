@@ -36,7 +36,7 @@ import attrs
 import torch
 
 from ..errors import InputError, ModelLoadError
-from ..models.loading import load_model, lora_targets
+from ..models.loading import load_model, lora_targets, peft_model
 from ..models.scoring import ScoringModel, count_parameters
 from ..types import LoraConfig
 from . import offload
@@ -161,8 +161,6 @@ class AdapterPool:
     # ---- adapters ---------------------------------------------------------------------------------
     def add_adapter(self, lora: LoraConfig, seed: int, label: str = "") -> Adapter:
         """A new adapter initialised exactly as ``load_model(..., lora=lora, seed=seed)`` would."""
-        import peft
-
         config = self._peft_config(lora)
         name = f"skyrl{next(self._names)}"
         with self.gate.turn(("add", name)):
@@ -172,7 +170,7 @@ class AdapterPool:
                 if self._peft is not None:
                     self._peft.add_adapter(name, config)
                 else:
-                    self._peft = peft.get_peft_model(self.plain, config, adapter_name=name)
+                    self._peft = peft_model(self.plain, config, adapter_name=name)
             self.module.to(self.device)
             self.module.eval()
             params = [(solo_name(n, name), p) for n, p in self.module.named_parameters() if name in n.split(".")]

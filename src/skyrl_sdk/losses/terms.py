@@ -126,6 +126,10 @@ def build_terms(shared: Mapping[str, Any], role: str, loss_name: str) -> LossTer
         raise LossConfigError(f"loss {loss_name!r}: invalid loss_fn_config: {exc}") from None
 
 
+#: Inputs only a loss term reads, and what turns that term on (named when one comes without it).
+TERM_INPUTS = {"ref_logprobs": "kl_coef > 0 (the KL term to a reference model)"}
+
+
 def required_inputs(terms: LossTerms) -> tuple[str, ...]:
     """Inputs the terms need on top of the loss's own: ``ref_logprobs`` with a KL term."""
     return ("ref_logprobs",) if terms.kl_coef > 0 else ()

@@ -15,7 +15,7 @@ from ..errors import DatumError, did_you_mean
 from ..types import Datum
 from .base import LossSpec
 from .resolve import ResolvedLoss
-from .terms import with_call_normalizers
+from .terms import TERM_INPUTS, with_call_normalizers
 
 
 def check_call(data: Sequence[Datum], resolved: ResolvedLoss, vocab_size: int | None) -> ResolvedLoss:
@@ -90,6 +90,19 @@ def _check_ratio_bound(array: np.ndarray, key: str, index: int) -> None:
         )
 
 
+def inputs_for_forward(datums: Sequence[Datum], spec: LossSpec, known: set[str]) -> list[Datum]:
+    """The datums a forward pass (no gradient) scores: without the keys ``spec`` does not take
+    that other losses or the loss terms use (``known``), so a reference model's
+    ``forward(data, "cross_entropy")`` takes the policy's datums as they are. A key no loss
+    uses is kept, and refused by validation as usual (a typo is never dropped silently)."""
+    accepted = set(spec.required_inputs) | set(spec.optional_inputs)
+    unused = (known | set(TERM_INPUTS)) - accepted
+    return [d if unused.isdisjoint(d.loss_fn_inputs) else
+            Datum(model_input=d.model_input,
+                  loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k not in unused})
+            for d in datums]
+
+
 def check_same_keys(datums: Sequence[Datum]) -> None:
     """All datums of a call carry the same loss_fn_inputs keys (they are packed together)."""
     first = set(datums[0].loss_fn_inputs)
@@ -123,12 +136,10 @@ def check_loss_inputs(
             )
     for key, shape in shapes.items():
         if key not in accepted:
-            raise DatumError(
-                f"{label} does not take this input; accepted inputs: "
-                f"{sorted(accepted)}{did_you_mean(key, accepted)}",
-                index=index,
-                key=key,
-            )
+            hint = (f"; it is a loss term's input: set {TERM_INPUTS[key]} in loss_fn_config, or drop it"
+                    if key in TERM_INPUTS else did_you_mean(key, accepted))
+            raise DatumError(f"{label} does not take this input; accepted inputs: {sorted(accepted)}{hint}",
+                             index=index, key=key)
         if len(shape) == 0 or shape[0] != n:
             raise DatumError(
                 f"expected first dimension {n} (the model_input length), got shape {list(shape)}",

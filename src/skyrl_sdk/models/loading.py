@@ -238,11 +238,9 @@ def apply_lora(model, lora: LoraConfig, seed: int):
     )
     swapped = _cpu_placeholders(model, targets)
     try:
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-            # peft reads transformers' deprecated is_gradient_checkpointing: our call, not the user's
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(lora.seed if lora.seed is not None else seed)
-            wrapped = peft.get_peft_model(model, config)
+            wrapped = peft_model(model, config)
     finally:
         for layer, weight in swapped:
             weight.requires_grad_(layer.weight.requires_grad)  # peft froze the placeholder
@@ -251,6 +249,22 @@ def apply_lora(model, lora: LoraConfig, seed: int):
     if head is not None:  # a critic's value head is new: it always trains
         head.requires_grad_(True)
     return wrapped
+
+
+def peft_model(model, config, adapter_name: str = "default"):
+    """``peft.get_peft_model``: every LoRA wrap goes through here (``apply_lora``, the shared
+    base's first adapter).
+
+    peft's ``PeftModel.__init__`` (0.21.2, the newest release) reads
+    ``model.is_gradient_checkpointing``, which transformers 5 deprecated with a FutureWarning
+    on every read: a warning about peft's code, not the caller's, that nothing the caller
+    does can avoid. It is silenced for this one call and that one message only.
+    """
+    import peft
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(model, config, adapter_name=adapter_name)
 
 
 def _cpu_placeholders(model, targets: list[str]) -> list[tuple[torch.nn.Module, torch.nn.Parameter]]:

@@ -47,8 +47,8 @@ def skyrl_sdk_register_losses(register):
         clipped_pg,
         description="Policy gradient with advantages clipped to [-max_abs_advantage, max_abs_advantage].",
         required_inputs=("target_tokens", "advantages"),
-        # "logprobs" (the sampler's) is accepted so the datums of skyrl_sdk.rl.datum_from_sample
-        # fit as they are; this on-policy loss does not read it
+        # "logprobs" (the sampler's) is not read, but declared: the datums of
+        # skyrl_sdk.rl.datum_from_sample (docs/rl.md) carry it and are taken as they are
         optional_inputs=("weights", "logprobs"),
         config_cls=ClippedPGConfig,
         outputs=("logprobs", "elementwise_loss"),

@@ -40,6 +40,8 @@ def skyrl_sdk_register_losses(register):
         reinforce,
         description="REINFORCE policy gradient, -sum(advantages * logprobs * weights).",
         required_inputs=("target_tokens", "advantages"),
-        optional_inputs=("weights",),
+        # "logprobs" (the sampler's) is not read, but declared: the datums of
+        # skyrl_sdk.rl.datum_from_sample (docs/rl.md) carry it and are taken as they are
+        optional_inputs=("weights", "logprobs"),
         outputs=("logprobs", "elementwise_loss"),
     )

@@ -1,0 +1,51 @@
+"""Repository-wide pytest option ``--suite``: the two processes ``tox`` runs the tests in.
+
+The HTTP-server tests (``tests/test_server*.py``) keep uvicorn and per-model worker threads
+alive across tests, so tox runs them in a process of their own: ``--suite main`` collects
+every other test file, ``--suite server`` only those. Both commands get the same arguments,
+so ``tox -- -k losses`` runs each selected test once, in its own process, and a suite left
+with nothing selected passes instead of failing with "no tests ran". Without ``--suite``
+everything is collected, as plain ``pytest`` always did.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import pytest
+
+SERVER_TESTS = "test_server*.py"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--suite", choices=("main", "server"), default=None,
+                     help=f"collect only the HTTP-server tests ({SERVER_TESTS}, 'server') or only the others "
+                          "('main'); tox runs the two in separate processes")
+
+
+def pytest_ignore_collect(collection_path, config):
+    suite = config.getoption("suite")
+    name = collection_path.name
+    if suite is None or not (name.startswith("test_") and name.endswith(".py")):
+        return None
+    if (suite == "server") != fnmatch.fnmatch(name, SERVER_TESTS):
+        return True  # the other suite's file: not even imported here
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files named on the command line are collected even when ignored: deselect their tests."""
+    suite = config.getoption("suite")
+    if suite is None:
+        return
+    keep, drop = [], []
+    for item in items:
+        (keep if (suite == "server") == fnmatch.fnmatch(item.path.name, SERVER_TESTS) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("suite") and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        session.exitstatus = pytest.ExitCode.OK  # the selection is all in the other suite
