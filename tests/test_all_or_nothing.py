@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import _fragile
 import skyrl_sdk
 from skyrl_sdk import errors, types
 from skyrl_sdk.evaluate import evaluate_loss
@@ -111,22 +112,14 @@ def test_sequences_longer_than_the_model_s_positions_are_refused_before_compute(
 
 
 # ---- a loss's declared outputs against the requested reduction ------------------------------------
-def test_a_reduction_a_loss_cannot_serve_is_refused_before_its_forward_pass(backend, fresh_plugins):  # noqa: F811
-    calls = []
-
-    @skyrl_sdk.register_loss("sum_only_ce", description="no per-token loss", required_inputs=("target_tokens",),
-                             optional_inputs=("weights",))
-    def sum_only(batch, config):
-        calls.append(1)
-        return LossOutput(loss=-(batch.target_logprobs * batch.mask()).sum())
-
+def test_a_reduction_a_loss_cannot_serve_is_refused_before_its_forward_pass(backend, fragile_losses):
     _refused_without_a_trace(
         backend, lambda: backend.forward_backward(SFT, "sum_only_ce", {"loss_reduction": "seq_mean_token_mean"}),
         errors.LossConfigError, r"loss 'sum_only_ce' does not declare elementwise_loss among its outputs "
                                 r"\['logprobs'\], so it cannot use loss_reduction 'seq_mean_token_mean'")
-    assert calls == []  # refused before the forward pass
+    assert fragile_losses == []  # refused before the forward pass
     backend.forward_backward(SFT, "sum_only_ce", {"loss_reduction": "token_mean"})  # a uniform one is served
-    assert calls
+    assert fragile_losses
 
 
 def test_a_loss_that_declares_elementwise_loss_but_returns_none_is_the_plugin_s_fault(backend, fresh_plugins):  # noqa: F811
@@ -192,66 +185,19 @@ def test_bool_weights_are_a_mask():
 
 
 # ---- a call that fails mid-way leaves the pending gradients as they were ---------------------------
-class Boom(Exception):
-    """What the fragile losses raise."""
-
-
-#: the weight that makes the fragile losses fail on the micro-batch holding it
-MARK = 13.0
-
-
-def _marked(data):
-    """``data`` with the shortest datum's first weight set to :data:`MARK` (the engine runs the
-    longest first, so the other micro-batches back-propagate before the failure)."""
-    i = min(range(len(data)), key=lambda j: data[j].model_input.length)
-    weights = data[i].loss_fn_inputs["weights"].array.copy()
-    weights[0] = MARK
-    marked = types.Datum(model_input=data[i].model_input, loss_fn_inputs={**data[i].loss_fn_inputs, "weights": weights})
-    return [*data[:i], marked, *data[i + 1:]]
-
-
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise torch.OutOfMemoryError("simulated: CUDA out of memory in backward")
-
-
 @pytest.fixture
 def fragile_losses(fresh_plugins):  # noqa: F811
-    """``fragile_ce`` raises in its forward, ``oom_ce`` in its backward, on the micro-batch with
-    a :data:`MARK` weight; the list counts the micro-batches each saw."""
-    seen = []
-    common = dict(required_inputs=("target_tokens",), optional_inputs=("weights",),
-                  outputs=("logprobs", "elementwise_loss"))
-
-    @skyrl_sdk.register_loss("fragile_ce", description="raises on a marked micro-batch", **common)
-    def fragile(batch, config):
-        seen.append("fragile_ce")
-        if bool((batch.mask() == MARK).any()):
-            raise Boom("a plugin loss failed mid-call")
-        per_token = -batch.target_logprobs * batch.mask()
-        return LossOutput(loss=per_token.sum(), elementwise_loss=per_token)
-
-    @skyrl_sdk.register_loss("oom_ce", description="backward runs out of memory on a marked micro-batch", **common)
-    def oom(batch, config):
-        seen.append("oom_ce")
-        lp = _FailingBackward.apply(batch.target_logprobs) if bool((batch.mask() == MARK).any()) \
-            else batch.target_logprobs
-        per_token = -lp * batch.mask()
-        return LossOutput(loss=per_token.sum(), elementwise_loss=per_token)
-
+    """The losses of tests/_fragile.py; the list counts the micro-batches each saw."""
+    seen: list[str] = []
+    _fragile.declare(seen)
     return seen
 
 
 MICRO = {"micro_batch_tokens": 8}  # one datum per micro-batch: earlier ones back-propagate first
-FAILING = _marked(make_sft_data([4, 5, 6, 7], seed=3))
+FAILING = _fragile.marked(make_sft_data([4, 5, 6, 7], seed=3))
 
 
-@pytest.mark.parametrize("loss,error", [("fragile_ce", Boom), ("oom_ce", torch.OutOfMemoryError)])
+@pytest.mark.parametrize("loss,error", [("fragile_ce", _fragile.Boom), ("oom_ce", torch.OutOfMemoryError)])
 def test_a_call_failing_mid_way_keeps_the_pending_gradients(fragile_losses, loss, error):
     with skyrl_sdk.Backend(seed=0, engine_config=MICRO, grad_accumulation="mean") as b, \
             skyrl_sdk.Backend(seed=0, engine_config=MICRO, grad_accumulation="mean") as reference:
@@ -270,7 +216,7 @@ def test_a_call_failing_mid_way_keeps_the_pending_gradients(fragile_losses, loss
         assert b.optim_step(ADAM).metrics["num_forward_backward_calls"] == 2.0
         reference.optim_step(ADAM)
         assert_tensors_close(weights_of(b), weights_of(reference), atol=0.0, what="weights")
-        with pytest.raises(Boom):  # nothing pending: the failed call leaves nothing either
+        with pytest.raises(_fragile.Boom):  # nothing pending: the failed call leaves nothing either
             b.forward_backward(FAILING, "fragile_ce")
         assert grads_of(b) == {} and b._calls_since_step == 0
 
@@ -278,7 +224,7 @@ def test_a_call_failing_mid_way_keeps_the_pending_gradients(fragile_losses, loss
 def test_keep_grads_on_error_off_drops_everything_and_says_so(fragile_losses):
     with skyrl_sdk.Backend(seed=0, engine_config={**MICRO, "keep_grads_on_error": False}) as b:
         b.forward_backward(SFT)
-        with pytest.raises(Boom) as info:
+        with pytest.raises(_fragile.Boom) as info:
             b.forward_backward(FAILING, "fragile_ce")
         assert "the pending gradients of the 1 earlier forward_backward call(s) since the last step were dropped " \
                "too (engine_config keep_grads_on_error=False)" in info.value.__notes__[0]
@@ -294,7 +240,7 @@ def test_shared_base_adapters_keep_their_pending_gradients(fragile_losses):
         alice.forward_backward(SFT)
         bob.forward_backward(RL, "ppo")
         mine, theirs = grads_of(alice), grads_of(bob)
-        with pytest.raises(Boom):
+        with pytest.raises(_fragile.Boom):
             alice.forward_backward(FAILING, "fragile_ce")
         _same(grads_of(alice), mine)
         _same(grads_of(bob), theirs)
