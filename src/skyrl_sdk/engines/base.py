@@ -79,7 +79,11 @@ class Engine:
     tokenizer: Any = None
 
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
-        """Score ``data`` with ``loss``; with ``backward`` add the gradient of the summed loss."""
+        """Score ``data`` with ``loss``; with ``backward`` add the gradient of the summed loss.
+
+        A backward call that raises leaves the pending gradients as they were (``ModelRunner``
+        keeps them with :mod:`.call_grads`) or says it dropped them (``call_grads.DROPPED`` on the
+        exception, so the Backend resets its call count)."""
         raise NotImplementedError(f"engine {self.name!r} does not implement run")
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:

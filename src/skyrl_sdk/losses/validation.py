@@ -17,8 +17,9 @@ from ..errors import DatumError, InputError, LossConfigError, did_you_mean
 from ..types import Datum
 from ..types.numbers import check_representable
 from .base import LossSpec
+from .reduction import PER_TOKEN_REDUCTIONS
 from .resolve import ResolvedLoss
-from .terms import PER_TOKEN_REDUCTIONS, with_call_normalizers
+from .terms import with_call_normalizers
 
 
 def check_call(data: Sequence[Datum], resolved: ResolvedLoss, vocab_size: int | None,
@@ -46,9 +47,7 @@ def check_resolved(resolved: ResolvedLoss) -> None:
 
     A loss declares that it returns a differentiable ``elementwise_loss`` (with
     ``elementwise_loss.sum() == loss``) by listing ``"elementwise_loss"`` in ``LossSpec.outputs``."""
-    for key, value in _numbers_of(resolved.config):
-        check_representable(f"{resolved.label}: loss_fn_config[{key!r}]", value, error=LossConfigError)
-    for key, value in _numbers_of(resolved.terms):
+    for key, value in (*_numbers_of(resolved.config), *_numbers_of(resolved.terms)):
         check_representable(f"{resolved.label}: loss_fn_config[{key!r}]", value, error=LossConfigError)
     reduction = resolved.terms.loss_reduction
     if reduction in PER_TOKEN_REDUCTIONS and "elementwise_loss" not in resolved.spec.outputs:
