@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 
+from .call_grads_worker import measure
 from .common import (
     ADAM,
     alternate,
@@ -84,15 +85,15 @@ def _time(ctx, model_dir, spec) -> dict:
 
 def _memory(ctx, model_dir) -> dict:
     """Peak growth per (case, size, setting): each in a fresh process, the settings' order
-    alternating; smoke mode: everything in one process (checks the path, not a measurement)."""
+    alternating; smoke mode: all in this process (checks the path, not a measurement)."""
     runs = [(case, size, name) for case in CASES for size in _memory_sizes(ctx.smoke) for name in SETTINGS]
 
     def worker(chosen):
-        batch_seq = [list(_memory_sizes(ctx.smoke)[size]) for _, size, _ in chosen]
+        runs = [[CASES[case], SETTINGS[name], *_memory_sizes(ctx.smoke)[size]] for case, size, name in chosen]
+        if ctx.smoke:  # in this process: the code path, without a second interpreter's start-up
+            return [measure(str(model_dir), *run) for run in runs]
         return run_worker("benchmarks.call_grads_worker", [
-            "--model", str(model_dir), "--threads", str(ctx.threads),
-            "--runs", json.dumps([[CASES[c], SETTINGS[n], *bs] for (c, _, n), bs in zip(chosen, batch_seq,
-                                                                                         strict=True)]),
+            "--model", str(model_dir), "--threads", str(ctx.threads), "--runs", json.dumps(runs),
         ], "pending_grads memory", env=LIVE_RSS)
 
     found: dict[tuple, list[dict]] = {run: [] for run in runs}
@@ -127,7 +128,7 @@ def run(ctx) -> dict:
     return {"model": {**spec, "parameters": num_parameters(spec)}, "calls_per_step": CALLS,
             "tokens_per_call": batch * seq, "cases": cases,
             "memory_method": "fresh process per setting; VmHWM after clear_refs minus RSS, the second call; "
-                             "MALLOC_MMAP_THRESHOLD_=65536" if not ctx.smoke else "smoke: one process for every run"}
+                             "MALLOC_MMAP_THRESHOLD_=65536" if not ctx.smoke else "smoke: in the suite's process"}
 
 
 def table(result: dict) -> list[str]:
