@@ -280,10 +280,12 @@ def proc_status(field: str, pid: int | str = "self") -> int:
     raise RuntimeError(f"{field} not in /proc/{pid}/status")
 
 
-def run_worker(module: str, args: Sequence[str], what: str, timeout: int = 1800) -> Any:
-    """Run ``python -m <module> <args>`` in a fresh process (a clean memory baseline) and
-    return the JSON document on its last stdout line."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+def run_worker(module: str, args: Sequence[str], what: str, timeout: int = 1800,
+               env: Mapping[str, str] | None = None) -> Any:
+    """Run ``python -m <module> <args>`` in a fresh process (a clean memory baseline; ``env``
+    adds variables) and return the JSON document on its last stdout line."""
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:

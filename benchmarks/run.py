@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # ``python benchmarks/run.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import (
+    call_grads,
     checkpointing,
     fsdp,
     fsdp_loading,
@@ -59,6 +60,7 @@ BENCHMARKS = {
     qwen.NAME: qwen,
     grpo.NAME: grpo,
     optim_step.NAME: optim_step,
+    call_grads.NAME: call_grads,
 }
 
 
@@ -172,6 +174,12 @@ def targets(results: dict) -> list[dict]:
         r = results.get(module.NAME, {})
         if r.get("status") == "ok":
             rows.extend(module.targets(r))
+    for case, c in results.get(call_grads.NAME, {}).get("cases", {}).items():
+        add(call_grads.NAME, f"{case}: step time, pending gradients kept / dropped on failure, reported",
+            c["time_ratio"], None, "reported")
+        for size, m in c["memory"].items():
+            add(call_grads.NAME, f"{case}, {m['tokens']}-token call ({size}): extra peak memory / one gradient "
+                f"buffer, reported", m["extra_per_gradient_buffer"], None, "reported")
     r = results.get(grpo.NAME, {})
     for side in ("backend", "server") if r.get("status") == "ok" else ():
         v = r["sides"][side]["ratio_to_trl"]

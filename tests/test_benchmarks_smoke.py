@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow  # each test runs a script or a server: seconds to
 REPO = Path(__file__).resolve().parent.parent
 #: every benchmark registered in benchmarks/run.py must run in smoke mode
 BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "fsdp_loading", "scaling",
-              "sampling", "tenancy", "mixed_precision", "activation_checkpointing", "qwen_0p5b", "grpo", "optim_step"]
+              "sampling", "tenancy", "mixed_precision", "activation_checkpointing", "qwen_0p5b", "grpo", "optim_step",
+              "pending_grads"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")

@@ -104,6 +104,84 @@ def test_unwritable_paths_raise_checkpoint_error_with_path_and_reason(backend, t
         backend.save_state("/proc/skyrl-nowhere/ckpt")
 
 
+def _names(directory):
+    return sorted(p.name for p in directory.iterdir())
+
+
+NO_SPACE = 'Error while serializing: I/O error: No space left on device (os error 28) at path "{}/.tmpAbC123"'
+
+
+def test_a_full_disk_is_a_checkpoint_error_naming_the_target_and_the_cause(backend, tmp_path, monkeypatch):
+    """safetensors reports ENOSPC as its own SafetensorError (the server answered "internal server
+    error"); it becomes a CheckpointError, the old checkpoint stays and nothing is left behind."""
+    from safetensors import SafetensorError
+
+    backend.save_state(tmp_path / "ckpt")
+    old = _weights(tmp_path / "ckpt")
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError(NO_SPACE.format(os.path.dirname(filename)))
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    for save in (backend.save_state, backend.save_weights_for_sampler):
+        with pytest.raises(errors.CheckpointError, match=rf"^cannot save to {tmp_path}/ckpt: no space left on the "
+                                                         rf"device \(at model\.safetensors\)$"):
+            save(tmp_path / "ckpt", overwrite=True)
+    assert _names(tmp_path) == ["ckpt"]
+    assert all(torch.equal(old[k], v) for k, v in _weights(tmp_path / "ckpt").items())
+
+
+def test_a_real_write_failure_is_a_checkpoint_error(backend, tmp_path):
+    """A real I/O error out of safetensors' writer: a file-size limit (EFBIG), in a forked child."""
+    import resource
+    import signal
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: only the save
+        message = "no error"
+        try:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+            backend.save_state(tmp_path / "ckpt")
+        except BaseException as exc:
+            message = f"{type(exc).__name__}: {exc}"
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as fh:
+        message = fh.read()
+    assert message == f"CheckpointError: cannot save to {tmp_path}/ckpt: File too large (at model.safetensors)"
+    assert _names(tmp_path) == []
+
+
+def test_a_symbolic_link_loop_is_a_checkpoint_error(backend, tmp_path):
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    with pytest.raises(errors.CheckpointError, match=r"cannot save to .*/a/ckpt: a symbolic link loop"):
+        backend.save_state(tmp_path / "a" / "ckpt")
+
+
+@pytest.mark.parametrize("length", [230, 254, 255])
+def test_every_valid_name_saves_overwrites_and_loads(backend, tmp_path, length):
+    """The temporary names add ~25 bytes to the target's: they are shortened, never the target."""
+    target = tmp_path / ("n" * length)
+    for overwrite in (False, True):
+        backend.save_state(target, overwrite=overwrite)
+        backend.save_weights_for_sampler(tmp_path / ("w" * length), overwrite=overwrite)
+    backend.load_state(target)
+    assert _names(tmp_path) == sorted([target.name, "w" * length])
+    for kind in ("tmp", "old"):
+        assert len(checkpoint.leftover_name(target.name, kind, 4194304, "0a1b2c3d", 255).encode()) <= 255
+
+
+def test_a_name_beyond_the_limit_says_the_limit(backend, tmp_path):
+    with pytest.raises(errors.CheckpointError, match=r"its name is 256 bytes; the limit is 255 bytes per name"):
+        backend.save_state(tmp_path / ("n" * 256))
+    assert _names(tmp_path) == []
+
+
 def _dead_pid():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -199,8 +277,13 @@ def _no_exchange(a, b):
     raise checkpoint._NoRenameat2()
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames-fallback"])
-def test_a_crash_at_any_step_of_an_overwrite_leaves_old_or_new(tmp_path, monkeypatch, exchange):
+#: a valid name so long (254 bytes) that the leftovers' names are shortened (issue 21)
+LONG_NAME = "c" * 254
+
+
+@pytest.mark.parametrize("exchange,name", [(True, "ckpt"), (False, "ckpt"), (False, LONG_NAME)],
+                         ids=["renameat2-exchange", "two-renames-fallback", "two-renames-fallback-254-byte-name"])
+def test_a_crash_at_any_step_of_an_overwrite_leaves_old_or_new(tmp_path, monkeypatch, exchange, name):
     with skyrl_sdk.Backend(seed=0) as b:
         b.save_state(tmp_path / "old")
         b.forward_backward(make_sft_data([5], seed=0))
@@ -209,10 +292,11 @@ def test_a_crash_at_any_step_of_an_overwrite_leaves_old_or_new(tmp_path, monkeyp
     old, new = _weights(tmp_path / "old"), _weights(tmp_path / "new")
     parent = tmp_path / "saves"
     parent.mkdir()
-    target = parent / "ckpt"
+    target = parent / name
     shutil.copytree(tmp_path / "old", target)
     points = _crash_points(target, tmp_path / "new", monkeypatch, exchange)
-    group = f"kill at each step of an overwrite ({'renameat2 exchange' if exchange else 'two-renames fallback'})"
+    group = f"kill at each step of an overwrite ({'renameat2 exchange' if exchange else 'two-renames fallback'}" \
+            f"{', 254-byte name' if name == LONG_NAME else ''})"
     seen = []
     with skyrl_sdk.Backend(seed=3) as loader:
         crash_at = 1
@@ -233,7 +317,7 @@ def test_a_crash_at_any_step_of_an_overwrite_leaves_old_or_new(tmp_path, monkeyp
             state = _which(target, old, new, loader)
             if not exchange:
                 seen.append(state)
-            assert sorted(p.name for p in parent.iterdir()) == ["ckpt"], crash_at
+            assert sorted(p.name for p in parent.iterdir()) == [name], crash_at
             PROBES.handled(group, state)
             crash_at += 1
     assert crash_at > 10, crash_at  # every step was visited

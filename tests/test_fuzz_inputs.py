@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import skyrl_sdk
@@ -26,12 +25,6 @@ from skyrl_sdk.inputs.coerce import adam_params_from_any, sampling_params_from_a
 from skyrl_sdk.testing import make_sft_data, weights_of
 
 pytestmark = pytest.mark.fuzz
-
-settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-settings.register_profile("long", max_examples=2000, deadline=None,
-                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 VOCAB = 320  # the tiny model's
 #: probes tried / handled (accepted or rejected), by group; $SKYRL_PROBE_REPORT (closing notes)

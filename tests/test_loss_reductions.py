@@ -188,7 +188,7 @@ def test_plugin_loss_with_elementwise_loss_gets_reductions():
 
     registry.register_dialect("test", "native", convert_native)
     registry.register_loss("test", "neg_lp", weighted_neg_lp, description="", required_inputs=(),
-                           optional_inputs=("weights",))
+                           optional_inputs=("weights",), outputs=("logprobs", "elementwise_loss"))
     registry.register_loss("test", "sum_only", sum_only, description="", required_inputs=(),
                            optional_inputs=("weights",))
     from unittest import mock
@@ -211,7 +211,7 @@ def test_plugin_loss_with_elementwise_loss_gets_reductions():
         lp = lp0.clone().requires_grad_()
         loss, _ = evaluate_loss("neg_lp", lp, {"weights": w}, {"loss_reduction": "seq_mean_token_mean"})
         assert float(loss.detach()) == pytest.approx(4.5 / 3)
-        with pytest.raises(errors.LossConfigError, match="returns no elementwise_loss"):
+        with pytest.raises(errors.LossConfigError, match="does not declare elementwise_loss"):
             evaluate_loss("sum_only", lp0.clone().requires_grad_(), {"weights": w},
                           {"loss_reduction": "seq_mean_token_mean"})
 

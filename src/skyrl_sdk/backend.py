@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from .engines import call_grads
 from .errors import CheckpointError, InputError
 from .inputs.coerce import (
     adam_params_from_any,
@@ -29,7 +30,7 @@ from .inputs.coerce import (
 from .losses.metrics import MetricAccumulator
 from .losses.resolve import ResolvedLoss, resolve_loss
 from .losses.run import add_prepared_inputs
-from .losses.validation import check_call, inputs_for_forward, token_range_problem
+from .losses.validation import check_call, check_prompts, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
 from .plugins.manager import get_registry
 from .types import (
@@ -153,7 +154,7 @@ class Backend:
         if not backward:  # no gradient: take the inputs this loss reads, leave the other losses' alone
             known = {k for spec in get_registry().losses.values() for k in spec.required_inputs + spec.optional_inputs}
             datums = inputs_for_forward(datums, resolved.spec, known)
-        resolved = check_call(datums, resolved, self.vocab_size)  # before any compute
+        resolved = check_call(datums, resolved, self.vocab_size, self.engine.info.max_positions)  # before compute
         if resolved.spec.prepare is not None:
             datums = add_prepared_inputs(datums, resolved, self.engine.run(datums, resolved, backward=False).outputs)
         return datums, resolved
@@ -177,12 +178,29 @@ class Backend:
             t0 = time.perf_counter()
             try:
                 result = self.engine.run(datums, resolved, backward=True)
-            except BaseException:
-                self._calls_since_step = 0  # the engine dropped the pending gradients
+            except BaseException as exc:
+                self._after_failed_call(exc)
                 raise
             self._calls_since_step += 1
             logger.info("forward_backward(%s): %d datums, %.3fs", resolved.name, len(datums), time.perf_counter() - t0)
             return self._outputs(result)
+
+    def _after_failed_call(self, exc: BaseException) -> None:
+        """Keep the count of calls since the last step right after a failed forward_backward, and
+        say in the error what became of the pending gradients (the engine records it)."""
+        kept = call_grads.outcome(exc)
+        if kept is None:
+            return
+        earlier = self._calls_since_step
+        what = f"the pending gradients of the {earlier} earlier forward_backward call(s) since the last step"
+        if kept == call_grads.DROPPED:
+            self._calls_since_step = 0
+            note = f"{what} were dropped too (engine_config keep_grads_on_error=False)"
+        else:
+            note = f"{what} were kept as they were" if earlier else "no gradients were pending"
+        notes = getattr(exc, "__notes__", None)
+        exc.__notes__ = [*(notes if isinstance(notes, list) else []),
+                         f"forward_backward failed mid-call: this call's partial gradients were dropped; {note}"]
 
     def forward(
         self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
@@ -235,10 +253,7 @@ class Backend:
         if not isinstance(prompt_logprobs, bool):
             raise InputError(f"prompt_logprobs: expected true or false, got {prompt_logprobs!r}")
         arrays = prompts_from_any(prompts)
-        for i, tokens in enumerate(arrays):
-            problem = token_range_problem(tokens, self.vocab_size)
-            if problem:
-                raise InputError(f"prompt {i}: {problem}")
+        check_prompts(arrays, self.vocab_size, self.engine.info.max_positions, params.max_tokens)
         with self._lock:
             self._check_open()
             if self._sampler is None:

@@ -11,7 +11,7 @@ from .losses.base import LossInput
 from .losses.metrics import MetricAccumulator
 from .losses.resolve import resolve_loss
 from .losses.run import run_loss
-from .losses.validation import check_loss_inputs
+from .losses.validation import check_loss_inputs, check_resolved
 
 
 def evaluate_loss(
@@ -40,6 +40,7 @@ def evaluate_loss(
         spec = registry.losses.get(native)
         role = spec.role if spec is not None else "policy"
     resolved = resolve_loss(registry, name, config, dialect=dialect, role=role)
+    check_resolved(resolved)
     n = int(target_logprobs.shape[0])
     device = target_logprobs.device
     tensors = {}

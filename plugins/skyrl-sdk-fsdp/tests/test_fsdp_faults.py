@@ -17,7 +17,7 @@ psutil = pytest.importorskip("psutil")
 from fsdp_testutil import HANG_S
 
 import skyrl_sdk
-from skyrl_sdk.errors import EngineError, PluginError
+from skyrl_sdk.errors import DatumError, EngineError, LossConfigError, PluginError
 from skyrl_sdk.testing import fresh_plugins, make_sft_data, plugin_site  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -109,6 +109,27 @@ def test_plugin_fault_on_the_ranks_arrives_as_plugin_error(fresh_plugins, plugin
         backend.optim_step()
     backend.close()
     assert _wait_gone(pids) == []
+
+
+def test_bad_input_is_refused_before_any_rank_computes():
+    """Issue 21: what is knowable is checked on the controller (the model's positions come from
+    the ranks' EngineInfo), so the engine and its pending gradients stay as they were."""
+    import numpy as np
+
+    from skyrl_sdk.testing import make_rl_data
+
+    backend = _backend()
+    assert backend.engine.info.max_positions == 2048
+    backend.forward_backward(make_sft_data([5, 8, 3], seed=1))
+    before = backend.engine.gradients()
+    with pytest.raises(DatumError, match="2049 tokens; this model accepts at most 2048"):
+        backend.forward_backward(make_sft_data([4, 2049], seed=2))
+    with pytest.raises(LossConfigError, match="clip_high_threshold"):
+        backend.forward_backward(make_rl_data([4], seed=2), "ppo", {"clip_high_threshold": 1e308})
+    after = backend.engine.gradients()
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
+    assert backend.optim_step().metrics["num_forward_backward_calls"] == 1.0
+    backend.close()
 
 
 SCRIPT = textwrap.dedent(

@@ -24,7 +24,7 @@ import torch
 from ..errors import InputError
 from ..losses.base import scores_key  # noqa: F401  (part of the engine API)
 from ..losses.resolve import ResolvedLoss
-from ..models.loading import LoadedModel
+from ..models.loading import LoadedModel, max_positions
 from ..models.scoring import ScoringModel, count_parameters
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
 from .config import EngineConfig
@@ -49,6 +49,8 @@ class EngineInfo:
     num_parameters: int
     num_trainable_parameters: int
     eos_token_id: int | None = None
+    #: the longest sequence the model accepts (``max_position_embeddings``; None: no limit known)
+    max_positions: int | None = None
 
     @classmethod
     def of(cls, loaded: LoadedModel, module: torch.nn.Module | None = None, *,
@@ -59,7 +61,7 @@ class EngineInfo:
             loaded.module if module is None else module)
         return cls(model_name=loaded.name, architecture=loaded.architecture, vocab_size=loaded.vocab_size,
                    tokenizer_dir=loaded.tokenizer_dir, num_parameters=total, num_trainable_parameters=trainable,
-                   eos_token_id=loaded.eos_token_id)
+                   eos_token_id=loaded.eos_token_id, max_positions=max_positions(loaded.config))
 
 
 class Engine:
@@ -77,7 +79,11 @@ class Engine:
     tokenizer: Any = None
 
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
-        """Score ``data`` with ``loss``; with ``backward`` add the gradient of the summed loss."""
+        """Score ``data`` with ``loss``; with ``backward`` add the gradient of the summed loss.
+
+        A backward call that raises leaves the pending gradients as they were (``ModelRunner``
+        keeps them with :mod:`.call_grads`) or says it dropped them (``call_grads.DROPPED`` on the
+        exception, so the Backend resets its call count)."""
         raise NotImplementedError(f"engine {self.name!r} does not implement run")
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
@@ -130,4 +136,5 @@ def runner_options(config: EngineConfig, loaded: LoadedModel, device: torch.devi
     padding id, and autocast to the compute dtype under mixed precision."""
     return dict(device=device, micro_batch_tokens=config.micro_batch_tokens, batching=config.batching,
                 pad_id=loaded.pad_token_id,
-                autocast_dtype=config.torch_dtype if config.mixed_precision else None)
+                autocast_dtype=config.torch_dtype if config.mixed_precision else None,
+                keep_grads_on_error=config.keep_grads_on_error)

@@ -43,6 +43,9 @@ class EngineConfig:
     - ``logprob_chunk_elements``: tokens x vocab above which logprobs are chunked.
     - ``world_size``: ranks (FSDP engine only).
     - ``max_shard_bytes``: largest safetensors shard of an exported model.
+    - ``keep_grads_on_error``: a ``forward_backward`` that fails mid-call leaves the pending
+      gradients as they were (default), at the cost of one more gradient buffer while a call
+      runs on top of pending gradients; False: no extra buffer, such a failure drops them all.
     """
 
     device: str = "auto"
@@ -54,6 +57,7 @@ class EngineConfig:
     logprob_chunk_elements: int = attrs.field(default=2**27, validator=_positive)
     world_size: int = attrs.field(default=1, validator=_positive)
     max_shard_bytes: int = attrs.field(default=5 * 1024**3, validator=_positive)
+    keep_grads_on_error: bool = attrs.field(default=True, validator=_bool)
     extra: dict = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:

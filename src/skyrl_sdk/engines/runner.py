@@ -22,6 +22,7 @@ from ..models.scoring import ScoringModel
 from ..types import AdamParams, Datum
 from .base import EngineResult, scores_key
 from .batching import make_micro_batches, pack_inputs
+from .call_grads import call_gradients
 from .step_guard import StepBound, measure_step
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class ModelRunner:
         pad_id: int = 0,
         loss_scale: float = 1.0,
         autocast_dtype: torch.dtype | None = None,
+        keep_grads_on_error: bool = True,
     ) -> None:
         self.scoring = scoring
         self.device = device
@@ -54,6 +56,9 @@ class ModelRunner:
         #: mixed precision: the model's forward runs under ``torch.autocast`` in this dtype
         #: while parameters, gradients and AdamW moments keep theirs (float32)
         self.autocast_dtype = autocast_dtype
+        #: a backward call that fails keeps the pending gradients (at the cost of one more
+        #: gradient buffer while it runs; see :mod:`.call_grads`) or, False, drops them all
+        self.keep_grads_on_error = keep_grads_on_error
         self.optimizer: torch.optim.Optimizer | None = None
         self.step_count = 0
         #: (optimizer, bound on its state after its last step): see step_guard; a new optimizer
@@ -101,21 +106,15 @@ class ModelRunner:
         batches = self.plan(data) if batches is None else batches
         outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
         acc = MetricAccumulator()
-        had_grads = self.has_pending_grads()
         progress = tqdm(
             batches, desc="forward_backward" if backward else "forward", unit="mb",
             disable=len(batches) < PROGRESS_MIN_MICRO_BATCHES or None, leave=False,
         )
-        try:
+        # a call that fails mid-way leaves no partial gradient, and the pending ones as they were
+        params = [p for _, p in self.named_trainable()] if backward else []
+        with call_gradients(params, keep=self.keep_grads_on_error) if backward else contextlib.nullcontext():
             for mb in progress:
                 self._run_micro_batch(data, mb, loss, backward, outputs, acc)
-        except BaseException:
-            if backward:  # no partial gradient of this call may survive it
-                if had_grads:
-                    logger.error("forward_backward failed mid-call: the pending gradients of earlier calls "
-                                 "were discarded too")
-                self.zero_grad()
-            raise
         acc.add({"num_tokens:sum": Metric(float(sum(d.model_input.length for d in data)))})
         logger.debug("%s: %d datums in %d micro-batches", spec.name, len(data), len(batches))
         return EngineResult(outputs=outputs, metric_state=acc.state())  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import LossConfigError, did_you_mean
 from ..hooks import hookimpl
-from ..types.numbers import check_number
+from ..types.numbers import check_number, check_representable
 from .terms import term_keys
 
 #: Tinker loss name -> (native name for a policy, accepted Tinker config keys)
@@ -52,6 +52,7 @@ def _thresholds(cfg: Mapping[str, Any], loss: str) -> dict[str, float]:
     for key, value in (("clip_low_threshold", lo), ("clip_high_threshold", hi)):
         if value is not None:
             check_number(f"loss_fn_config[{key!r}]", value, error=LossConfigError)
+            check_representable(f"loss_fn_config[{key!r}]", value, error=LossConfigError)
     if lo is not None and not 0.0 <= lo <= 1.0:
         raise LossConfigError(
             f"loss_fn_config['clip_low_threshold']: expected 0 <= value <= 1 (an absolute ratio bound), got {lo}"

@@ -25,6 +25,9 @@ import torch
 from .base import LossInput, segment_sum
 
 REDUCTIONS = ("sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+#: Reductions that weight each token's loss (``LossOutput.elementwise_loss``) on its own, so a
+#: loss must declare ``elementwise_loss`` among its outputs to use them.
+PER_TOKEN_REDUCTIONS = ("seq_mean_token_mean",)
 #: Which call-level normalizer each reduction uses.
 USES_TOKENS = ("token_mean",)
 USES_SEQUENCES = ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")

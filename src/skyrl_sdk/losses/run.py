@@ -13,7 +13,7 @@ from ..types import Datum
 from .base import LossInput, LossOutput, scores_key
 from .metrics import Metric, check_metric_key
 from .resolve import ResolvedLoss
-from .terms import apply_terms
+from .terms import apply_terms, elementwise_loss_problem
 
 
 def _malformed(resolved: ResolvedLoss, problem: str) -> PluginError:
@@ -33,6 +33,9 @@ def run_loss(resolved: ResolvedLoss, loss_input: LossInput) -> tuple[LossOutput,
     if not isinstance(out.loss, torch.Tensor) or out.loss.dim() != 0:
         shape = tuple(out.loss.shape) if isinstance(out.loss, torch.Tensor) else type(out.loss).__name__
         raise _malformed(resolved, f"returned a loss that is not a scalar tensor: {shape}")
+    problem = elementwise_loss_problem(resolved.terms, loss_input, out)
+    if problem:
+        raise _malformed(resolved, problem)
     out = apply_terms(resolved.name, resolved.terms, loss_input, out)  # reduction, KL, entropy terms
     metrics = dict(out.metrics)
     for key, value in metrics.items():

@@ -26,7 +26,15 @@ from ..errors import LossConfigError
 from ..types.numbers import check_number
 from .base import LossInput, LossOutput
 from .metrics import Metric
-from .reduction import REDUCTIONS, USES_SEQUENCES, USES_TOKENS, reduce_tokens, token_mask, token_scale
+from .reduction import (
+    PER_TOKEN_REDUCTIONS,
+    REDUCTIONS,
+    USES_SEQUENCES,
+    USES_TOKENS,
+    reduce_tokens,
+    token_mask,
+    token_scale,
+)
 
 REDUCTION_KEYS = ("loss_reduction", "max_seq_len", "num_tokens_normalizer", "num_sequences_normalizer")
 POLICY_TERM_KEYS = ("kl_coef", "kl_estimator", "entropy_coef")
@@ -155,19 +163,28 @@ def with_call_normalizers(resolved, datums: Sequence):
     return attrs.evolve(resolved, terms=attrs.evolve(terms, **changes)) if changes else resolved
 
 
-def _reduced_loss(name: str, out: LossOutput, scale) -> torch.Tensor:
+def elementwise_loss_problem(terms: LossTerms, batch: LossInput, out: LossOutput) -> str | None:
+    """What is wrong with a loss's ``elementwise_loss`` for ``terms``' reduction, or None.
+
+    A loss that may use a per-token reduction declared ``elementwise_loss`` (checked before
+    compute), so a missing or malformed one here is the loss's fault (``run_loss`` says so)."""
+    if terms.loss_reduction not in PER_TOKEN_REDUCTIONS:
+        return None
+    per_token = out.elementwise_loss
+    if not isinstance(per_token, torch.Tensor):
+        return f"returned no elementwise_loss though it declares one (loss_reduction {terms.loss_reduction!r})"
+    if tuple(per_token.shape) != (batch.num_tokens,):
+        return f"returned an elementwise_loss of shape {tuple(per_token.shape)}, expected ({batch.num_tokens},)"
+    if out.loss.requires_grad and not per_token.requires_grad:
+        return (f"returned a detached elementwise_loss; loss_reduction {terms.loss_reduction!r} needs it "
+                f"differentiable (with elementwise_loss.sum() == loss)")
+    return None
+
+
+def _reduced_loss(out: LossOutput, scale) -> torch.Tensor:
     if not isinstance(scale, torch.Tensor):
         return out.loss * scale if scale != 1.0 else out.loss
-    per_token = out.elementwise_loss
-    if per_token is None:
-        raise LossConfigError(f"loss {name!r} returns no elementwise_loss, so it cannot use a per-sequence "
-                              f"loss_reduction (seq_mean_token_mean); use 'sum' or a uniform reduction")
-    if per_token.dim() != 1:
-        raise LossConfigError(f"loss {name!r}: elementwise_loss must have shape (T,), got {tuple(per_token.shape)}")
-    if out.loss.requires_grad and not per_token.requires_grad:
-        raise LossConfigError(f"loss {name!r} returns a detached elementwise_loss; seq_mean_token_mean needs it "
-                              f"differentiable (with elementwise_loss.sum() == loss)")
-    return reduce_tokens(per_token, scale)
+    return reduce_tokens(out.elementwise_loss, scale)  # checked by elementwise_loss_problem
 
 
 def apply_terms(name: str, terms: LossTerms, batch: LossInput, out: LossOutput) -> LossOutput:
@@ -178,7 +195,7 @@ def apply_terms(name: str, terms: LossTerms, batch: LossInput, out: LossOutput) 
         terms.loss_reduction, batch, num_tokens=terms.num_tokens_normalizer,
         num_sequences=terms.num_sequences_normalizer, max_seq_len=terms.max_seq_len,
     )
-    base = _reduced_loss(name, out, scale)
+    base = _reduced_loss(out, scale)
     metrics = dict(out.metrics)
     if terms.loss_reduction != "sum":
         for key in PRIMARY_LOSS_METRICS:

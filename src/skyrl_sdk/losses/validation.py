@@ -7,22 +7,29 @@ datum index, the key, what was expected and what came.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
+import attrs
 import numpy as np
 
-from ..errors import DatumError, did_you_mean
+from ..errors import DatumError, InputError, LossConfigError, did_you_mean
 from ..types import Datum
+from ..types.numbers import check_representable
 from .base import LossSpec
+from .reduction import PER_TOKEN_REDUCTIONS
 from .resolve import ResolvedLoss
 from .terms import TERM_INPUTS, with_call_normalizers
 
 
-def check_call(data: Sequence[Datum], resolved: ResolvedLoss, vocab_size: int | None) -> ResolvedLoss:
-    """Everything knowable about a call, before any compute: every datum against the loss
-    (:func:`validate_data`), the same keys on every datum, what the loss terms need; returns
-    ``resolved`` with the call-level normalizers of its reduction filled in."""
-    validate_data(data, resolved.spec, vocab_size, label=resolved.label)
+def check_call(data: Sequence[Datum], resolved: ResolvedLoss, vocab_size: int | None,
+               max_positions: int | None = None) -> ResolvedLoss:
+    """Everything knowable about a call, before any compute: the loss's config and terms
+    (:func:`check_resolved`), every datum against the loss and the model's vocabulary and
+    positions (:func:`validate_data`), the same keys on every datum, what the loss terms need;
+    returns ``resolved`` with the call-level normalizers of its reduction filled in."""
+    check_resolved(resolved)
+    validate_data(data, resolved.spec, vocab_size, label=resolved.label, max_positions=max_positions)
     check_same_keys(data)
     if resolved.terms.kl_coef > 0:
         for i, d in enumerate(data):
@@ -33,13 +40,67 @@ def check_call(data: Sequence[Datum], resolved: ResolvedLoss, vocab_size: int | 
     return with_call_normalizers(resolved, data)
 
 
-def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None, label: str | None = None) -> None:
+def check_resolved(resolved: ResolvedLoss) -> None:
+    """What a resolved loss itself must satisfy before any compute: every number of its config
+    and terms representable in the compute dtypes (:func:`~skyrl_sdk.types.numbers.check_representable`),
+    and the per-token loss a per-sequence reduction weights declared by the loss.
+
+    A loss declares that it returns a differentiable ``elementwise_loss`` (with
+    ``elementwise_loss.sum() == loss``) by listing ``"elementwise_loss"`` in ``LossSpec.outputs``."""
+    for key, value in (*_numbers_of(resolved.config), *_numbers_of(resolved.terms)):
+        check_representable(f"{resolved.label}: loss_fn_config[{key!r}]", value, error=LossConfigError)
+    reduction = resolved.terms.loss_reduction
+    if reduction in PER_TOKEN_REDUCTIONS and "elementwise_loss" not in resolved.spec.outputs:
+        raise LossConfigError(
+            f"{resolved.label} does not declare elementwise_loss among its outputs "
+            f"{list(resolved.spec.outputs)}, so it cannot use loss_reduction {reduction!r} (which weights "
+            f"each token's loss per sequence); use 'sum' or a uniform reduction"
+        )
+
+
+def _numbers_of(config: Any) -> Iterator[tuple[str, Any]]:
+    """``(key, value)`` of every field of an attrs config (the registry requires attrs config
+    classes), list and tuple fields item by item (``key[i]``)."""
+    if config is None or not attrs.has(type(config)):
+        return
+    for key, value in attrs.asdict(config, recurse=False).items():
+        if isinstance(value, (list, tuple)):
+            yield from ((f"{key}[{i}]", v) for i, v in enumerate(value))
+        else:
+            yield str(key), value
+
+
+def sequence_length_problem(length: int, max_positions: int | None, what: str = "model_input") -> str | None:
+    """Why a sequence of ``length`` tokens does not fit the model's positions, or None."""
+    if max_positions is None or length <= max_positions:
+        return None
+    return (f"{what} has {length} tokens; this model accepts at most {max_positions} "
+            f"(max_position_embeddings)")
+
+
+def check_prompts(prompts: Sequence[np.ndarray], vocab_size: int, max_positions: int | None,
+                  max_tokens: int) -> None:
+    """A sample call's prompts: valid token ids, and each prompt plus ``max_tokens`` within the
+    model's positions (as the server checks it)."""
+    for i, tokens in enumerate(prompts):
+        problem = token_range_problem(tokens, vocab_size) or sequence_length_problem(
+            int(tokens.size) + max_tokens, max_positions, f"the prompt ({tokens.size} tokens) plus max_tokens "
+            f"({max_tokens})")
+        if problem:
+            raise InputError(f"prompt {i}: {problem}")
+
+
+def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None, label: str | None = None,
+                  max_positions: int | None = None) -> None:
     """Validate a whole batch against a loss; raise :class:`DatumError` on the first problem."""
     for i, datum in enumerate(data):
         tokens = datum.model_input.to_numpy()
         n = int(tokens.shape[0])
         if n == 0:
             raise DatumError("model_input is empty; expected at least one token", index=i, key="model_input")
+        problem = sequence_length_problem(n, max_positions)
+        if problem:
+            raise DatumError(problem, index=i)
         if vocab_size is not None:
             check_token_range(tokens, vocab_size, i, "model_input")
         shapes = {k: v.shape for k, v in datum.loss_fn_inputs.items()}

@@ -8,7 +8,10 @@ root or one of their parents. Overwriting exchanges the two directories in one
 new checkpoint. Where the exchange is unavailable, two renames are used and
 :func:`clean_interrupted_saves` puts the old checkpoint back if a crash fell between them.
 Leftovers of interrupted saves are recognisable by name (``.<name>.skyrl-tmp-<pid>-<id>``,
-``.<name>.skyrl-old-<pid>-<id>``) and removed at the next save into the same folder.
+``.<name>.skyrl-old-<pid>-<id>``; a name too long for that is shortened to a prefix and a hash,
+``.<prefix>~<hash>.skyrl-...``, and the marker file records the full one) and removed at the
+next save into the same folder. I/O failures become a :class:`~skyrl_sdk.errors.CheckpointError`
+naming the target and the cause (:mod:`.io_errors`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import re
@@ -27,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
+from .io_errors import describe, is_symlink_loop, name_max, os_error_of, save_error
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -42,7 +48,8 @@ MARKER_FILE = ".skyrl_checkpoint"
 #: A training-state directory of an earlier version (no marker yet) is ours too.
 LEGACY_MARKERS = ("skyrl_state.json",)
 
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.skyrl-(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]+$")
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.skyrl-(?P<kind>tmp|old)-(?P<pid>\d+)-(?P<token>[0-9a-f]+)$")
+_SHORTENED = re.compile(r"~[0-9a-f]{8}$")  # the end of a shortened leftover's middle part
 _ACTIVE: set[Path] = set()  # temporary directories of saves running in this process
 _ACTIVE_LOCK = threading.Lock()
 _PROTECTED: set[Path] = set()
@@ -75,8 +82,32 @@ def _renameat2(src: Path, dst: Path, flags: int) -> None:
 
 
 # ---- the steps of a save (separate functions: the crash-injection tests stop at each) -------
-def _write_marker(tmp: Path) -> None:
-    (tmp / MARKER_FILE).write_text('{"format": "skyrl-sdk checkpoint"}\n')
+def _write_marker(tmp: Path, name: str) -> None:
+    """The marker, with the name the checkpoint is saved under (a shortened leftover name is
+    mapped back to it by :func:`clean_interrupted_saves`)."""
+    (tmp / MARKER_FILE).write_text(json.dumps({"format": "skyrl-sdk checkpoint", "name": name}) + "\n")
+
+
+def _marker_name(directory: Path) -> str | None:
+    try:
+        name = json.loads((directory / MARKER_FILE).read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def leftover_name(name: str, kind: str, pid: int, token: str, limit: int) -> str:
+    """The name of a save's temporary (``tmp``) or displaced (``old``) directory for target
+    ``name``: ``.<name>.skyrl-<kind>-<pid>-<token>``, or, when that is longer than ``limit``
+    bytes, ``.<prefix>~<hash>.skyrl-...`` (a valid target name never makes it too long)."""
+    suffix = f".skyrl-{kind}-{pid}-{token}"
+    full = f".{name}{suffix}"
+    if len(os.fsencode(full)) <= limit:
+        return full
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:8]
+    room = max(0, limit - len(os.fsencode(f".~{digest}{suffix}")))
+    prefix = os.fsencode(name)[:room].decode("utf-8", errors="ignore")  # whole characters only
+    return f".{prefix}~{digest}{suffix}"
 
 
 def _fsync_tree(root: Path) -> None:
@@ -135,7 +166,12 @@ def _target_of(path: str | os.PathLike) -> Path:
     absolute = Path(os.path.abspath(Path(path).expanduser()))
     if not absolute.name:  # the file system root
         return absolute
-    return absolute.parent.resolve() / absolute.name
+    try:
+        return absolute.parent.resolve() / absolute.name
+    except (OSError, RuntimeError) as exc:  # RuntimeError: pathlib's symlink loop (Python < 3.13)
+        if isinstance(exc, RuntimeError) and not is_symlink_loop(exc):
+            raise
+        raise save_error(absolute, exc) from None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -167,21 +203,37 @@ def clean_interrupted_saves(root: str | os.PathLike, *, recursive: bool = False)
             entries = sorted(folder.iterdir())
         except OSError:
             continue
-        for entry in entries:
+        names = [e.name for e in entries if not _LEFTOVER.match(e.name)]
+        for entry in entries:  # sorted: a save's ``old`` comes before its ``tmp`` (read for the name)
             match = _LEFTOVER.match(entry.name)
             if not match or entry.is_symlink() or not entry.is_dir():
                 continue
             with _ACTIVE_LOCK:
                 if entry in _ACTIVE or (int(match["pid"]) != os.getpid() and _pid_alive(int(match["pid"]))):
                     continue
-            target = folder / match["name"]
-            if match["kind"] == "old" and not os.path.lexists(target) and is_checkpoint_dir(entry):
-                with contextlib.suppress(OSError):  # the fallback switch died halfway: restore the old one
-                    _rename(entry, target)
-                continue  # never delete the only copy
+            if match["kind"] == "old" and is_checkpoint_dir(entry):
+                name = _target_name(entry, match, names)
+                if name is None or not os.path.lexists(folder / name):
+                    if name is not None:  # the fallback switch died halfway: restore the old one
+                        with contextlib.suppress(OSError):
+                            _rename(entry, folder / name)
+                    continue  # never delete the only copy
             _remove_tree(entry)
             removed.append(entry)
     return removed
+
+
+def _target_name(entry: Path, match: re.Match, names: Iterable[str]) -> str | None:
+    """The target name an ``old`` leftover stands for, ``None`` if unknown: its middle part,
+    or, when that was shortened, the name in the marker of the same save's new directory (there
+    until the switch's second rename), of the old checkpoint itself, or of an entry beside it."""
+    pid, token, limit = int(match["pid"]), match["token"], name_max(entry.parent)
+    new = entry.with_name(f".{match['name']}.skyrl-tmp-{pid}-{token}")
+    for name in (_marker_name(new), _marker_name(entry), *names):
+        if name and leftover_name(name, "old", pid, token, limit) == entry.name:
+            return name
+    shortened = len(os.fsencode(entry.name)) > limit - 4 and _SHORTENED.search(match["name"])
+    return None if shortened else match["name"]
 
 
 @contextlib.contextmanager
@@ -205,21 +257,28 @@ def atomic_directory(
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise CheckpointError(f"cannot save to {target}: cannot create {parent}: {exc.strerror or exc}") from None
+        raise CheckpointError(f"cannot save to {target}: cannot create {parent}: {describe(exc, parent)}") from None
+    limit = name_max(parent)
+    if len(os.fsencode(target.name)) > limit:
+        raise CheckpointError(f"cannot save to {target}: its name is {len(os.fsencode(target.name))} bytes; "
+                              f"the limit is {limit} bytes per name")
     clean_interrupted_saves(parent)
     token = secrets.token_hex(4)
-    tmp = parent / f".{target.name}.skyrl-tmp-{os.getpid()}-{token}"
+    tmp = parent / leftover_name(target.name, "tmp", os.getpid(), token, limit)
     with _ACTIVE_LOCK:
         try:
             os.mkdir(tmp)
         except OSError as exc:
-            raise CheckpointError(f"cannot save to {target}: {exc.strerror or exc}") from None
+            raise save_error(target, exc, directory=parent) from None
         _ACTIVE.add(tmp)
     try:
-        yield tmp
-        _write_marker(tmp)
-        _fsync_tree(tmp)
-        _switch(tmp, target, overwrite, parent / f".{target.name}.skyrl-old-{os.getpid()}-{token}")
+        try:
+            yield tmp
+            _write_marker(tmp, target.name)
+            _fsync_tree(tmp)
+        except OSError as exc:  # disk full, quota, permissions while writing
+            raise save_error(target, exc, directory=tmp, relative_to=tmp) from None
+        _switch(tmp, target, overwrite, parent / leftover_name(target.name, "old", os.getpid(), token, limit))
     finally:
         with _ACTIVE_LOCK:
             _ACTIVE.discard(tmp)
@@ -273,7 +332,7 @@ def _switch(tmp: Path, target: Path, overwrite: bool, old: Path) -> None:
             _rename(tmp, target)
         _fsync_dir(target.parent)
     except OSError as exc:
-        raise CheckpointError(f"cannot save to {target}: {exc.strerror or exc}") from None
+        raise save_error(target, exc, directory=target.parent) from None
 
 
 def dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -292,8 +351,15 @@ def dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 
 
 def save_tensors(state: dict[str, torch.Tensor], file: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write ``state`` as one safetensors file; an I/O failure is an ``OSError`` naming ``file``."""
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    save_file(tensors, str(file), metadata=metadata)
+    try:
+        save_file(tensors, str(file), metadata=metadata)
+    except SafetensorError as exc:  # its message carries "(os error N)"; the file it names is its own temp file
+        error = os_error_of(exc, file)
+        if error is None:
+            raise
+        raise error from None
 
 
 def reject_symlinks(directory: Path) -> None:
@@ -360,3 +426,5 @@ def read_json(file: Path) -> Any:
         return json.loads(file.read_text())
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, absurd nesting
         raise CheckpointError(f"{file} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {file}: {describe(exc)}") from None

@@ -156,6 +156,22 @@ class LoadedModel:
         return getattr(inner, "export_architecture", None) or type(inner).__name__
 
 
+#: config keys that give a model's position limit, in the order they are tried
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest sequence a model accepts, from its config (a transformers config or its
+    config.json as a dict): ``max_position_embeddings`` or an equivalent; ``None`` if it names none.
+
+    Beyond it a model with learned positions (GPT-2) indexes out of its table mid-compute."""
+    for key in POSITION_KEYS:
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def hf_model(module):
     """The transformers model inside a possible peft wrapper."""
     get_base = getattr(module, "get_base_model", None)

@@ -29,10 +29,6 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: and runs concurrently.
 RNG_LOCK = threading.RLock()
 
-#: config.json keys that give a model's position limit, in the order they are tried
-_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-
 def _canonical(name: str) -> str:
     if name == "tiny":
         return name
@@ -42,18 +38,14 @@ def _canonical(name: str) -> str:
 
 def position_limit(model: str) -> int | None:
     """The model's ``max_position_embeddings`` (or equivalent) from its config.json, if any."""
-    from ..models.loading import TINY_DIR
+    from ..models.loading import TINY_DIR, max_positions
 
     directory = TINY_DIR if model == "tiny" else Path(model).expanduser()
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    for key in _POSITION_KEYS:
-        value = config.get(key) if isinstance(config, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
+    return max_positions(config) if isinstance(config, dict) else None
 
 
 class ServedModels:

@@ -33,10 +33,27 @@ def as_numpy(value: Any, dtype: TensorDtype, what: str) -> np.ndarray:
             array = np.asarray(value)
         except (ValueError, TypeError, OverflowError) as exc:
             raise InputError(f"{what}: expected a rectangular numeric array ({exc})") from None
+    check_numeric(array, dtype, what)
+    np_dtype = NUMPY_DTYPES[dtype]
+    if array.dtype != np_dtype:
+        with np.errstate(over="ignore"):  # float64 beyond float32 becomes inf; finiteness checks name it
+            array = array.astype(np_dtype)
+    return array
+
+
+def check_numeric(array: np.ndarray, dtype: TensorDtype, what: str) -> None:
+    """Whether ``array`` converts to ``dtype`` without changing meaning; raise :class:`InputError`.
+
+    The one rule every input path applies (``as_numpy``, and ``TensorData`` however it is
+    built): real numbers only (no objects, strings, dates, complex); ids (``int64``) are
+    integers, not bools, and fit int64 (a uint64 ``2**64 - 1`` would wrap to ``-1``).
+    """
     if array.dtype == object:
         raise InputError(f"{what}: expected a rectangular numeric array, got ragged or non-numeric data")
     if array.dtype.kind not in "biuf":
         raise InputError(f"{what}: expected numbers, got dtype {array.dtype}")
+    if dtype == "int64" and array.dtype.kind == "b":
+        raise InputError(f"{what}: expected integer token ids, got booleans")
     if dtype == "int64" and array.dtype.kind == "f":
         if array.size and not np.all(np.isfinite(array)):
             raise InputError(f"{what}: expected integer token ids, got non-finite values")
@@ -46,11 +63,6 @@ def as_numpy(value: Any, dtype: TensorDtype, what: str) -> np.ndarray:
             raise InputError(f"{what}: expected integer token ids, got values beyond int64")
     if dtype == "int64" and array.dtype.kind == "u" and array.size and array.max() >= 2**63:
         raise InputError(f"{what}: expected integer token ids, got values beyond int64")
-    np_dtype = NUMPY_DTYPES[dtype]
-    if array.dtype != np_dtype:
-        with np.errstate(over="ignore"):  # float64 beyond float32 becomes inf; finiteness checks name it
-            array = array.astype(np_dtype)
-    return array
 
 
 def densify_csr(

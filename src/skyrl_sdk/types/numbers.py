@@ -46,6 +46,36 @@ def check_number(
     return number
 
 
+#: Largest magnitude a loss-config number may have: bfloat16's largest finite value (float32's,
+#: 3.4028e38, is a little larger), so the number is finite in either compute dtype.
+TENSOR_MAX = 3.3895313892515355e38
+#: Smallest nonzero magnitude: float32's (and bfloat16's) smallest normal; below it a number
+#: becomes a subnormal or 0 in the tensor it multiplies.
+TENSOR_TINY = 1.1754943508222875e-38
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_representable(what: str, value: Any, *, error: type[InputError] = InputError) -> None:
+    """Refuse a number that a loss cannot hold in a float32/bfloat16 tensor (or an int64).
+
+    Why: a loss config number meets the model's tensors only mid-compute, where torch raises
+    a bare ``RuntimeError`` for ``1e308`` (overflow) and ``1e-300`` silently becomes 0. Non-numbers
+    and bools are left to the config's own validators.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return
+    if isinstance(value, numbers.Integral):
+        if not INT64_MIN <= int(value) <= INT64_MAX:
+            raise error(f"{what}: expected an integer that fits int64, got {value!r}")
+        return
+    number = float(value)
+    if not math.isfinite(number):
+        raise error(f"{what}: expected a finite number, got {value!r}")
+    if abs(number) > TENSOR_MAX or (number != 0 and abs(number) < TENSOR_TINY):
+        raise error(f"{what}: expected 0 or a magnitude in [{TENSOR_TINY:.6g}, {TENSOR_MAX:.6g}] (representable "
+                    f"in float32 and bfloat16, the compute dtypes), got {value!r}")
+
+
 def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool, integer: bool) -> str:
     """`` in 1..8`` (closed integer ranges), else `` >= 0.0``, `` > 0.0 and <= 1.0``, or ``""``."""
     if integer and low is not None and high is not None and not (low_open or high_open):

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ..errors import InputError
 from .arrays import TensorDtype, as_numpy, densify_csr
 
 #: loss_fn_inputs keys whose tensors are integer token ids; every other key is float32.
@@ -27,12 +28,15 @@ class TensorData:
     array: np.ndarray = attrs.field()
 
     def __attrs_post_init__(self) -> None:
+        # the same rule as every other input path (``as_numpy``): nothing is silently coerced
         if not isinstance(self.array, np.ndarray):
             raise TypeError(f"TensorData.array: expected a numpy array, got {type(self.array).__name__}")
+        if self.array.dtype.kind == "b":
+            raise InputError("TensorData.array: got booleans; give int64 ids or float32 values "
+                             "(e.g. mask.astype(np.float32) for weights)")
         if self.array.dtype not in (np.int64, np.float32):
-            object.__setattr__(
-                self, "array", self.array.astype(np.int64 if self.array.dtype.kind in "biu" else np.float32)
-            )
+            dtype = "int64" if self.array.dtype.kind in "iu" else "float32"
+            object.__setattr__(self, "array", as_numpy(self.array, dtype, "TensorData.array"))
 
     @property
     def dtype(self) -> TensorDtype:

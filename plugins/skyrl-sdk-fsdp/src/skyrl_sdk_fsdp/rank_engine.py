@@ -85,8 +85,11 @@ class RankEngine:
         materialize(self.loaded, source, self.device, full)
         del full
         self.weights_source = source
-        # FSDP2's mixed precision casts the gathered parameters: no autocast on the ranks
-        options = {**runner_options(self.config, self.loaded, self.device), "autocast_dtype": None}
+        # FSDP2's mixed precision casts the gathered parameters: no autocast on the ranks. A
+        # failure mid-call stops the engine (the ranks may be out of step in their collectives),
+        # so keeping pending gradients apart during a call would cost a gradient buffer for nothing.
+        options = {**runner_options(self.config, self.loaded, self.device), "autocast_dtype": None,
+                   "keep_grads_on_error": False}
         self.runner = ShardedRunner(scoring, group=self.mesh.get_group(), loss_scale=float(loss_scale), **options)
         self.engine_info = attrs.asdict(info)
         self.gather = StreamingGather(self.loaded, self.runner, self.aliases, self.hf_aliases, self.rank)
