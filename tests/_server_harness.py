@@ -25,16 +25,14 @@ class ServerThread:
     """``with ServerThread(state_dir, **config) as srv: srv.url``"""
 
     def __init__(self, state_dir: Path | str, **config: Any) -> None:
-        import uvicorn
-
-        from skyrl_sdk.server import ServerConfig, create_app
+        from skyrl_sdk.server import ServerConfig, create_app, edge
 
         self.port = free_port()
         config.setdefault("api_key", API_KEY)
         self.config = ServerConfig(state_dir=state_dir, port=self.port, **config)
         self.app = create_app(self.config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", timeout_graceful_shutdown=2))
+        # the edge `skyrl-sdk serve` runs (h11 with the header timeout and connection cap)
+        self.server = edge.Server(edge.server_config(self.app, self.config, host="127.0.0.1"))
         self.thread = threading.Thread(target=self.server.run, name="skyrl-test-server", daemon=True)
 
     @property

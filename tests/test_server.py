@@ -529,7 +529,8 @@ def test_store_touch_run_writes_at_most_every_interval_and_reads_the_latest(tmp_
 def test_sequencer_orders_and_skips_a_lost_seq_only_when_idle():
     import asyncio
 
-    from skyrl_sdk.server.futures import Job, Result, Sequencer, Worker
+    from skyrl_sdk.server.executor import Executor
+    from skyrl_sdk.server.futures import Job, Result, Sequencer
 
     ran: list[tuple[int, float]] = []
 
@@ -541,7 +542,7 @@ def test_sequencer_orders_and_skips_a_lost_seq_only_when_idle():
         return Job(run=run, done=lambda r: None)
 
     async def main():
-        worker = Worker("t")
+        worker = Executor("t").queue("t", "alice")
         seq = Sequencer(worker, next_seq=1, gap_timeout_s=0.3)
         seq.submit(3, job(3))
         seq.submit(1, job(1, sleep=0.6))  # seq 2 never comes; 1 runs long
@@ -560,7 +561,11 @@ def test_worker_waits_briefly_to_batch_compatible_jobs():
     """A batchable job waits up to ``batch_wait_s`` for each next compatible one (a client sends
     a group's sample requests a few ms apart, and one batch costs little more than one request);
     any other job ends the wait at once; ``batch_wait_s=0`` never waits."""
-    from skyrl_sdk.server.futures import Job, Result, Worker
+    from skyrl_sdk.server.executor import Executor
+    from skyrl_sdk.server.futures import Job, Result
+
+    def Worker(name, batch_wait_s):  # one client's queue on an executor of its own
+        return Executor(name).queue(name, "alice", batch_wait_s=batch_wait_s)
 
     ran: list[tuple[list[str], float]] = []
 

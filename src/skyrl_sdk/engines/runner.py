@@ -23,6 +23,7 @@ from ..types import AdamParams, Datum
 from .base import EngineResult, scores_key
 from .batching import make_micro_batches, pack_inputs
 from .step_guard import StepBound, measure_step
+from .turns import between_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,10 @@ class ModelRunner:
             disable=len(batches) < PROGRESS_MIN_MICRO_BATCHES or None, leave=False,
         )
         try:
-            for mb in progress:
+            for i, mb in enumerate(progress):
                 self._run_micro_batch(data, mb, loss, backward, outputs, acc)
+                if i + 1 < len(batches):
+                    between_micro_batches()  # a scheduler may give others a turn here, or stop the call
         except BaseException:
             if backward:  # no partial gradient of this call may survive it
                 if had_grads:
