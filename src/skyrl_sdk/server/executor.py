@@ -51,11 +51,11 @@ class Queue:
 
     def put(self, job: Job) -> None:
         with self.executor._cv:
-            if self._closed is None:
+            if self._closed is None and not self.executor._stopping:
                 self._jobs.append(job)
                 self.executor._ready(self)
                 return
-            why = self._closed
+            why = self._closed or "the server is shutting down"
         job.done(Result.error(f"{self.name}: {why}; retry the request", "server"))
 
     def close(self, wait: bool = True, timeout: float | None = None,
