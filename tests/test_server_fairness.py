@@ -250,7 +250,6 @@ def test_another_owners_small_call_runs_inside_a_big_call_on_one_compute_thread(
     pytest.importorskip("tinker")
     pytest.importorskip("fastapi")
     from _server_harness import ServerThread
-
     from skyrl_sdk.engines import runner
 
     engine = {"micro_batch_tokens": 16}
