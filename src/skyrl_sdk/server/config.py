@@ -88,11 +88,15 @@ def _read_keys_file(path: str | os.PathLike) -> str:
         fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
     except OSError as exc:
         raise InputError(f"--api-keys: cannot read {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
+    try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise InputError(f"--api-keys {path}: not a regular file (a FIFO, device or directory); give a file")
-        data = f.read(MAX_KEYS_FILE_BYTES + 1)
+        data = b""
+        while len(data) <= MAX_KEYS_FILE_BYTES and (piece := os.read(fd, MAX_KEYS_FILE_BYTES + 1 - len(data))):
+            data += piece
+    finally:
+        os.close(fd)
     if len(data) > MAX_KEYS_FILE_BYTES:
         raise InputError(f"--api-keys {path}: larger than {MAX_KEYS_FILE_BYTES} bytes; is it the right file?")
     if mode & 0o044:
@@ -148,6 +152,12 @@ class ServerConfig:
     state_dir: Path = attrs.field(default=Path("./skyrl-server-state"), converter=lambda p: Path(p).expanduser())
     api_key: str | None = None
     api_keys: dict[str, str] = attrs.field(factory=dict)
+
+    @api_keys.validator
+    def _no_default_owner(self, _, value: dict[str, str]) -> None:
+        if DEFAULT_OWNER in value.values():
+            raise InputError(f"api_keys: the owner name {DEFAULT_OWNER!r} is reserved (the owner of --api-key and of "
+                             f"a server without keys); use another name")
     host: str = "127.0.0.1"
     port: int = 8000
     seed: int = 0
