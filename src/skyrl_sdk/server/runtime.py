@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +21,6 @@ import attrs
 
 from ..errors import InputError, NotFoundError, quoted
 from ..inputs.coerce import adam_params_from_any, lora_config_from_any
-from ..models.checkpoint import clean_interrupted_saves, protect_directory
 from . import proto, wire
 from .bodies import Bodies
 from .config import ServerConfig
@@ -31,7 +29,7 @@ from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
-from .store import SEGMENT_TO_KIND, Store, TinkerPath
+from .store import Store, TinkerPath
 
 logger = logging.getLogger(__name__)
 
@@ -49,34 +47,16 @@ class Runtime:
         self.sampling = Sampling(config, self.store, self.served, self.executors)
         self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
         self.models: dict[str, TrainingModel] = {}
-        self._path_re = re.compile(re.escape(str(self.store.root)) + r"(/[^\s'\"]*)?")
         self.started_at = time.time()
         #: monotonic time of the first shutdown signal (None while serving)
         self.stopping: float | None = None
         #: whether close() left a running job to the process exit
         self.left_running = False
-        # Saves interrupted by a crash leave temp/.old directories: remove them (only our own
-        # names, of dead processes), and let no save ever replace the state dir or a parent.
-        if (leftovers := clean_interrupted_saves(self.store.root, recursive=True)):
-            logger.info("removed %d leftovers of interrupted saves", len(leftovers))
-        protect_directory(self.store.root)
-        if (n := self.store.delete_expired()):
-            logger.info("deleted %d expired checkpoints", n)
-        self.store.reconcile_checkpoints()
+        self.store.tidy()
 
-    # ---- errors --------------------------------------------------------------------------------
     def redact(self, message: str) -> str:
         """``message`` with server paths shown as ``tinker://`` paths (or ``<state-dir>``)."""
-
-        def shown(match: re.Match) -> str:
-            parts = (match.group(1) or "").strip("/").split("/")
-            if len(parts) >= 4 and parts[0] == "runs" and parts[2] in SEGMENT_TO_KIND:
-                run_id = self.store.run_id_of_dirname(parts[1])
-                if run_id is not None:
-                    return f"tinker://{run_id}/{parts[2]}/{'/'.join(parts[3:])}"
-            return "<state-dir>" + ("/..." if match.group(1) else "")
-
-        return self._path_re.sub(shown, message)
+        return self.store.redact(message)
 
     # ---- future routes: one entry, so an unreadable body is one failed future ------------------
     async def submit(self, owner: str, route: str, raw: bytes, content_type: str = "") -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from ..errors import InputError, NotFoundError, quoted
-from ..models.checkpoint import is_checkpoint_dir
+from ..models.checkpoint import clean_interrupted_saves, is_checkpoint_dir, protect_directory
 from .config import DEFAULT_OWNER
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,7 @@ class Store:
     def __init__(self, state_dir: Path) -> None:
         self.root = Path(state_dir).expanduser().resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        self._path_re = re.compile(re.escape(str(self.root)) + r"(/[^\s'\"]*)?")
         (self.root / "runs").mkdir(exist_ok=True)
         self._lock = threading.RLock()
         #: run id -> (last request time, the one last written)
@@ -160,6 +161,30 @@ class Store:
                 columns = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
                 if "owner" not in columns:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT '{DEFAULT_OWNER}'")
+
+    def tidy(self) -> None:
+        """(start-up) Saves interrupted by a crash leave temp/.old directories: remove them (only
+        our own names, of dead processes); let no save ever replace the state dir or a parent;
+        delete expired checkpoints; reconcile directories that have no record."""
+        if (leftovers := clean_interrupted_saves(self.root, recursive=True)):
+            logger.info("removed %d leftovers of interrupted saves", len(leftovers))
+        protect_directory(self.root)
+        if (n := self.delete_expired()):
+            logger.info("deleted %d expired checkpoints", n)
+        self.reconcile_checkpoints()
+
+    def redact(self, message: str) -> str:
+        """``message`` with paths under the state dir shown as ``tinker://`` paths (or ``<state-dir>``)."""
+
+        def shown(match: re.Match) -> str:
+            parts = (match.group(1) or "").strip("/").split("/")
+            if len(parts) >= 4 and parts[0] == "runs" and parts[2] in SEGMENT_TO_KIND:
+                run_id = self.run_id_of_dirname(parts[1])
+                if run_id is not None:
+                    return f"tinker://{run_id}/{parts[2]}/{'/'.join(parts[3:])}"
+            return "<state-dir>" + ("/..." if match.group(1) else "")
+
+        return self._path_re.sub(shown, message)
 
     def close(self) -> None:
         with self._lock:
