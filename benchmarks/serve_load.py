@@ -180,7 +180,7 @@ def _bodies_probe(port: int, bombs: int, bomb_bytes: int, jsons: int, json_bytes
     import zstandard
 
     bomb = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * bomb_bytes)
-    doc = json.dumps({"model_id": "m", "adam_params": {}, "pad": [0] * (json_bytes // 2)}).encode()
+    doc = json.dumps({"model_id": "m", "adam_params": {}, "pad": [0] * (json_bytes // 3)}).encode()  # "0, " each
     statuses: list = []
 
     def post(route: str, body: bytes, headers: dict) -> None:
@@ -250,19 +250,29 @@ def run(ctx) -> dict:
     vocab = spec["vocab"]
     out: dict = {"model": {**spec, "parameters": num_parameters(spec)}}
     with tempfile.TemporaryDirectory(prefix="skyrl-bench-load-") as tmp:
-        server = ServerProcess(os.path.join(tmp, "state"), ctx.threads or 1, model=model,
-                               extra=("--api-keys", _keys_file(tmp)))
+        keys = _keys_file(tmp)
+        big = (8, 256) if ctx.smoke else (24, 512)  # the big call: rows x tokens
+        server = ServerProcess(os.path.join(tmp, "state"), ctx.threads or 1, model=model, extra=("--api-keys", keys))
         try:
             clients, steps, rows, length = (3, 1, 2, 32) if ctx.smoke else (6, 3, 4, 128)
             out["memory"] = m = _memory(server, model, vocab, clients, steps, rows, length)
             ctx.log(f"{NAME}: extra client {m['extra_client_bytes_mean'] / 2**20:.1f} MiB = {m['ratio']:.3f}x base")
-            out["fairness"] = f = _fairness(server, model, vocab, *((4, 64) if ctx.smoke else (64, 512)))
-            ctx.log(f"{NAME}: small call under a {f['big_call']['seconds']:.1f} s call: max "
-                    f"{f['small_call_during_max_s']:.3f} s (idle {f['small_call_idle_s']:.3f} s)")
-            out["shutdown"] = s = _shutdown(server, model, vocab, *((8, 64) if ctx.smoke else (32, 512)))
+            out["fairness"] = {"micro_batch_tokens_8192": _fairness(server, model, vocab, *big)}
+            out["shutdown"] = s = _shutdown(server, model, vocab, *big)
             ctx.log(f"{NAME}: exit {s['exit_after_sigint_s']:.1f} s after SIGINT; answers {s['answers']}")
         finally:
             server.stop()
+        # a turn is a micro-batch: the same call with 1024-token micro-batches (--engine-config)
+        small_mb = None if ctx.smoke else ServerProcess(os.path.join(tmp, "state-mb"), ctx.threads or 1, model=model,
+                                 extra=("--api-keys", keys, "--engine-config", '{"micro_batch_tokens": 1024}'))
+        if small_mb is not None:
+            try:
+                out["fairness"]["micro_batch_tokens_1024"] = _fairness(small_mb, model, vocab, *big)
+            finally:
+                small_mb.stop()
+        for mb, f in out["fairness"].items():
+            ctx.log(f"{NAME}: {mb}: small call under a {f['big_call']['seconds']:.1f} s call: max "
+                    f"{f['small_call_during_max_s']:.3f} s (idle {f['small_call_idle_s']:.3f} s)")
         header_timeout = 1.0 if ctx.smoke else 10.0  # 10: the default
         probe = ServerProcess(os.path.join(tmp, "probe"), ctx.threads or 1, command=("benchmarks.serve_load_server",),
                               extra=("--client-config", json.dumps({"proto_compress_fwdbwd": True}),
@@ -282,16 +292,20 @@ def run(ctx) -> dict:
 def table(result: dict) -> list[str]:
     if "memory" not in result:
         return [f"{NAME}: {result.get('status')}"]
-    m, f, c, b, s = (result[k] for k in ("memory", "fairness", "connections", "bodies", "shutdown"))
-    return [
+    m, c, b, s = (result[k] for k in ("memory", "connections", "bodies", "shutdown"))
+    rows = [
         "| metric | measured | target |",
         "|---|---|---|",
         f"| server RSS per extra rank-8 LoRA client / base bytes ({m['clients']} clients) | {m['ratio']:.3f} "
         f"({m['extra_client_bytes_mean'] / 2**20:.1f} MiB; server threads {m['server_threads'][-1]}) | "
         f"<= {m['target']} ({m['verdict']}) |",
-        f"| another owner's 4-token forward during a {f['big_call']['rows']} x {f['big_call']['seq_len']} "
-        f"forward_backward ({f['big_call']['seconds']:.1f} s) | max {f['small_call_during_max_s']:.3f} s, median "
-        f"{f['small_call_during_median_s']:.3f} s (idle {f['small_call_idle_s']:.3f} s) | one bounded turn |",
+    ]
+    for mb, f in result["fairness"].items():
+        rows.append(f"| another owner's 4-token forward during a {f['big_call']['rows']} x {f['big_call']['seq_len']} "
+                    f"forward_backward ({f['big_call']['seconds']:.1f} s; {mb}) | max {f['small_call_during_max_s']:.3f} "
+                    f"s, median {f['small_call_during_median_s']:.3f} s (idle {f['small_call_idle_s']:.3f} s) | "
+                    f"one micro-batch |")
+    return rows + [
         f"| worst /healthz under {c['connections']} half-sent request lines | {c['healthz']['max_s'] * 1e3:.0f} ms; "
         f"{c['closed_by_server']} closed by the server | < 1 s; closed after the header timeout |",
         f"| worst /healthz under {b['zstd_bombs']} zstd bombs + {b['json_bodies']} JSON bodies | "

@@ -59,9 +59,11 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
     class GuardedH11Protocol(H11Protocol):
         HEADER_TIMEOUT_S = header_timeout_s
         MAX_CONNECTIONS = max_connections
+        #: this server's open connections, least recently served first (a connection moves to
+        #: the end when a request head arrives and when it is answered; a dict: ordered, O(1))
+        _open: dict[GuardedH11Protocol, None] = {}
         _rejected = False
         _header_timer: asyncio.TimerHandle | None = None
-        _born = 0.0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= self.MAX_CONNECTIONS:
@@ -70,23 +72,26 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
                 self._rejected = True  # closed before anything is parsed; never counted
                 transport.abort()
                 return
-            self._born = self.loop.time()
             super().connection_made(transport)
+            self._open[self] = None
             self._arm()
 
         def _evict_idle(self) -> None:
-            """Drop the oldest connection that has no request in progress, if any."""
-            idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c.transport is not None
-                    and c.conn.their_state is h11.IDLE and (c.cycle is None or c.cycle.response_complete)]
-            if idle:
-                oldest = min(idle, key=lambda c: c._born)
-                oldest._disarm()
-                oldest.transport.abort()
-                self.connections.discard(oldest)
+            """Drop the least recently served connection that has no request in progress, if any:
+            one that never sent a whole request head before one that keeps asking (least recent
+            first, so usually the first one looked at: a burst of connections costs no scan)."""
+            for c in self._open:
+                if c.conn.their_state is h11.IDLE and (c.cycle is None or c.cycle.response_complete):
+                    del self._open[c]
+                    c._disarm()
+                    c.transport.abort()
+                    self.connections.discard(c)
+                    return
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._rejected:
                 return
+            self._open.pop(self, None)
             self._disarm()
             super().connection_lost(exc)
 
@@ -98,13 +103,20 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             if self._rejected:
                 return
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # a whole request head arrived
+            if self.conn.their_state is not h11.IDLE and self._header_timer is not None:  # a whole head arrived
                 self._disarm()
+                self._served()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-                self._arm()  # the next request's head, within the same time
+            if not self.transport.is_closing():
+                self._served()
+                if self.conn.their_state is h11.IDLE:
+                    self._arm()  # the next request's head, within the same time
+
+        def _served(self) -> None:
+            if self._open.pop(self, True) is None:
+                self._open[self] = None
 
         def _arm(self) -> None:
             self._disarm()

@@ -34,6 +34,10 @@ from .store import Store, TinkerPath
 logger = logging.getLogger(__name__)
 
 
+class _ShuttingDown(Exception):
+    """A request that arrived after the shutdown began."""
+
+
 class Runtime:
     def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, bodies: Bodies | None = None) -> None:
         self.config = config
@@ -81,6 +85,9 @@ class Runtime:
                 rec = handlers[route](owner, await self.bodies.parse(raw, wire.json_object, raw))
         except InputError as exc:
             rec = self.futures.failed(owner, exc, prefix="sample" if route == "asample" else "req")
+        except _ShuttingDown:
+            rec = self.futures.create(owner, None, prefix="sample" if route == "asample" else "req")
+            self.futures.finish(rec, Result.error(SHUTDOWN_MESSAGE, "server"))
         out = wire.future_json(rec.request_id, rec.model_id)
         if route == "asample":
             out["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(rec.extra.get("num_samples", 0))]
@@ -89,7 +96,7 @@ class Runtime:
     def _admit(self, owner: str) -> None:
         """Refuse a request up front when its owner already has ``max_queued_requests`` unfinished."""
         if self.stopping is not None:
-            raise InputError(SHUTDOWN_MESSAGE)
+            raise _ShuttingDown
         pending, limit = self.futures.pending(owner), self.config.max_queued_requests
         if pending >= limit:
             raise InputError(f"too many requests in flight: {pending} of yours are queued or running, and this "
