@@ -542,7 +542,7 @@ def test_sequencer_orders_and_skips_a_lost_seq_only_when_idle():
         return Job(run=run, done=lambda r: None)
 
     async def main():
-        worker = Executor("t").queue("t", "alice")
+        worker = Executor("t", dedicated=True).queue("t", "alice")  # closing it ends the thread
         seq = Sequencer(worker, next_seq=1, gap_timeout_s=0.3)
         seq.submit(3, job(3))
         seq.submit(1, job(1, sleep=0.6))  # seq 2 never comes; 1 runs long
@@ -565,7 +565,7 @@ def test_worker_waits_briefly_to_batch_compatible_jobs():
     from skyrl_sdk.server.futures import Job, Result
 
     def Worker(name, batch_wait_s):  # one client's queue on an executor of its own
-        return Executor(name).queue(name, "alice", batch_wait_s=batch_wait_s)
+        return Executor(name, dedicated=True).queue(name, "alice", batch_wait_s=batch_wait_s)
 
     ran: list[tuple[list[str], float]] = []
 

@@ -257,7 +257,10 @@ def test_another_owners_small_call_runs_inside_a_big_call_on_one_compute_thread(
     reached, go = threading.Event(), threading.Event()
     real = runner.between_micro_batches
 
+    threads = set()
+
     def held_once():  # Alice's call stops at its first boundary until Bob's request is queued
+        threads.add(threading.current_thread())
         if not reached.is_set():
             reached.set()
             assert go.wait(HANG)
@@ -269,8 +272,9 @@ def test_another_owners_small_call_runs_inside_a_big_call_on_one_compute_thread(
         for key, owner in keys.items():
             sc = srv.service_client(api_key=key)
             clients[owner] = (sc, sc.create_lora_training_client(base_model="tiny", rank=4, seed=7).result())
-        compute = [t for t in threading.enumerate() if t.name.startswith("skyrl-compute")]
-        assert len(compute) == 1  # not one per client
+        shared = srv.runtime.executors.shared
+        assert srv.runtime.executors.all() == [shared]  # one executor, not one per client
+        assert {m.worker.executor for m in srv.runtime.models.values()} == {shared}
         monkeypatch.setattr(runner, "between_micro_batches", held_once)
         alice, bob = clients["alice"][1], clients["bob"][1]
         fut_a = alice.forward_backward([_tinker(d) for d in big], "cross_entropy")
@@ -284,8 +288,9 @@ def test_another_owners_small_call_runs_inside_a_big_call_on_one_compute_thread(
         go.set()
         fut_b.result(timeout=HANG)
         out_a = fut_a.result(timeout=HANG)
-        history = list(srv.runtime.executors.shared.history)
+        history = list(shared.history)
         assert ("bob", bob.model_id, True) in history  # ran nested, inside Alice's call
+        assert threads == {shared._thread}  # every micro-batch of both ran on the one compute thread
         for sc, _ in clients.values():
             sc.close("success").result()
     solo = Backend("tiny", lora={"rank": 4, "seed": 7}, engine_config=engine)
