@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 API_KEY = "tml-test"
@@ -83,3 +85,12 @@ def wait_result(http, request_id: str):
         if r.headers["content-type"].startswith("application/json") and r.json().get("type") == "try_again":
             continue
         return r
+
+
+def next_token_datum(n: int):
+    """A tinker ``Datum`` of ``n`` tokens 1..n, each predicting the next."""
+    from tinker import types as tt
+
+    ids = np.arange(1, n + 2)
+    return tt.Datum(model_input=tt.ModelInput.from_ints(ids[:-1].tolist()),
+                    loss_fn_inputs={"target_tokens": tt.TensorData.from_numpy(ids[1:])})

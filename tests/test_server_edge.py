@@ -18,10 +18,9 @@ import pytest
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
 zstandard = pytest.importorskip("zstandard")
-from tinker import types as tt
 from tinker.proto import tinker_public_pb2 as pb
 
-from _server_harness import API_KEY, ServerThread, raw_client, wait_result
+from _server_harness import API_KEY, ServerThread, next_token_datum, raw_client, wait_result
 from skyrl_sdk.server.bodies import Bodies, unzstd_capped
 from skyrl_sdk.server.edge import install_accept_log_limiter
 
@@ -55,6 +54,12 @@ def _wait_closed(socks: list[socket.socket], n: int) -> int:
         assert time.monotonic() < deadline, f"{closed} of {len(socks)} closed"
         time.sleep(0.05)
     return closed
+
+
+def _head(path: str, length: int) -> bytes:
+    """A request line and headers with the key, announcing a JSON body of ``length`` bytes."""
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
 
 
 def _healthz(srv) -> int:
@@ -102,9 +107,7 @@ def test_the_connection_cap_drops_the_oldest_idle_connection(srv):
 
 
 def test_requests_in_progress_are_never_dropped_and_a_slow_body_gets_408(srv):
-    head = (f"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{").encode()
-    busy = [_connect(srv, head) for _ in range(12)]  # the whole cap, each with a request in progress
+    busy = [_connect(srv, _head("/api/v1/create_session", 100) + b"{") for _ in range(12)]  # the whole cap, each with a request in progress
     try:
         import h11
 
@@ -123,9 +126,7 @@ def test_requests_in_progress_are_never_dropped_and_a_slow_body_gets_408(srv):
 
 
 def test_the_in_flight_body_budget_answers_503(srv):
-    head = (f"POST /api/v1/telemetry HTTP/1.1\r\nHost: x\r\nX-API-Key: {API_KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: 60000\r\n\r\n").encode()
-    holders = [_connect(srv, head + b" " * 50_000) for _ in range(5)]  # 250 KB of the 256 KiB budget
+    holders = [_connect(srv, _head("/api/v1/telemetry", 60_000) + b" " * 50_000) for _ in range(5)]  # 250 KB of the 256 KiB budget
     try:
         deadline = time.monotonic() + HANG
         while srv.app.bodies.inflight_bytes < 250_000:
@@ -192,10 +193,7 @@ def test_zstd_only_on_forward_backward_and_only_when_asked(srv, tmp_path):
 def test_the_tinker_client_compresses_when_asked_and_it_works(srv):
     service = srv.service_client()
     tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
-    ids = list(range(1, 40))
-    datum = tt.Datum(model_input=tt.ModelInput.from_ints(ids[:-1]),
-                     loss_fn_inputs={"target_tokens": tt.TensorData.from_numpy(np.array(ids[1:]))})
-    out = tc.forward_backward([datum] * 20, "cross_entropy").result(timeout=HANG)
+    out = tc.forward_backward([next_token_datum(39)] * 20, "cross_entropy").result(timeout=HANG)
     assert np.isfinite(out.metrics["loss:sum"])
     service.close("success").result()
 

@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 from tinker import types as tt
 from tinker.proto import tinker_public_pb2 as pb
 
-from _server_harness import API_KEY, ServerThread, raw_client, wait_result
+from _server_harness import API_KEY, ServerThread, next_token_datum, raw_client, wait_result
 
 MAX_SEQ, MAX_SAMPLES, MAX_BODY, MAX_TOKENS = 64, 8, 2**20, 200
 PROTO = {"Content-Type": "application/x-protobuf"}
@@ -347,10 +347,8 @@ def test_a_request_over_the_token_limit_is_refused_naming_it(srv, model):
 def test_the_tinker_client_cuts_a_big_batch_below_the_token_limit(srv):
     service = srv.service_client()
     tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
-    ids = list(range(1, 52))
-    datum = tt.Datum(model_input=tt.ModelInput.from_ints(ids[:-1]),
-                     loss_fn_inputs={"target_tokens": tt.TensorData.from_numpy(np.array(ids[1:]))})
-    out = tc.forward_backward([datum] * 8, "cross_entropy").result(timeout=60)  # 400 tokens, in chunks of <= 200
+    datums = [next_token_datum(50)] * 8  # 400 tokens: sent in chunks of <= 200
+    out = tc.forward_backward(datums, "cross_entropy").result(timeout=60)
     assert len(out.loss_fn_outputs) == 8 and np.isfinite(out.metrics["loss:sum"])
     service.close("success").result()
 
