@@ -39,6 +39,7 @@ from benchmarks import (
     qwen,
     sampling,
     scaling,
+    serve_load,
     server,
     step,
     tenancy,
@@ -55,6 +56,7 @@ BENCHMARKS = {
     scaling.NAME: scaling,
     sampling.NAME: sampling,
     tenancy.NAME: tenancy,
+    serve_load.NAME: serve_load,
     precision.NAME: precision,
     checkpointing.NAME: checkpointing,
     qwen.NAME: qwen,
@@ -162,6 +164,11 @@ def targets(results: dict) -> list[dict]:
                              ("fairness: fewest / most steps when the first client finishes", r["fairness"])):
             v = part["ratio"]
             add(tenancy.NAME, metric, {"median": v, "min": v, "max": v}, part["target"], part["verdict"])
+    r = results.get(serve_load.NAME, {})
+    if "memory" in r:
+        v = r["memory"]["ratio"]
+        add(serve_load.NAME, "server RSS per extra rank-8 LoRA client / base bytes (tinker client)",
+            {"median": v, "min": v, "max": v}, r["memory"]["target"], r["memory"]["verdict"])
     r = results.get(fsdp_loading.NAME, {})
     if r.get("status") == "ok":
         m = r["peak_ratio"]

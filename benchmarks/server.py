@@ -39,11 +39,16 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, state_dir: str, threads: int, model: str = "tiny") -> None:
+    """``skyrl-sdk serve`` in a process of its own (``command``: another module run the same way,
+    given ``--port`` and ``--state-dir``), waited for until ``/healthz`` answers."""
+
+    def __init__(self, state_dir: str, threads: int, model: str = "tiny", extra: tuple[str, ...] = (),
+                 command: tuple[str, ...] = ("skyrl_sdk.cli", "serve")) -> None:
         self.port = _free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TINKER_TELEMETRY": "0"}
-        cmd = [sys.executable, "-m", "skyrl_sdk.cli", "serve", "--model", model, "--port", str(self.port),
-               "--state-dir", state_dir, "--api-key", API_KEY]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TINKER_TELEMETRY": "0",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", *command, "--model", model, "--port", str(self.port),
+               "--state-dir", state_dir, "--api-key", API_KEY, *extra]
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from _limits import HANG_S
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -27,16 +29,14 @@ class ServerThread:
     """``with ServerThread(state_dir, **config) as srv: srv.url``"""
 
     def __init__(self, state_dir: Path | str, **config: Any) -> None:
-        import uvicorn
-
-        from skyrl_sdk.server import ServerConfig, create_app
+        from skyrl_sdk.server import ServerConfig, create_app, edge
 
         self.port = free_port()
         config.setdefault("api_key", API_KEY)
         self.config = ServerConfig(state_dir=state_dir, port=self.port, **config)
         self.app = create_app(self.config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", timeout_graceful_shutdown=2))
+        # the edge `skyrl-sdk serve` runs (h11 with the header timeout and connection cap)
+        self.server = edge.Server(edge.server_config(self.app, self.config, host="127.0.0.1"))
         self.thread = threading.Thread(target=self.server.run, name="skyrl-test-server", daemon=True)
 
     @property
@@ -87,3 +87,12 @@ def wait_result(http, request_id: str):
         if r.headers["content-type"].startswith("application/json") and r.json().get("type") == "try_again":
             continue
         return r
+
+
+def next_token_datum(n: int):
+    """A tinker ``Datum`` of ``n`` tokens 1..n, each predicting the next."""
+    from tinker import types as tt
+
+    ids = np.arange(1, n + 2)
+    return tt.Datum(model_input=tt.ModelInput.from_ints(ids[:-1].tolist()),
+                    loss_fn_inputs={"target_tokens": tt.TensorData.from_numpy(ids[1:])})

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow  # each test runs a script or a server: seconds to
 REPO = Path(__file__).resolve().parent.parent
 #: every benchmark registered in benchmarks/run.py must run in smoke mode
 BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "fsdp_loading", "scaling",
-              "sampling", "tenancy", "mixed_precision", "activation_checkpointing", "qwen_0p5b", "grpo", "optim_step",
-              "pending_grads"]
+              "sampling", "tenancy", "serve_load", "mixed_precision", "activation_checkpointing", "qwen_0p5b", "grpo",
+              "optim_step", "pending_grads"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")
@@ -59,6 +59,13 @@ def test_smoke_mode_emits_valid_json(tmp_path):
     sampling = doc["benchmarks"]["sampling"]
     assert sampling["sdk_tokens_per_s"]["median"] > 0 and sampling["generate_tokens_per_s"]["median"] > 0
     assert sampling["sdk_peak_growth_gib"] >= 0 and sampling["time_ratio"]["median"] > 0
+
+    load = doc["benchmarks"]["serve_load"]
+    if load["status"] == "ok":
+        assert load["memory"]["ratio"] > -1 and len(load["memory"]["rss"]) == load["memory"]["clients"]
+        assert all(f["small_calls_during"] >= 1 for f in load["fairness"].values())
+        assert load["connections"]["healthz"]["polls"] > 0
+        assert load["shutdown"]["answers"] and load["bodies"]["statuses"]
 
     metrics = {(t["benchmark"], t["metric"]) for t in doc["targets"]}
     assert ("step_time", "variable step-time ratio (SDK / hand loop)") in metrics

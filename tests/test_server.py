@@ -546,7 +546,8 @@ def test_store_touch_run_writes_at_most_every_interval_and_reads_the_latest(tmp_
 def test_sequencer_orders_and_skips_a_lost_seq_only_when_idle():
     import asyncio
 
-    from skyrl_sdk.server.futures import Job, Result, Sequencer, Worker
+    from skyrl_sdk.server.executor import Executor
+    from skyrl_sdk.server.futures import Job, Result, Sequencer
 
     ran: list[tuple[int, float]] = []
 
@@ -558,7 +559,7 @@ def test_sequencer_orders_and_skips_a_lost_seq_only_when_idle():
         return Job(run=run, done=lambda r: None)
 
     async def main():
-        worker = Worker("t")
+        worker = Executor("t", dedicated=True).queue("t", "alice")  # closing it ends the thread
         seq = Sequencer(worker, next_seq=1, gap_timeout_s=0.3)
         seq.submit(3, job(3))
         seq.submit(1, job(1, sleep=0.6))  # seq 2 never comes; 1 runs long
@@ -579,7 +580,11 @@ def test_worker_waits_briefly_to_batch_compatible_jobs():
     a group's sample requests a few ms apart, and one batch costs little more than one request);
     any other job ends the wait at once; ``batch_wait_s=0`` never waits. No step depends on
     how fast the machine is."""
-    from skyrl_sdk.server.futures import Job, Result, Worker
+    from skyrl_sdk.server.executor import Executor
+    from skyrl_sdk.server.futures import Job, Result
+
+    def Worker(name, batch_wait_s):  # one client's queue on an executor of its own
+        return Executor(name, dedicated=True).queue(name, "alice", batch_wait_s=batch_wait_s)
 
     ran: list[tuple[list[str], float]] = []
 
@@ -657,5 +662,117 @@ def test_cli_serve_env_api_key_and_ctrl_c(tmp_path):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_stops_a_big_request_at_its_next_micro_batch_and_fails_the_queued_ones(tmp_path, sig):
+    """A forward_backward of thousands of micro-batches runs and three more wait; one signal: the
+    long-poll on the running one and the queued ones answer "shutting down", the process exits
+    (a hang is caught, not a speed), and the state dir serves its checkpoints after a restart."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from _server_harness import free_port, wait_result
+
+    def serve():
+        port = free_port()
+        env = {**os.environ, "TINKER_TELEMETRY": "0"}
+        proc = subprocess.Popen([sys.executable, "-m", "skyrl_sdk.cli", "serve", "--port", str(port),
+                                 "--state-dir", str(tmp_path / "state"), "--engine-config",
+                                 '{"micro_batch_tokens": 16}'], env=env, stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                    return proc, httpx.Client(base_url=url, timeout=60)
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+
+    def fwdbwd(model_id, seq_id, rows):
+        msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
+        for _ in range(rows):
+            d = msg.data.add()
+            d.model_input.add().encoded_text.tokens = np.arange(1, 61, dtype=np.int32).tobytes()
+            d.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(dense=np.arange(2, 62).tobytes(),
+                                                                  dtype=pb.DTYPE_INT64, shape=[60]))
+        return msg.SerializeToString()
+
+    proc, http = serve()
+    try:
+        sid = http.post("/api/v1/create_session", json={}).json()["session_id"]
+        fut = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": "tiny",
+                                                       "lora_config": {"rank": 2}}).json()
+        model_id = wait_result(http, fut["request_id"]).json()["model_id"]
+        saved = http.post("/api/v1/save_weights", json={"model_id": model_id, "path": "before", "seq_id": 1}).json()
+        assert wait_result(http, saved["request_id"]).json()["path"].endswith("/weights/before")
+        proto = {"Content-Type": "application/x-protobuf"}
+        big = http.post("/api/v1/forward_backward", content=fwdbwd(model_id, 2, 3000), headers=proto).json()
+        queued = [http.post("/api/v1/forward_backward", content=fwdbwd(model_id, i, 1), headers=proto).json()
+                  for i in (3, 4, 5)]
+        answers: dict = {}
+        poll = threading.Thread(target=lambda: answers.update(big=wait_result(http, big["request_id"]).json()))
+        poll.start()
+        time.sleep(1.0)  # (the big one has started; had it not, it fails as a queued one, which is checked too)
+        proc.send_signal(getattr(signal, sig))
+        poll.join(60)
+        for q in queued:
+            answers[q["request_id"]] = wait_result(http, q["request_id"]).json()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # after a clean shutdown uvicorn raises the signal again: SIGTERM's default action sets the status
+    assert proc.returncode in ((0,) if sig == "SIGINT" else (0, -signal.SIGTERM)), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert len(answers) == 4
+    for answer in answers.values():
+        assert answer["category"] == "server" and "shutting down" in answer["error"], answer
+
+    proc, http = serve()  # the state is as it was: the checkpoint saved before the signal is there
+    try:
+        listed = http.get(f"/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+        assert [c["checkpoint_id"] for c in listed] == ["weights/before"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+
+
 def to_tinker_list(data):
     return [to_tinker(d) for d in data]
+
+
+def test_checkpoint_directories_without_records_are_adopted_or_quarantined(tmp_path, caplog):
+    """A save that died between writing its directory and recording it (or a state dir copied
+    without its database) must not block the name: a complete checkpoint of a known run is
+    adopted, anything else moved to quarantine, both logged; the names are free again."""
+    import logging
+
+    from skyrl_sdk.server.store import Store, TinkerPath
+
+    store = Store(tmp_path / "s")
+    run = "sess-1:train:0"
+    store.add_run(run, "default", "sess-1", "tiny", {"rank": 2}, None)
+    backend = Backend("tiny", lora=types.LoraConfig(rank=2))
+    recorded, done, half = (TinkerPath(run, "training", n) for n in ("recorded", "done", "half"))
+    backend.save_state(store.checkpoint_dir(recorded))
+    store.add_checkpoint(recorded)
+    backend.save_state(store.checkpoint_dir(done))  # complete, never recorded
+    store.checkpoint_dir(half).mkdir(parents=True)  # not a checkpoint of ours (no marker)
+    (store.checkpoint_dir(half) / "model.safetensors").write_bytes(b"partial")
+    stranger = store.root / "runs" / "run-of-no-record" / "sampler_weights" / "x"
+    backend.save_weights_for_sampler(stranger)  # complete, but of no run this server knows
+    with caplog.at_level(logging.WARNING, logger="skyrl_sdk.server.store"):
+        adopted, quarantined = store.reconcile_checkpoints()
+    assert adopted == [str(done)]
+    assert sorted(q.split("/")[1] for q in quarantined) == sorted([store.run_dirname(run), "run-of-no-record"])
+    assert "adopted 1 checkpoint" in caplog.text and "quarantine" in caplog.text
+    assert store.checkpoint(done, "default") is not None and store.resolve_checkpoint(str(done), "default")
+    assert not store.checkpoint_dir(half).exists() and not stranger.exists()
+    assert len(list((store.root / "quarantine").rglob(".skyrl_checkpoint"))) == 1
+    backend.save_state(store.checkpoint_dir(half))  # the name is free again
+    assert store.reconcile_checkpoints() == ([str(half)], [])  # and nothing else changes
+    store.close()

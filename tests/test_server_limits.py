@@ -20,16 +20,16 @@ from tinker import types as tt
 from tinker.proto import tinker_public_pb2 as pb
 
 from _limits import HANG_S
-from _server_harness import API_KEY, ServerThread, raw_client, wait_result
+from _server_harness import API_KEY, ServerThread, next_token_datum, raw_client, wait_result
 
-MAX_SEQ, MAX_SAMPLES, MAX_BODY = 64, 8, 2**20
+MAX_SEQ, MAX_SAMPLES, MAX_BODY, MAX_TOKENS = 64, 8, 2**20, 200
 PROTO = {"Content-Type": "application/x-protobuf"}
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     with ServerThread(tmp_path_factory.mktemp("state"), max_seq_len=MAX_SEQ, max_num_samples=MAX_SAMPLES,
-                      max_body_bytes=MAX_BODY) as server:
+                      max_body_bytes=MAX_BODY, max_tokens_per_request=MAX_TOKENS) as server:
         yield server
 
 
@@ -336,3 +336,85 @@ def test_server_start_cleans_interrupted_saves_and_protects_its_state_dir(tmp_pa
     with pytest.raises(errors.CheckpointError):
         with checkpoint.atomic_directory(tmp_path, overwrite=True):
             pass
+
+
+# ---- the size of one request, and of one owner's queue ------------------------------------------------
+def test_a_request_over_the_token_limit_is_refused_naming_it(srv, model):
+    msg = _datum_msg(model[1], 60)
+    for _ in range(3):
+        msg.data.append(msg.data[0])  # 4 x 60 = 240 tokens
+    with raw_client(srv) as http:
+        fut = http.post("/api/v1/forward_backward", content=msg.SerializeToString(), headers=PROTO).json()
+        error = _user_error(http, fut)
+        assert "240 tokens" in error and "--max-tokens-per-request" in error and str(MAX_TOKENS) in error
+        assert http.post("/api/v1/client/config", json={}).json()["fwdbwd_max_chunk_bytes_count"] == 12 * MAX_TOKENS
+
+
+def test_the_tinker_client_cuts_a_big_batch_below_the_token_limit(srv):
+    service = srv.service_client()
+    tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
+    datums = [next_token_datum(50)] * 8  # 400 tokens: sent in chunks of <= 200
+    out = tc.forward_backward(datums, "cross_entropy").result(timeout=60)
+    assert len(out.loss_fn_outputs) == 8 and np.isfinite(out.metrics["loss:sum"])
+    service.close("success").result()
+
+
+def test_an_owners_queue_bound_refuses_up_front_and_spares_other_owners(tmp_path):
+    from skyrl_sdk.server.futures import Job, Result
+
+    keys = {"tml-bob-0123456789abc": "bob"}
+    with ServerThread(tmp_path / "state", max_queued_requests=3, api_keys=keys) as server:
+        with raw_client(server) as http, raw_client(server, "tml-bob-0123456789abc") as bob:
+            models = []
+            for client in (http, bob):
+                sid = client.post("/api/v1/create_session", json={}).json()["session_id"]
+                fut = client.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0,
+                                                                 "base_model": "tiny", "lora_config": {"rank": 2}}).json()
+                models.append(wait_result(client, fut["request_id"]).json()["model_id"])
+            release = threading.Event()
+            server.runtime.executors.shared.queue("blocker", "zed").put(Job(
+                run=lambda: Result.json({"held": release.wait(60)}), done=lambda r: None))
+            step = {"model_id": models[0], "adam_params": {"learning_rate": 1e-4}}
+            accepted = [http.post("/api/v1/optim_step", json={**step, "seq_id": i}).json() for i in (1, 2, 3)]
+            refused = http.post("/api/v1/optim_step", json={**step, "seq_id": 4}).json()
+            error = _user_error(http, refused)
+            assert "--max-queued-requests" in error and "3 of yours" in error
+            other = bob.post("/api/v1/optim_step", json={"model_id": models[1], "adam_params": {}}).json()
+            release.set()
+            for answer in accepted:
+                assert "metrics" in wait_result(http, answer["request_id"]).json()
+            assert "metrics" in wait_result(bob, other["request_id"]).json()
+            again = http.post("/api/v1/optim_step", json={**step, "seq_id": 4}).json()  # room again
+            assert "metrics" in wait_result(http, again["request_id"]).json()
+
+
+# ---- what errors quote, and what failures keep --------------------------------------------------------
+def test_errors_quote_at_most_about_100_characters_of_a_value(srv):
+    huge = "m" * 500_000
+    with raw_client(srv) as http:
+        answer = http.post("/api/v1/optim_step", json={"model_id": huge, "adam_params": {}}).json()
+        failed = wait_result(http, answer["request_id"])
+        assert len(failed.content) < 1000 and "(500000 characters)" in failed.json()["error"]
+        direct = http.post("/api/v1/get_info", json={"model_id": huge})
+        assert direct.status_code == 404 and len(direct.content) < 1000
+        query = http.get("/api/v1/sessions", params={"limit": "9" * 5000})
+        assert query.status_code == 400 and "limit" in query.json()["detail"] and len(query.content) < 1000
+
+
+def test_failed_results_kept_are_bounded_in_bytes():
+    from skyrl_sdk.errors import InputError
+    from skyrl_sdk.server.futures import FutureStore, Result
+
+    async def main():
+        store = FutureStore(asyncio.get_running_loop(), max_failed_bytes=10 * (FutureStore.RECORD_BYTES + 200))
+        kept = store.create("alice", "m", dedup_key=("alice", "model", "m", "seq_id", 1))
+        store.finish(kept, Result.error("first", "user"))
+        ids = [store.failed("alice", InputError(f"bad {i}")).request_id for i in range(50)]
+        assert store._failed_bytes <= store.max_failed_bytes and len(store) <= 12  # of 51
+        assert (await store.wait("alice", ids[0], 0))[0] is None  # the oldest went first
+        assert (await store.wait("alice", ids[-1], 0))[1].failed  # the newest are kept
+        with pytest.raises(InputError, match="expired"):  # a dropped one is never run again
+            store.lookup(("alice", "model", "m", "seq_id", 1))
+        assert store.pending("alice") == 0
+
+    asyncio.run(main())

@@ -9,6 +9,10 @@ handled) into ``$SKYRL_PROBE_REPORT`` (see tests/_probes.py)."""
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -20,7 +24,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from _probes import Probes
 from _server_harness import ServerThread, raw_client, wait_result
 from skyrl_sdk.errors import InputError
-from skyrl_sdk.server.config import read_api_keys
+from skyrl_sdk.server.config import ServerConfig, read_api_keys
 from skyrl_sdk.server.guard import OPEN_PATHS
 
 ALICE, BOB = "tml-alice", "tml-bob"
@@ -240,3 +244,77 @@ def test_api_keys_file(tmp_path):
             read_api_keys(f)
     with pytest.raises(InputError, match="cannot read"):
         read_api_keys(tmp_path / "missing")
+
+
+def test_api_keys_file_keeps_hashes_inside_keys_and_reserves_default(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("tml-x#secret-0123456789 alice\n# tml-commented out\ntml-y-0123456789abcdef bob # trailing\n")
+    keys = read_api_keys(f)
+    assert keys == {"tml-x#secret-0123456789": "alice", "tml-y-0123456789abcdef": "bob"}  # no `tml-x` key
+    f.write_text("tml-z-0123456789abcdef default\n")
+    with pytest.raises(InputError, match="'default' is reserved"):
+        read_api_keys(f)
+    with pytest.raises(InputError, match="reserved"):
+        ServerConfig(api_key="tml-one", api_keys={"tml-two": "default"})
+    f.write_text("tml-\u00e9t\u00e9-0123456789 alice\n")
+    with pytest.raises(InputError, match="printable ASCII"):
+        read_api_keys(f)
+
+
+def test_api_keys_file_refuses_what_is_not_a_small_utf8_file(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # a FIFO nobody writes: opening it for reading would block forever
+    for path, says in ((fifo, "not a regular file"), (Path("/dev/zero"), "not a regular file"),
+                       (tmp_path, "not a regular file")):
+        with pytest.raises(InputError, match=says):
+            read_api_keys(path)
+    big = tmp_path / "big"
+    big.write_bytes(b"tml-a alice\n" * 200_000)
+    with pytest.raises(InputError, match="larger than"):
+        read_api_keys(big)
+    latin = tmp_path / "latin"
+    latin.write_bytes(b"tml-caf\xe9-0123456789 alice\n")
+    with pytest.raises(InputError, match="not UTF-8 text"):
+        read_api_keys(latin)
+
+
+def test_api_keys_file_warns_about_short_keys_and_readable_files(tmp_path, caplog):
+    f = tmp_path / "keys"
+    f.write_text("tml-a alice\ntml-long-enough-0123456789 bob\n")
+    f.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="skyrl_sdk.server.config"):
+        read_api_keys(f)
+    text = caplog.text
+    assert "line(s) 1 are shorter than 16" in text and "can be read by other users" in text
+    caplog.clear()
+    f.write_text("tml-long-enough-0123456789 bob\n")
+    f.chmod(0o600)
+    with caplog.at_level(logging.WARNING, logger="skyrl_sdk.server.config"):
+        read_api_keys(f)
+    assert caplog.text == ""
+
+
+def test_serve_with_a_bad_api_keys_file_cannot_start(tmp_path, capsys):
+    from skyrl_sdk import cli
+
+    f = tmp_path / "keys"
+    f.write_bytes(b"\xff\xfe not utf-8\n")
+    assert cli.main(["serve", "--port", "1", "--state-dir", str(tmp_path / "s"), "--api-keys", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start" in err and "not UTF-8" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("api_key, from_env, keys_file, shows", [
+    (None, False, None, "TINKER_API_KEY=tml-local"),
+    ("tml-secret", True, None, "TINKER_API_KEY=$SKYRL_SDK_API_KEY"),
+    ("tml-secret", False, None, "TINKER_API_KEY=<the key given to --api-key>"),
+    (None, False, "keys.txt", "TINKER_API_KEY=<a key from keys.txt>"),
+    ("tml-secret", False, "keys.txt", "TINKER_API_KEY=<a key from keys.txt or the --api-key>"),
+])
+def test_the_banner_names_the_key_the_server_accepts(api_key, from_env, keys_file, shows):
+    from skyrl_sdk.cli.serve import banner
+
+    text = banner(ServerConfig(api_key=api_key, api_keys={"tml-k-0123456789abcdef": "k"} if keys_file else {}),
+                  from_env, keys_file)
+    assert shows in text and "tml-secret" not in text
+    assert ("checks no key" in text) == (api_key is None and keys_file is None)

@@ -11,6 +11,30 @@ import difflib
 from collections.abc import Iterable
 from typing import Any
 
+#: the most characters of a caller's value an error message quotes
+QUOTE_CHARS = 100
+#: the most characters of one error message the server sends (and keeps with a failed result)
+MESSAGE_CHARS = 4000
+
+
+def quoted(value: Any) -> str:
+    """``repr(value)`` cut to about :data:`QUOTE_CHARS` characters, saying how long it was.
+
+    Messages quote what the caller sent; a 4 MB model id echoed back in full costs the server
+    that much again in every answer and in every failed result it keeps."""
+    if isinstance(value, (str, bytes)) and len(value) > QUOTE_CHARS:
+        return f"{value[:QUOTE_CHARS - 20]!r}... ({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+    text = repr(value)
+    return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS - 20]}... ({len(text)} characters)"
+
+
+def clipped(message: str) -> str:
+    """``message`` cut to :data:`MESSAGE_CHARS` characters (the last line of defence for a
+    message that quotes something long in full)."""
+    if len(message) <= MESSAGE_CHARS:
+        return message
+    return f"{message[:MESSAGE_CHARS]}... (message cut: {len(message)} characters)"
+
 
 def did_you_mean(name: Any, choices: Iterable[str]) -> str:
     """``"; did you mean 'ppo'?"`` when a choice is close to ``name`` (a typo), else ``""``.
@@ -32,7 +56,7 @@ def did_you_mean_keys(unknown: Iterable[str], accepted: Iterable[str]) -> str:
 
 
 def _closest(name: Any, choices: Iterable[str]) -> str | None:
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name or len(name) > QUOTE_CHARS:
         return None
     close = difflib.get_close_matches(name, sorted(set(choices)), n=1, cutoff=0.6)
     return close[0] if close else None

@@ -302,6 +302,15 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-memory", default=None, metavar="SIZE",
                    help="memory for in-memory weight snapshots of ephemeral sampling clients, least "
                         "recently used evicted beyond it (default 2GiB)")
+    p.add_argument("--max-tokens-per-request", type=int, default=None, metavar="N",
+                   help="tokens one forward/forward_backward request may hold (default 524288)")
+    p.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                   help="requests one owner may have queued or running; more are refused (default 1024)")
+    p.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a connection must send its request headers within this (default 10)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections; beyond N the oldest idle one is closed (default: 1000, "
+                        "at most half the open-file limit)")
     p.add_argument("--lazy", action="store_true",
                    help="check models and engine config without loading the weights at start "
                         "(big models: they load when a client first asks)")

@@ -132,6 +132,10 @@ class AdapterPool:
         #: the adapter peft has active, as set by ``using`` (None: unknown, set it again);
         #: ``set_adapter`` walks every adapter layer, so a turn of the same adapter skips it
         self._active: str | None = None
+        #: whether peft's adapter layers are enabled (a base-only turn disables them)
+        self._adapters_enabled: bool | None = True
+        #: the adapters of the turns in progress on the holder's thread, innermost last
+        self._stack: list[Adapter | None] = []
 
     # ---- the module -------------------------------------------------------------------------------
     @property
@@ -143,6 +147,7 @@ class AdapterPool:
     def _rebuild_scoring(self) -> None:
         """Adapters may wrap the output projection: scoring must call the current one."""
         self._active = None  # an adapter was added or removed: peft may have changed which is active
+        self._adapters_enabled = None  # and a new adapter's layers start enabled
         self.scoring = scoring_model(self.plain, self.role, self.config)
         self.base_runner.scoring = self.scoring
         for a in self.adapters.values():
@@ -206,38 +211,49 @@ class AdapterPool:
 
     @contextlib.contextmanager
     def using(self, adapter: Adapter | None) -> Iterator[None]:
-        """A turn on the base with exactly ``adapter`` active (None: the base alone)."""
+        """A turn on the base with exactly ``adapter`` active (None: the base alone).
+
+        Turns nest on the thread that holds one (the server's executor runs other clients'
+        short turns between a long call's micro-batches): an inner turn activates its own
+        adapter, and on leaving gives the outer turn its adapter (or the bare base) back."""
         with self.gate.turn(adapter.name if adapter is not None else "base"):
             self._check_open()
-            if adapter is None:
-                with self._adapters_disabled():
-                    yield
-                return
-            if adapter.closed:
+            if adapter is not None and adapter.closed:
                 raise InputError(f"adapter {adapter.label} was removed from its shared base")
-            adapter.last_used = next(self._clock)
-            if adapter.offloaded is not None:
-                self._reload(adapter)
-            if self._active != adapter.name:
-                self.module.set_adapter(adapter.name)
-                self._active = adapter.name
+            self._stack.append(adapter)
             try:
+                self._activate(adapter)
                 yield
             finally:
-                adapter.resident_bytes = offload.adapter_bytes(adapter.runner)
+                self._stack.pop()
+                if adapter is not None:
+                    adapter.resident_bytes = offload.adapter_bytes(adapter.runner)
+                if self._stack and not self.closed:  # a nested turn ended: the outer one's adapter back
+                    self._activate(self._stack[-1])
+                elif not self.closed:  # outside turns, adapters are enabled (as peft leaves them)
+                    self._enable_adapters(True)
 
-    @contextlib.contextmanager
-    def _adapters_disabled(self) -> Iterator[None]:
+    def _activate(self, adapter: Adapter | None) -> None:
+        """(holding the turn) Make ``adapter`` the only active one, or disable every adapter."""
+        self._enable_adapters(adapter is not None)
+        if adapter is None:
+            return
+        adapter.last_used = next(self._clock)
+        if adapter.offloaded is not None:
+            self._reload(adapter)
+        if self._active != adapter.name:
+            self.module.set_adapter(adapter.name)
+            self._active = adapter.name
+
+    def _enable_adapters(self, enabled: bool) -> None:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        layers = [m for m in self.plain.modules() if isinstance(m, BaseTunerLayer)]
-        for layer in layers:
-            layer.enable_adapters(False)
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.enable_adapters(True)
+        if self._adapters_enabled == enabled or self.plain is None:
+            return
+        for layer in self.plain.modules():
+            if isinstance(layer, BaseTunerLayer):
+                layer.enable_adapters(enabled)
+        self._adapters_enabled = enabled
 
     # ---- capacity ---------------------------------------------------------------------------------
     def in_memory(self) -> list[Adapter]:
@@ -247,7 +263,9 @@ class AdapterPool:
     def _evict_beyond_capacity(self, keep: Adapter) -> None:
         if self.max_adapters is None:
             return
-        resident = sorted((a for a in self.in_memory() if a is not keep), key=lambda a: a.last_used)
+        busy = {id(a) for a in self._stack}  # a turn in progress (an outer one included) keeps its tensors
+        resident = sorted((a for a in self.in_memory() if a is not keep and id(a) not in busy),
+                          key=lambda a: a.last_used)
         while resident and len(resident) + 1 > self.max_adapters:
             self._offload(resident.pop(0))
 

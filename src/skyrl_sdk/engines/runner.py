@@ -24,6 +24,7 @@ from .base import EngineResult, scores_key
 from .batching import make_micro_batches, pack_inputs
 from .call_grads import call_gradients
 from .step_guard import StepBound, measure_step
+from .turns import between_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +114,10 @@ class ModelRunner:
         # a call that fails mid-way leaves no partial gradient, and the pending ones as they were
         params = [p for _, p in self.named_trainable()] if backward else []
         with call_gradients(params, keep=self.keep_grads_on_error) if backward else contextlib.nullcontext():
-            for mb in progress:
+            for i, mb in enumerate(progress):
                 self._run_micro_batch(data, mb, loss, backward, outputs, acc)
+                if i + 1 < len(batches):
+                    between_micro_batches()  # a scheduler may give others a turn here, or stop the call
         acc.add({"num_tokens:sum": Metric(float(sum(d.model_input.length for d in data)))})
         logger.debug("%s: %d datums in %d micro-batches", spec.name, len(data), len(batches))
         return EngineResult(outputs=outputs, metric_state=acc.state())  # type: ignore[arg-type]

@@ -5,6 +5,11 @@ back to back can starve the others. :class:`FairGate` instead hands the resource
 waiting *keys* (clients) in rotation: after a key's turn it goes to the back of the line,
 so with k clients waiting each gets one turn in every k. Within one key, turns are granted
 in arrival order (each client's own request order is kept).
+
+:func:`between_micro_batches` is the one place a long call can give way: the micro-batch loop
+calls it after every micro-batch but the last, and whoever runs the call on that thread (the
+server's compute executor, via :func:`on_micro_batch`) may run other clients' short turns
+there or stop the call. Without a hook installed it does nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +17,29 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+
+_local = threading.local()
+
+
+def between_micro_batches() -> None:
+    """Called by the micro-batch loop between micro-batches (no graph alive, gradients of the
+    finished ones accumulated): runs this thread's hook, if one is installed. The hook may
+    raise to stop the call (the loop then fails it as any exception does)."""
+    hook = getattr(_local, "hook", None)
+    if hook is not None:
+        hook()
+
+
+@contextlib.contextmanager
+def on_micro_batch(hook: Callable[[], None]) -> Iterator[None]:
+    """Install ``hook`` for calls this thread runs inside the block."""
+    previous = getattr(_local, "hook", None)
+    _local.hook = hook
+    try:
+        yield
+    finally:
+        _local.hook = previous
 
 
 class RoundRobin:

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, quoted
 from ..types import (
     Datum,
     EncodedTextChunk,
@@ -93,13 +93,8 @@ def _flat_tokens(tokens: Any, what: str) -> Any:
     list is not silently flattened; arrays and tensors are checked by ``EncodedTextChunk``)."""
     if tokens is None or isinstance(tokens, (str, bytes, dict)) or (isinstance(tokens, (list, tuple)) and not all(
             isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in tokens)):
-        raise InputError(f"{what}: expected a flat list of integer token ids, got {_short(tokens)}")
+        raise InputError(f"{what}: expected a flat list of integer token ids, got {quoted(tokens)}")
     return tokens
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 

@@ -8,11 +8,13 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from ..errors import InputError, NotFoundError
+from ..errors import InputError, NotFoundError, clipped, quoted
 from ..version import __version__
 from . import console, routes
+from .bodies import Bodies
 from .config import ServerConfig
 from .guard import Guard
 from .runtime import Runtime
@@ -25,16 +27,20 @@ def create_app(config: ServerConfig | None = None) -> Any:
 
     The returned object is the FastAPI app wrapped in the auth / body-limit middleware;
     the FastAPI app itself is its ``.fastapi`` attribute (its ``state.runtime`` holds the
-    live :class:`~.runtime.Runtime` while the app runs)."""
+    live :class:`~.runtime.Runtime` while the app runs), and ``.begin_shutdown()`` fails the
+    work that has not run and answers waiting long-polls (the server calls it at the first
+    signal, before it drains connections)."""
     config = config or ServerConfig()
+    bodies = Bodies.of(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.runtime = Runtime(config, asyncio.get_running_loop())
+        app.state.runtime = Runtime(config, asyncio.get_running_loop(), bodies)
         logger.info("skyrl-sdk serve: models %s, state dir %s", list(config.models), config.state_dir)
         try:
             yield
         finally:
+            app.state.runtime.begin_shutdown()
             app.state.runtime.sessions.stop()
             await asyncio.get_running_loop().run_in_executor(None, app.state.runtime.close)
 
@@ -42,7 +48,14 @@ def create_app(config: ServerConfig | None = None) -> Any:
                   docs_url=None, redoc_url=None, openapi_url=None)
 
     def detail(request: Request, message: str) -> dict:
-        return {"detail": request.app.state.runtime.redact(message)}
+        return {"detail": clipped(request.app.state.runtime.redact(message))}
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_parameter(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own answer echoes each bad value in full; name the parameter, quote a little
+        problems = [f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}, got {quoted(e.get('input'))}"
+                    for e in exc.errors()[:5]]
+        return JSONResponse(detail(request, "; ".join(problems)), status_code=400)
 
     @app.exception_handler(NotFoundError)
     async def _unknown(request: Request, exc: NotFoundError) -> JSONResponse:
@@ -59,6 +72,15 @@ def create_app(config: ServerConfig | None = None) -> Any:
 
     app.include_router(routes.router)
     app.include_router(console.router)
-    guarded = Guard(app, config.owners(), config.max_body_bytes)
+    guarded = Guard(app, config.owners(), config.max_body_bytes, bodies, max_json_body_bytes=config.max_json_body_bytes,
+                    body_timeout_s=config.body_timeout_s,
+                    zstd=bool(config.client_config.get("proto_compress_fwdbwd")))
     guarded.fastapi = app  # type: ignore[attr-defined]
+
+    def begin_shutdown() -> None:
+        runtime = getattr(app.state, "runtime", None)
+        if runtime is not None:
+            runtime.begin_shutdown()
+
+    guarded.begin_shutdown = begin_shutdown  # type: ignore[attr-defined]
     return guarded

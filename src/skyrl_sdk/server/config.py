@@ -5,15 +5,20 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import logging
 import os
+import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from ..errors import InputError
+from ..errors import InputError, quoted
 from .memory import parse_bytes
+
+logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "SKYRL_SDK_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -25,36 +30,90 @@ DEFAULT_SNAPSHOT_MEMORY = 2 * 1024**3
 DEFAULT_OWNER = "default"
 #: third column of an ``--api-keys`` line that makes its owner an operator
 OPERATOR_MARK = "operator"
+#: the largest ``--api-keys`` file read
+MAX_KEYS_FILE_BYTES = 2**20
+#: keys shorter than this are warned about
+SHORT_KEY_CHARS = 16
+#: a comment in the ``--api-keys`` file: ``#`` at the start of a line or after white space
+_COMMENT = re.compile(r"(^|\s)#.*")
+#: ``--max-tokens-per-request``: above the tinker client's own chunks (5 MB of at least 12 bytes
+#: per token: 416,666 tokens), so only a request made bigger on purpose is refused
+DEFAULT_MAX_TOKENS_PER_REQUEST = 2**19
+#: ``--max-queued-requests``: one owner's requests accepted and not finished
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+#: ``--header-timeout``: a connection must send its request line and headers within this
+DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 
 def read_api_keys(path: str | os.PathLike, operators: set[str] | None = None) -> dict[str, str]:
-    """``--api-keys FILE``: one ``KEY [OWNER]`` per line (``#`` comments and blank lines
-    skipped). Keys sharing an owner see the same things; a key without an owner is its own.
+    """``--api-keys FILE``: one ``KEY [OWNER]`` per line; blank lines and comments (from a
+    ``#`` at the start of a line or after a space) skipped, so a ``#`` inside a key is part of
+    it. Keys sharing an owner see the same things; a key without an owner is its own.
+
+    The file must be a regular file of at most :data:`MAX_KEYS_FILE_BYTES` (a FIFO would block
+    the start forever, ``/dev/zero`` never ends) in UTF-8; a key is printable ASCII (it travels
+    in an HTTP header). The owner name ``default`` is refused: it is the owner of ``--api-key``
+    and of a server without keys, and sharing it would merge the two. Warnings are logged for
+    a file others may read and for keys shorter than :data:`SHORT_KEY_CHARS`.
+
     A line ``KEY OWNER operator`` also marks OWNER an operator (the console shows operators
     the server: docs/server.md); those owners are added to ``operators`` when it is given."""
-    try:
-        lines = Path(path).expanduser().read_text().splitlines()
-    except OSError as exc:
-        raise InputError(f"--api-keys: cannot read {path}: {exc.strerror}") from None
+    text = _read_keys_file(path)
     keys: dict[str, str] = {}
-    for number, line in enumerate(lines, 1):
-        fields = line.split("#", 1)[0].split()
+    short = []
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = _COMMENT.sub("", line).split()
         if not fields:
             continue
-        if len(fields) == 3 and fields[2] == OPERATOR_MARK:  # the console's operators (issue 25)
+        where = f"--api-keys {path}, line {number}"
+        if len(fields) == 3 and fields[2] == OPERATOR_MARK:  # the console's operators
             fields = fields[:2]
             if operators is not None:
                 operators.add(fields[1])
         if len(fields) > 2:
-            raise InputError(f"--api-keys {path}, line {number}: expected 'KEY [OWNER [operator]]', got "
-                             f"{len(fields)} fields")
+            raise InputError(f"{where}: expected 'KEY [OWNER [operator]]', got {len(fields)} fields")
         key = fields[0]
+        if not key.isascii() or not key.isprintable():
+            raise InputError(f"{where}: a key must be printable ASCII (it is sent in the X-API-Key header)")
         if key in keys:
-            raise InputError(f"--api-keys {path}, line {number}: this key is listed twice")
+            raise InputError(f"{where}: this key is listed twice")
+        if len(fields) == 2 and fields[1] == DEFAULT_OWNER:
+            raise InputError(f"{where}: the owner name {DEFAULT_OWNER!r} is reserved (the owner of --api-key and of "
+                             f"a server without keys); use another name")
+        if len(key) < SHORT_KEY_CHARS:
+            short.append(str(number))
         keys[key] = fields[1] if len(fields) == 2 else "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
     if not keys:
         raise InputError(f"--api-keys {path}: no keys in the file")
+    if short:
+        logger.warning("--api-keys %s: the keys on line(s) %s are shorter than %d characters: easy to guess",
+                       path, ", ".join(short), SHORT_KEY_CHARS)
     return keys
+
+
+def _read_keys_file(path: str | os.PathLike) -> str:
+    """The text of an ``--api-keys`` file, read without blocking and within the size limit."""
+    try:
+        fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
+    except OSError as exc:
+        raise InputError(f"--api-keys: cannot read {path}: {exc.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise InputError(f"--api-keys {path}: not a regular file (a FIFO, device or directory); give a file")
+        data = b""
+        while len(data) <= MAX_KEYS_FILE_BYTES and (piece := os.read(fd, MAX_KEYS_FILE_BYTES + 1 - len(data))):
+            data += piece
+    finally:
+        os.close(fd)
+    if len(data) > MAX_KEYS_FILE_BYTES:
+        raise InputError(f"--api-keys {path}: larger than {MAX_KEYS_FILE_BYTES} bytes; is it the right file?")
+    if mode & 0o044:
+        logger.warning("--api-keys %s can be read by other users (mode %o); chmod 600 it", path, stat.S_IMODE(mode))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"--api-keys {path}: not UTF-8 text (byte {exc.start})") from None
 
 
 def _models(value: Any) -> tuple[str, ...]:
@@ -102,6 +161,12 @@ class ServerConfig:
     state_dir: Path = attrs.field(default=Path("./skyrl-server-state"), converter=lambda p: Path(p).expanduser())
     api_key: str | None = None
     api_keys: dict[str, str] = attrs.field(factory=dict)
+
+    @api_keys.validator
+    def _no_default_owner(self, _, value: dict[str, str]) -> None:
+        if DEFAULT_OWNER in value.values():
+            raise InputError(f"api_keys: the owner name {DEFAULT_OWNER!r} is reserved (the owner of --api-key and of "
+                             f"a server without keys); use another name")
     host: str = "127.0.0.1"
     port: int = 8000
     seed: int = 0
@@ -131,6 +196,32 @@ class ServerConfig:
     #: owners who see the server in the console (marked ``operator`` in ``--api-keys``; the
     #: ``--api-key`` holder always does: see :meth:`is_operator`)
     operators: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset)
+    #: tokens one forward / forward_backward request may hold; a bigger one is refused naming it
+    max_tokens_per_request: int = DEFAULT_MAX_TOKENS_PER_REQUEST
+    #: requests of one owner accepted and not yet finished; more are refused up front
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    #: a job of at most this many tokens may run between another job's micro-batches
+    #: (docs/server.md, Fairness)
+    turn_tokens: int = 8192
+    #: the connection edge (``server/edge.py``): a connection's request line and headers must
+    #: arrive within ``header_timeout_s`` (and the next request's within it of the last answer)
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    #: open connections; beyond it the oldest idle one is closed (None: min(1000, fd limit / 2))
+    max_connections: int | None = None
+    #: an idle keep-alive connection is closed after this
+    keep_alive_s: float = 5.0
+    #: a request body must arrive within this (else 408)
+    body_timeout_s: float = 120.0
+    #: a JSON body, after zstd (the protobuf forward_backward keeps ``max_body_bytes``); the
+    #: largest real one, a sample request's prompt, is under 1 MB even at 131072 tokens
+    max_json_body_bytes: int = 4 * 2**20
+    #: bytes of request bodies being read and parsed at once, all connections together (None:
+    #: four times ``max_body_bytes``); beyond it requests get 503 and the client retries
+    max_inflight_body_bytes: int | None = None
+    #: bytes of failed results kept for retrieval (the oldest dropped first)
+    max_failed_bytes: int = 64 * 2**20
+    #: Ctrl-C / SIGTERM: how long running work may take to stop before the process leaves it
+    shutdown_s: float = 8.0
     #: extra flags merged into the answer to the client's ``/client/config`` (e.g.
     #: ``{"fwdbwd_max_chunk_len": 256}``; see ``tinker.types.ClientConfigResponse``)
     client_config: dict[str, Any] = attrs.field(factory=dict)
@@ -139,18 +230,23 @@ class ServerConfig:
     def from_args(cls, args: Any) -> ServerConfig:
         """From ``skyrl-sdk serve``'s argparse namespace (host, port, model, engine,
         engine_config, state_dir, api_key, api_keys, session_timeout, max_seq_len,
-        max_num_samples, max_lora_adapters, max_memory, snapshot_memory). The API key falls back to
+        max_num_samples, max_lora_adapters, max_memory, snapshot_memory, max_tokens_per_request,
+        max_queued_requests, header_timeout, max_connections). The API key falls back to
         $SKYRL_SDK_API_KEY."""
         api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
         keys_file = getattr(args, "api_keys", None)
         limits = {"session_timeout_s": getattr(args, "session_timeout", None),
                   "max_seq_len": getattr(args, "max_seq_len", None),
                   "max_num_samples": getattr(args, "max_num_samples", None),
-                  "max_lora_adapters": getattr(args, "max_lora_adapters", None)}
+                  "max_lora_adapters": getattr(args, "max_lora_adapters", None),
+                  "max_tokens_per_request": getattr(args, "max_tokens_per_request", None),
+                  "max_queued_requests": getattr(args, "max_queued_requests", None),
+                  "header_timeout_s": getattr(args, "header_timeout", None),
+                  "max_connections": getattr(args, "max_connections", None)}
         for name, value in limits.items():
             if value is not None and not value > 0:
                 raise InputError(f"--{name.removesuffix('_s').replace('_', '-')}: expected a positive number, "
-                                 f"got {value!r}")
+                                 f"got {quoted(value)}")
         operators: set[str] = set()
         return cls(
             share_base=getattr(args, "share_base", None) is not False,

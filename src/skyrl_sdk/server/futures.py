@@ -1,15 +1,15 @@
 """Futures: accepted at once, run per model in ``seq_id`` order, retrieved by long-poll.
 
-- :class:`Worker` - one thread per Backend; runs its jobs one at a time in the order
-  they were handed over (consecutive compatible sampling jobs run as one batch).
-- :class:`Sequencer` - per training model, on the event loop: hands jobs to the worker
-  in ``seq_id`` order, holding later ones until the earlier ones arrived (the client
+- :class:`Job` - one request's work for a model's queue on a compute executor
+  (:mod:`.executor`, which runs it and reports its :class:`Result`).
+- :class:`Sequencer` - per training model, on the event loop: hands jobs to the model's
+  queue in ``seq_id`` order, holding later ones until the earlier ones arrived (the client
   may send a batch's chunks in parallel, first chunk last).
 - :class:`FutureStore` - request id -> result, with ``(model_id, seq_id)`` de-duplication
   so a retried submission gets the original request id and never runs twice.
 
-Everything except ``Worker``'s thread runs on the event loop thread, so none of it needs
-locks; results cross from worker threads with ``call_soon_threadsafe``.
+Everything here runs on the event loop thread, so none of it needs locks; results cross
+from the executor's thread with ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import collections
 import json
 import logging
 import math
-import threading
 import time
 import traceback
 import uuid
@@ -28,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import InputError, PluginError
+from ..errors import InputError, PluginError, clipped
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class Result:
 
     @classmethod
     def error(cls, message: str, category: str) -> Result:
-        return cls(json.dumps({"error": message, "category": category}).encode(), JSON, failed=True)
+        return cls(json.dumps({"error": clipped(message), "category": category}).encode(), JSON, failed=True)
 
     @classmethod
     def from_exception(cls, exc: BaseException, what: str = "request") -> Result:
@@ -85,12 +84,14 @@ def finite_json(obj: Any) -> Any:
 
 @attrs.define(eq=False)
 class Job:
-    """Work for a :class:`Worker`. ``run`` returns a :class:`Result` (exceptions are turned
-    into error results) that ``done`` receives on the worker thread, or None when it handed
-    the work on to another worker (which then calls ``done``).
+    """Work for a queue of an executor. ``run`` returns a :class:`Result` (exceptions are
+    turned into error results) that ``done`` receives on the executor's thread, or None when
+    it handed the work on to another queue (which then calls ``done``).
 
     Jobs with the same non-None ``batch_key`` that sit next to each other in the queue are
-    handed together to ``run_batch`` (which returns one Result per job)."""
+    handed together to ``run_batch`` (which returns one Result per job). ``cost`` (tokens,
+    roughly) says how long it runs: a job of at most the executor's ``turn_tokens`` may run
+    between another job's micro-batches; None: never (saves, loads, model creation)."""
 
     run: Callable[[], Result]
     done: Callable[[Result], None]
@@ -98,131 +99,20 @@ class Job:
     batch_key: Hashable | None = None
     run_batch: Callable[[list[Job]], list[Result]] | None = None
     payload: Any = None
-
-
-class Worker:
-    """One thread that runs jobs one at a time, in the order they were put.
-
-    ``batch_wait_s``: when a batchable job is taken with nothing compatible queued behind it,
-    how long to wait for one more (and again after each arrival, at most ``BATCH_WAIT_ROUNDS``
-    times): a client sends a group's sample requests one after another, a few ms apart, and
-    one batch of them costs little more than the first alone. Any other job ends the wait."""
-
-    #: at most this many waits of ``batch_wait_s`` per batch
-    BATCH_WAIT_ROUNDS = 8
-
-    def __init__(self, name: str, max_batch: int = 64, batch_wait_s: float = 0.0) -> None:
-        self.name = name
-        self.max_batch = max_batch
-        self.batch_wait_s = batch_wait_s
-        self._jobs: collections.deque[Job] = collections.deque()
-        self._cv = threading.Condition()
-        self._closed = False
-        self._running = False
-        self.last_active = time.monotonic()
-        self._thread = threading.Thread(target=self._loop, name=f"skyrl-worker-{name}", daemon=True)
-        self._thread.start()
-
-    def put(self, job: Job) -> None:
-        with self._cv:
-            if self._closed:
-                job.done(Result.error(f"{self.name} was shut down (server stopping, model released or sampler "
-                                      f"evicted); retry the request", "server"))
-                return
-            self._jobs.append(job)
-            self._cv.notify()
-
-    def close(self, wait: bool = True, timeout: float | None = None) -> None:
-        """Stop taking jobs; queued ones fail; the running one finishes."""
-        with self._cv:
-            self._closed = True
-            dropped = list(self._jobs)
-            self._jobs.clear()
-            self._cv.notify_all()
-        for job in dropped:
-            job.done(Result.error("the server is shutting down", "server"))
-        if wait and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    def _take(self) -> list[Job] | None:
-        with self._cv:
-            while not self._jobs and not self._closed:
-                self._cv.wait()
-            if self._closed:
-                return None
-            first = self._jobs.popleft()
-            self._running = True
-            batch = [first]
-            if first.batch_key is not None and first.run_batch is not None:
-                self._gather(batch)
-            return batch
-
-    def _gather(self, batch: list[Job]) -> None:
-        """(holding the lock) Add the jobs compatible with ``batch[0]`` queued behind it,
-        waiting up to ``batch_wait_s`` for each next one while none is queued."""
-        waits = self.BATCH_WAIT_ROUNDS if self.batch_wait_s > 0 else 0
-        while len(batch) < self.max_batch:
-            if self._jobs:
-                if self._jobs[0].batch_key != batch[0].batch_key:
-                    return
-                batch.append(self._jobs.popleft())
-                continue
-            if waits <= 0 or self._closed:
-                return
-            waits -= 1
-            self._cv.wait(self.batch_wait_s)
-            if not self._jobs:  # none came (or the worker closed, dropping the queue)
-                return
-
-    def _loop(self) -> None:
-        while True:
-            batch = self._take()
-            if batch is None:
-                return
-            if len(batch) == 1:
-                results = [self._run_one(batch[0])]
-            else:
-                try:
-                    results = batch[0].run_batch(batch)
-                except BaseException:
-                    logger.debug("batched %s failed; running its %d jobs one by one", batch[0].what, len(batch))
-                    results = [self._run_one(job) for job in batch]
-            for job, result in zip(batch, results, strict=True):
-                if result is None:  # the job handed itself on to another worker
-                    continue
-                try:
-                    job.done(result)
-                except Exception:  # pragma: no cover - a callback bug must not kill the worker
-                    logger.exception("result callback of %s failed", job.what)
-            with self._cv:
-                self._running = False
-                self.last_active = time.monotonic()
-
-    def idle_for(self) -> float:
-        """Seconds since the worker last had anything to do (0 while busy)."""
-        with self._cv:
-            if self._running or self._jobs:
-                return 0.0
-            return time.monotonic() - self.last_active
-
-    @staticmethod
-    def _run_one(job: Job) -> Result:
-        try:
-            return job.run()
-        except BaseException as exc:
-            return Result.from_exception(exc, job.what)
+    cost: int | None = None
 
 
 class Sequencer:
-    """Hands a model's jobs to its worker in ``seq_id`` order (event-loop side).
+    """Hands a model's jobs to its queue (``worker``: put, idle_for, name) in ``seq_id``
+    order (event-loop side).
 
     Jobs without a seq_id go straight through. A missing seq_id is skipped, with a warning,
-    only once the model's worker has been idle for ``gap_timeout_s`` with later requests
+    only once the model's queue has been idle for ``gap_timeout_s`` with later requests
     waiting (a submission that never arrived, e.g. one the client gave up on), so one lost
     request cannot stall a model forever, while a slow forward pass (or a client computing a
     custom loss between its forward and backward halves) never causes a skip."""
 
-    def __init__(self, worker: Worker, next_seq: int = 1, gap_timeout_s: float = 30.0) -> None:
+    def __init__(self, worker: Any, next_seq: int = 1, gap_timeout_s: float = 30.0) -> None:
         self.worker = worker
         self.next_seq = next_seq
         self.gap_timeout_s = gap_timeout_s
@@ -292,12 +182,26 @@ class FutureStore:
     A de-duplication key whose record was swept (results are kept ``retention_s`` after
     retrieval) is remembered for ``expired_horizon_s`` more (at most ``max_expired`` keys,
     the oldest forgotten first), so a late retry is refused as expired instead of running
-    twice. ``redact`` rewrites failed results' messages (server paths -> tinker:// paths)."""
+    twice. ``redact`` rewrites failed results' messages (server paths -> tinker:// paths).
+
+    Failed results are also bounded in bytes: past ``max_failed_bytes`` (each counted as its
+    body plus :attr:`RECORD_BYTES`) the oldest failed records go first, as if swept (anyone
+    with a key can create failures as fast as they can send requests). ``pending(owner)``
+    counts an owner's unfinished requests (the runtime's per-owner queue bound)."""
+
+    #: what one record costs besides its result body (the record, its event, its dict entries)
+    RECORD_BYTES = 1024
 
     def __init__(self, loop: asyncio.AbstractEventLoop, retention_s: float = 900.0,
                  unretrieved_retention_s: float = 6 * 3600.0, redact: Callable[[str], str] | None = None,
-                 expired_horizon_s: float = 24 * 3600.0, max_expired: int = 100_000) -> None:
+                 expired_horizon_s: float = 24 * 3600.0, max_expired: int = 100_000,
+                 max_failed_bytes: int = 64 * 2**20) -> None:
         self.loop = loop
+        self.max_failed_bytes = max_failed_bytes
+        #: failed request id -> bytes counted for it, oldest first
+        self._failed: dict[str, int] = {}
+        self._failed_bytes = 0
+        self._pending: collections.Counter[str] = collections.Counter()
         self.retention_s = retention_s
         self.unretrieved_retention_s = unretrieved_retention_s
         self.redact = redact
@@ -335,6 +239,7 @@ class FutureStore:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         rec = FutureRecord(rid, owner, model_id, time.time(), asyncio.Event(), dedup_key=dedup_key)
         self._records[rid] = rec
+        self._pending[owner] += 1
         if dedup_key is not None:
             self._dedup[dedup_key] = rid
         return rec
@@ -367,6 +272,24 @@ class FutureStore:
             result = Result.error(doc["error"], doc["category"])
         rec.result = result
         rec.event.set()
+        self._pending[rec.owner] -= 1
+        if self._pending[rec.owner] <= 0:
+            del self._pending[rec.owner]
+        if result.failed:
+            self._failed[rec.request_id] = size = len(result.body) + self.RECORD_BYTES
+            self._failed_bytes += size
+            now = time.monotonic()
+            while self._failed_bytes > self.max_failed_bytes and self._failed:
+                self._drop(next(iter(self._failed)), now)
+
+    def fail_unfinished(self, message: str) -> None:
+        """(shutdown) Finish every unfinished record with a server error, waking its long-polls."""
+        for rec in [r for r in self._records.values() if r.result is None]:
+            self.finish(rec, Result.error(message, "server"))
+
+    def pending(self, owner: str) -> int:
+        """``owner``'s requests accepted and not finished (queued, waiting for a seq_id, or running)."""
+        return self._pending.get(owner, 0)
 
     async def wait(self, owner: str, request_id: str, timeout: float
                    ) -> tuple[FutureRecord | None, Result | None]:
@@ -397,17 +320,22 @@ class FutureStore:
             )
         ]
         for rid in dead:
-            rec = self._records.pop(rid)
-            if rec.dedup_key is not None and self._dedup.get(rec.dedup_key) == rid:
-                del self._dedup[rec.dedup_key]
-                self._expired.pop(rec.dedup_key, None)
-                self._expired[rec.dedup_key] = now
+            self._drop(rid, now)
         # forget the oldest swept keys: past the horizon, or beyond the cap
         while self._expired:
             key, when = next(iter(self._expired.items()))
             if now - when <= self.expired_horizon_s and len(self._expired) <= self.max_expired:
                 break
             del self._expired[key]
+
+    def _drop(self, rid: str, now: float) -> None:
+        """Forget a finished record; its de-duplication key is remembered as expired."""
+        rec = self._records.pop(rid, None)
+        self._failed_bytes -= self._failed.pop(rid, 0)
+        if rec is not None and rec.dedup_key is not None and self._dedup.get(rec.dedup_key) == rid:
+            del self._dedup[rec.dedup_key]
+            self._expired.pop(rec.dedup_key, None)
+            self._expired[rec.dedup_key] = now
 
 
 def _describe(dedup_key: tuple) -> str:

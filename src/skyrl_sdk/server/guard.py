@@ -1,21 +1,28 @@
-"""ASGI middleware in front of every route: API key -> owner, body size limit, zstd bodies.
+"""ASGI middleware in front of every route: API key -> owner, body limits, zstd bodies.
 
 - With API keys configured, a request without a known ``X-API-Key`` header gets 401
   (every key compared in constant time; ASGI header names arrive lower-cased, so any
   casing the client used matches). ``GET /api/v1/healthz`` stays open for health checks.
   The key's owner is put in the ASGI scope (``OWNER_SCOPE_KEY``) for the routes.
-- The body is read here, before any route runs: larger than ``max_body_bytes`` (declared
-  or actually sent, chunked included) gets 413.
-- ``Content-Encoding: zstd`` bodies (the client compresses forward_backward when the
-  server's client config asks it to) are decompressed within the same limit.
+- The body is read here, before any route runs, and handed on in the scope
+  (``BODY_SCOPE_KEY``, no copy): larger than the route's cap (declared, sent, chunked, or
+  after zstd) gets 413; not all of it within ``body_timeout_s`` gets 408; when the bodies
+  in flight over all connections would pass their byte budget, 503 (the client retries).
+  The cap is ``max_body_bytes`` for the protobuf ``forward_backward`` and
+  ``max_json_body_bytes`` for the JSON routes.
+- ``Content-Encoding: zstd`` is accepted on ``forward_backward`` only, and only when the
+  server asks clients to compress (``proto_compress_fwdbwd`` in its client config); it is
+  decompressed off the event loop, capped while it streams (:mod:`.bodies`). Else 415.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from typing import Any
 
+from .bodies import Bodies
 from .config import DEFAULT_OWNER
 
 #: the console's page and its static files: they carry no data, so they need no key (what the
@@ -23,6 +30,10 @@ from .config import DEFAULT_OWNER
 CONSOLE_STATIC = frozenset({"/", "/console/console.js", "/console/console.css"})
 OPEN_PATHS = frozenset({"/api/v1/healthz"}) | CONSOLE_STATIC
 OWNER_SCOPE_KEY = "skyrl_sdk.owner"
+#: the request body, read (and decompressed) by the guard
+BODY_SCOPE_KEY = "skyrl_sdk.body"
+#: the one route whose body is protobuf (and may be large, and compressed)
+PROTOBUF_PATHS = frozenset({"/api/v1/forward_backward"})
 
 
 async def _send_json(send: Any, status: int, obj: dict, extra_headers: list | None = None) -> None:
@@ -32,11 +43,25 @@ async def _send_json(send: Any, status: int, obj: dict, extra_headers: list | No
     await send({"type": "http.response.body", "body": body})
 
 
+class _Refused(Exception):
+    """A body the guard answers itself (status, detail, extra headers)."""
+
+    def __init__(self, status: int, detail: str, headers: list | None = None) -> None:
+        super().__init__(detail)
+        self.status, self.detail, self.headers = status, detail, headers or []
+
+
 class Guard:
-    def __init__(self, app: Any, owners: dict[str, str] | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, owners: dict[str, str] | None, max_body_bytes: int, bodies: Bodies | None = None,
+                 *, max_json_body_bytes: int | None = None, body_timeout_s: float | None = None,
+                 zstd: bool = False) -> None:
         self.app = app
         self.owners = {k.encode(): v for k, v in owners.items()} if owners else None
         self.max_body_bytes = max_body_bytes
+        self.max_json_body_bytes = min(max_json_body_bytes or max_body_bytes, max_body_bytes)
+        self.bodies = bodies or Bodies(4 * max_body_bytes)
+        self.body_timeout_s = body_timeout_s
+        self.zstd = zstd
 
     def owner_of(self, given: bytes) -> str | None:
         """The owner of API key ``given`` (None if unknown); compares with every key."""
@@ -58,26 +83,13 @@ class Guard:
                 await _send_json(send, 401, {"detail": "missing or unknown X-API-Key"},
                                  [(b"www-authenticate", b"X-API-Key")])
                 return
-        declared = headers.get("content-length")
-        if declared is not None:
-            try:
-                too_big = int(declared) > self.max_body_bytes
-            except ValueError:
-                too_big = False
-            if too_big:
-                await self._too_large(send)
-                return
-        body = await self._read_body(receive)
-        if body is None:
-            await self._too_large(send)
+        held = [0]  # bytes of this request counted in the in-flight budget
+        try:
+            body, new_headers = await self._body(scope, headers, receive, held)
+        except _Refused as r:
+            self.bodies.release(held[0])
+            await _send_json(send, r.status, {"detail": r.detail}, r.headers)
             return
-        new_headers = scope.get("headers", [])
-        if headers.get("content-encoding", b"").strip().lower() == b"zstd":
-            body = await self._unzstd(body, send)
-            if body is None:
-                return
-            new_headers = [(k, v) for k, v in new_headers if k.lower() not in (b"content-encoding", b"content-length")]
-            new_headers.append((b"content-length", str(len(body)).encode()))
         sent = False
 
         async def replay():
@@ -87,38 +99,63 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app({**scope, "headers": new_headers, OWNER_SCOPE_KEY: owner}, replay, send)
+        try:
+            await self.app({**scope, "headers": new_headers, OWNER_SCOPE_KEY: owner, BODY_SCOPE_KEY: body},
+                           replay, send)
+        finally:
+            self.bodies.release(held[0])
 
-    async def _read_body(self, receive: Any) -> bytes | None:
-        """The whole body, or None once more than ``max_body_bytes`` arrived."""
+    async def _body(self, scope: dict, headers: dict, receive: Any, held: list) -> tuple[bytes, list]:
+        """The request's body (decompressed) and headers to pass on; :class:`_Refused` otherwise."""
+        protobuf = scope.get("path") in PROTOBUF_PATHS
+        cap = self.max_body_bytes if protobuf else self.max_json_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > cap:
+            raise _Refused(413, f"request body larger than {cap} bytes")
+        zstd = headers.get("content-encoding", b"").strip().lower() == b"zstd"
+        if zstd and not (protobuf and self.zstd):
+            raise _Refused(415, "Content-Encoding: zstd is accepted only on forward_backward, and only when this "
+                                "server asks for it (proto_compress_fwdbwd in its client config)")
+        try:
+            body = await asyncio.wait_for(self._read(receive, cap, held), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise _Refused(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                           [(b"connection", b"close")]) from None
+        new_headers = scope.get("headers", [])
+        if zstd:
+            import zstandard
+
+            try:
+                out = await self.bodies.unzstd(body, cap)
+            except zstandard.ZstdError as exc:
+                raise _Refused(400, f"body is not valid zstd: {exc}") from None
+            if out is None:
+                raise _Refused(413, f"request body larger than {cap} bytes after zstd")
+            self._hold(len(out), held)
+            body = out
+            new_headers = [(k, v) for k, v in new_headers if k.lower() not in (b"content-encoding", b"content-length")]
+            new_headers.append((b"content-length", str(len(body)).encode()))
+        return body, new_headers
+
+    async def _read(self, receive: Any, cap: int, held: list) -> bytes:
+        """The whole body; :class:`_Refused` once more than ``cap`` bytes arrived."""
         chunks, total = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 break
-            chunks.append(message.get("body", b""))
-            total += len(chunks[-1])
-            if total > self.max_body_bytes:
-                return None
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > cap:
+                raise _Refused(413, f"request body larger than {cap} bytes")
+            self._hold(len(chunk), held)
+            chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return b"".join(chunks)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def _too_large(self, send: Any) -> None:
-        await _send_json(send, 413, {"detail": f"request body larger than {self.max_body_bytes} bytes"})
-
-    async def _unzstd(self, data: bytes, send: Any) -> bytes | None:
-        import zstandard
-
-        out = bytearray()
-        try:
-            reader = zstandard.ZstdDecompressor().stream_reader(data)
-            while piece := reader.read(1 << 20):
-                out += piece
-                if len(out) > self.max_body_bytes:
-                    await self._too_large(send)
-                    return None
-        except zstandard.ZstdError as exc:
-            await _send_json(send, 400, {"detail": f"body is not valid zstd: {exc}"})
-            return None
-        return bytes(out)
+    def _hold(self, n: int, held: list) -> None:
+        if not self.bodies.reserve(n):
+            raise _Refused(503, "the server is reading too many request bodies at once; retry shortly",
+                           [(b"retry-after", b"1")])
+        held[0] += n

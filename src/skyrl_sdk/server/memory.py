@@ -15,7 +15,7 @@ import threading
 import weakref
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, quoted
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -32,11 +32,11 @@ def parse_bytes(value: Any, field: str = "--max-memory") -> int | None:
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
         if match is None or match.group(2).lower() not in _UNITS:
-            raise InputError(f"{field}: expected a size such as 8GiB, 500MB or a number of bytes, got {value!r}")
+            raise InputError(f"{field}: expected a size such as 8GiB, 500MB or a number of bytes, got {quoted(value)}")
         number, unit = float(match.group(1)), match.group(2).lower()
     size = int(number * _UNITS[unit])
     if size <= 0:
-        raise InputError(f"{field}: expected a positive size, got {value!r}")
+        raise InputError(f"{field}: expected a positive size, got {quoted(value)}")
     return size
 
 

@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-from ..errors import DatumError, InputError
+from ..errors import DatumError, InputError, quoted
 from ..types import Datum, EncodedTextChunk, ForwardBackwardOutput, ModelInput, SampleOutput, densify_csr
 
 _PROTO_TO_NUMPY = {
@@ -39,14 +39,19 @@ class FwdBwdRequest:
     forward_only: bool
     data: list[Datum] | None  # None when the data failed to decode (see ``error``)
     error: str | None = None
+    #: tokens of all its data (what the executor's turns count)
+    tokens: int = 0
 
 
-def parse_forward_backward(body: bytes, max_seq_len: Callable[[str], int | None]) -> FwdBwdRequest:
+def parse_forward_backward(body: bytes, max_seq_len: Callable[[str], int | None],
+                           max_tokens: int | None = None) -> FwdBwdRequest:
     """Decode a protobuf ``ForwardBackwardRequest``; ``max_seq_len(model_id)`` is the longest
-    datum the model accepts (None: no limit).
+    datum the model accepts (None: no limit); ``max_tokens`` the most tokens all data together
+    may hold (``--max-tokens-per-request``), counted before any datum is built.
 
-    Raises InputError only when even the model id cannot be read; a bad datum is reported
-    through ``error`` so the request still gets a future (and a clear failed result).
+    Raises InputError only when even the model id cannot be read; a bad datum (or too many
+    tokens) is reported through ``error`` so the request still gets a future (and a clear
+    failed result).
     """
     msg = pb.ForwardBackwardRequest()
     try:
@@ -59,7 +64,13 @@ def parse_forward_backward(body: bytes, max_seq_len: Callable[[str], int | None]
     for key, value in msg.loss_fn_config.items():
         config.setdefault(key, value)
     data, error = None, None
+    tokens = sum(len(c.encoded_text.tokens) // 4 for d in msg.data for c in d.model_input
+                 if c.WhichOneof("chunk") == "encoded_text")
     try:
+        if max_tokens is not None and tokens > max_tokens:
+            raise InputError(f"forward_backward: {tokens} tokens in {len(msg.data)} datums; this server accepts at "
+                             f"most {max_tokens} tokens per request (--max-tokens-per-request): send the data in "
+                             f"smaller batches")
         limit = max_seq_len(msg.model_id)
         data = [_datum_from_proto(d, i, limit) for i, d in enumerate(msg.data)]
         if not data:
@@ -74,6 +85,7 @@ def parse_forward_backward(body: bytes, max_seq_len: Callable[[str], int | None]
         forward_only=bool(msg.forward_only),
         data=data,
         error=error,
+        tokens=tokens,
     )
 
 
@@ -85,7 +97,7 @@ def _datum_from_proto(msg: Any, index: int, limit: int | None) -> Datum:
     for j, chunk in enumerate(msg.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise DatumError(f"model_input chunk {j} is a {kind!r} chunk; only encoded_text is supported",
+            raise DatumError(f"model_input chunk {j} is a {quoted(kind)} chunk; only encoded_text is supported",
                              index=index)
         tokens = chunk.encoded_text.tokens
         if len(tokens) % 4:

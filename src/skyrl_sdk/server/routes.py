@@ -14,9 +14,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import NotFoundError
+from ..errors import NotFoundError, quoted
 from . import wire
-from .guard import OWNER_SCOPE_KEY
+from .guard import BODY_SCOPE_KEY, OWNER_SCOPE_KEY
 from .runtime import Runtime
 from .store import Store, TinkerPath
 
@@ -32,15 +32,23 @@ def owner(request: Request) -> str:
     return request.scope[OWNER_SCOPE_KEY]
 
 
+async def body(request: Request) -> bytes:
+    """The request body as the guard read it (no copy), else as starlette reads it."""
+    raw = request.scope.get(BODY_SCOPE_KEY)
+    return raw if raw is not None else await request.body()
+
+
 async def json_body(request: Request) -> dict[str, Any]:
-    """The JSON object body (an empty body is ``{}``); InputError when it is not one."""
-    return wire.json_object(await request.body())
+    """The JSON object body (an empty body is ``{}``); InputError when it is not one. A large
+    body is parsed off the event loop."""
+    raw = await body(request)
+    return await runtime(request).bodies.parse(raw, wire.json_object, raw)
 
 
 async def submit(request: Request, route: str) -> dict[str, Any]:
     """A future route: the runtime accepts the body and answers with a request id."""
-    return runtime(request).submit(owner(request), route, await request.body(),
-                                   request.headers.get("content-type", ""))
+    return await runtime(request).submit(owner(request), route, await body(request),
+                                         request.headers.get("content-type", ""))
 
 
 # ---- service -------------------------------------------------------------------------------------
@@ -53,10 +61,15 @@ async def healthz() -> dict:
 async def client_config(request: Request) -> dict:
     # The client's defaults suit a loopback server; say that plain API keys are used and
     # that none of the optional server features (server-side losses, futures polling) exist.
+    # The client cuts forward_backward batches into chunks of at most this many (estimated)
+    # bytes; every token costs at least 12 (its id and its int64 target), so chunks stay within
+    # --max-tokens-per-request (5 MB, the client's default, is below the default limit).
+    config = runtime(request).config
     flags = {"pjwt_auth_enabled": False, "credential_default_source": "api_key", "proto_compress_fwdbwd": False,
              "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
-             "sample_join_sampling_session": False}
-    return {**flags, **runtime(request).config.client_config}
+             "sample_join_sampling_session": False,
+             "fwdbwd_max_chunk_bytes_count": min(5_000_000, 12 * config.max_tokens_per_request)}
+    return {**flags, **config.client_config}
 
 
 @router.post("/client/dynamic_config")
@@ -111,7 +124,7 @@ async def get_session(session_id: str, request: Request) -> dict:
 
 @router.post("/telemetry")
 async def telemetry(request: Request) -> dict:
-    await request.body()  # accepted and dropped
+    await body(request)  # accepted and dropped
     return {"status": "accepted"}
 
 
@@ -164,7 +177,7 @@ async def get_sampler(sampler_id: str, request: Request) -> dict:
 async def cancel_future(request: Request) -> dict:
     """Accepted and ignored: a sample already queued runs to the end (the client only sends
     this when the server's dynamic config enables it, which this one does not)."""
-    await request.body()
+    await body(request)
     return {}
 
 
@@ -172,7 +185,7 @@ async def cancel_future(request: Request) -> dict:
 def _run(store: Store, owner: str, run_id: Any) -> dict:
     run = store.run(run_id, owner) if isinstance(run_id, str) else None
     if run is None:
-        raise NotFoundError(f"unknown training run {run_id!r}")
+        raise NotFoundError(f"unknown training run {quoted(run_id)}")
     return run
 
 

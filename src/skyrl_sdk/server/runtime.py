@@ -1,94 +1,109 @@
-"""The live server state: sessions, training models (one Backend + worker each) and the jobs
+"""The live server state: sessions, training models (one Backend + queue each) and the jobs
 that run Tinker's requests on them, in ``seq_id`` order. Routes call only this class.
 
 Route handlers (event loop) call into :class:`Runtime`; every Backend call happens on the
-owning model's :class:`~.futures.Worker` thread, so the event loop never blocks on compute
-and different models progress concurrently. Every request carries its API key's owner:
-another owner's ids read as unknown. Sampling lives in :mod:`.sampling`, request parsing
-and response shapes in :mod:`.wire` / :mod:`.proto`, durable records in :mod:`.store`.
+compute executor (:mod:`.executor`) through the owning model's queue, in fair turns, so the
+event loop never blocks on compute. Every request carries its API key's owner: another
+owner's ids read as unknown, and an owner's unfinished requests are bounded. Sampling lives
+in :mod:`.sampling`, request parsing and response shapes in :mod:`.wire` / :mod:`.proto`
+(large bodies parsed off the event loop, :mod:`.bodies`), durable records in :mod:`.store`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-from ..errors import InputError, NotFoundError
+from ..errors import InputError, NotFoundError, quoted
 from ..inputs.coerce import adam_params_from_any, lora_config_from_any
-from ..models.checkpoint import clean_interrupted_saves, protect_directory
 from . import proto, wire
+from .bodies import Bodies
 from .config import ServerConfig
-from .futures import FutureRecord, FutureStore, Job, Result, Sequencer, Worker
+from .executor import SHUTDOWN_MESSAGE, Executors
+from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
 from .history import History
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
-from .store import SEGMENT_TO_KIND, Store, TinkerPath
+from .store import Store, TinkerPath
 
 logger = logging.getLogger(__name__)
 
 
+class _ShuttingDown(Exception):
+    """A request that arrived after the shutdown began."""
+
+
 class Runtime:
-    def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, bodies: Bodies | None = None) -> None:
         self.config = config
         self.loop = loop
+        self.bodies = bodies or Bodies.of(config)
         self.store = Store(config.state_dir)
         self.history = History(self.store.root / "server.sqlite3")  # the console's curves
-        self.futures = FutureStore(loop, redact=self.redact)
+        self.futures = FutureStore(loop, redact=self.redact, max_failed_bytes=config.max_failed_bytes)
         self.served = ServedModels(config, offload_root=self.store.scratch_dir("offload"))
-        self.sampling = Sampling(config, self.store, self.served)
+        # the local engine computes in this process: one executor for every model (docs/server.md)
+        self.executors = Executors(shared=config.engine == "local", turn_tokens=config.turn_tokens)
+        self.sampling = Sampling(config, self.store, self.served, self.executors)
         self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
         self.models: dict[str, TrainingModel] = {}
-        self._path_re = re.compile(re.escape(str(self.store.root)) + r"(/[^\s'\"]*)?")
         self.started_at = time.time()
-        # Saves interrupted by a crash leave temp/.old directories: remove them (only our own
-        # names, of dead processes), and let no save ever replace the state dir or a parent.
-        if (leftovers := clean_interrupted_saves(self.store.root, recursive=True)):
-            logger.info("removed %d leftovers of interrupted saves", len(leftovers))
-        protect_directory(self.store.root)
-        if (n := self.store.delete_expired()):
-            logger.info("deleted %d expired checkpoints", n)
+        #: monotonic time of the first shutdown signal (None while serving)
+        self.stopping: float | None = None
+        #: whether close() left a running job to the process exit
+        self.left_running = False
+        self.store.tidy()
 
-    # ---- errors --------------------------------------------------------------------------------
     def redact(self, message: str) -> str:
         """``message`` with server paths shown as ``tinker://`` paths (or ``<state-dir>``)."""
-
-        def shown(match: re.Match) -> str:
-            parts = (match.group(1) or "").strip("/").split("/")
-            if len(parts) >= 4 and parts[0] == "runs" and parts[2] in SEGMENT_TO_KIND:
-                run_id = self.store.run_id_of_dirname(parts[1])
-                if run_id is not None:
-                    return f"tinker://{run_id}/{parts[2]}/{'/'.join(parts[3:])}"
-            return "<state-dir>" + ("/..." if match.group(1) else "")
-
-        return self._path_re.sub(shown, message)
+        return self.store.redact(message)
 
     # ---- future routes: one entry, so an unreadable body is one failed future ------------------
-    def submit(self, owner: str, route: str, raw: bytes, content_type: str = "") -> dict[str, Any]:
+    async def submit(self, owner: str, route: str, raw: bytes, content_type: str = "") -> dict[str, Any]:
         """Accept a request for a future route. Bad input still gets a future, failed with a
-        user error (the client raises it at once instead of retrying a bare 400)."""
+        user error (the client raises it at once instead of retrying a bare 400). The owner's
+        queue bound is checked before the body is parsed; a large body is parsed off the loop."""
         handlers: dict[str, Callable[[str, dict], FutureRecord]] = {
             "create_model": self.create_model, "load_weights": self.load_weights, "optim_step": self.optim_step,
             "save_weights": self.save_weights, "save_weights_for_sampler": self.save_weights_for_sampler,
             "asample": self.sample,
         }
         try:
+            self._admit(owner)
             if route == "forward_backward":
-                rec = self.forward_backward(owner, raw, content_type)
+                if "json" in content_type:
+                    raise InputError("forward_backward: send a protobuf ForwardBackwardRequest "
+                                     "(Content-Type: application/x-protobuf)")
+                req = await self.bodies.parse(raw, proto.parse_forward_backward, raw, self._seq_limit,
+                                              self.config.max_tokens_per_request)
+                rec = self.forward_backward(owner, req)
             else:
-                rec = handlers[route](owner, wire.json_object(raw))
+                rec = handlers[route](owner, await self.bodies.parse(raw, wire.json_object, raw))
         except InputError as exc:
             rec = self.futures.failed(owner, exc, prefix="sample" if route == "asample" else "req")
+        except _ShuttingDown:
+            rec = self.futures.create(owner, None, prefix="sample" if route == "asample" else "req")
+            self.futures.finish(rec, Result.error(SHUTDOWN_MESSAGE, "server"))
         out = wire.future_json(rec.request_id, rec.model_id)
         if route == "asample":
             out["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(rec.extra.get("num_samples", 0))]
         return out
+
+    def _admit(self, owner: str) -> None:
+        """Refuse a request up front when its owner already has ``max_queued_requests`` unfinished."""
+        if self.stopping is not None:
+            raise _ShuttingDown
+        pending, limit = self.futures.pending(owner), self.config.max_queued_requests
+        if pending >= limit:
+            raise InputError(f"too many requests in flight: {pending} of yours are queued or running, and this "
+                             f"server accepts at most {limit} per owner (--max-queued-requests); wait for some "
+                             f"to finish, then submit again")
 
     async def retrieve(self, owner: str, body: dict) -> Result | dict:
         """Long-poll a future: its Result, or a ``try_again`` / unknown-id JSON answer."""
@@ -96,7 +111,7 @@ class Runtime:
         rec, result = await self.futures.wait(owner, request_id, self.config.long_poll_s) \
             if isinstance(request_id, str) else (None, None)
         if rec is None:
-            return {"error": f"unknown request_id {request_id!r}: this server has no such request (requests in "
+            return {"error": f"unknown request_id {quoted(request_id)}: this server has no such request (requests in "
                              f"flight are lost when the server restarts)", "category": "server"}
         if (model := self.models.get(rec.model_id)) is not None:
             self.sessions.seen(model.session_id)
@@ -109,7 +124,7 @@ class Runtime:
         m = self.models.get(model_id) if isinstance(model_id, str) else None
         if m is None or m.owner != owner:
             raise NotFoundError(
-                f"unknown model_id {model_id!r}: this server has no such model (models live in memory and are "
+                f"unknown model_id {quoted(model_id)}: this server has no such model (models live in memory and are "
                 f"lost when the server restarts; recreate it with create_training_client_from_state)"
             )
         return m
@@ -181,7 +196,7 @@ class Runtime:
 
             return load
 
-        return self._sequenced(owner, body, "load_weights", make)
+        return self._sequenced(owner, body, "load_weights", make, cost=None)
 
     def _create(self, owner: str, req: wire.NewModel, plan: Callable[[], tuple], answer: dict) -> FutureRecord:
         """Create a model (fresh, or from a checkpoint directory). Everything is checked before
@@ -193,7 +208,8 @@ class Runtime:
         base, lora, metadata, directory = plan()
         if (old := self.models.get(req.model_id)) is not None and not old.closed:
             raise InputError(f"model {req.model_id} already exists")
-        worker = Worker(req.model_id, self.config.max_sample_batch, self.config.sample_batch_wait_s)
+        worker = self.executors.queue(req.model_id, owner, self.config.max_sample_batch,
+                                      self.config.sample_batch_wait_s)
         model = TrainingModel(req.model_id, owner, req.session_id, base, lora, worker,
                               Sequencer(worker, 1, self.config.gap_timeout_s), asyncio.Event())
         self.models[req.model_id] = model
@@ -239,7 +255,7 @@ class Runtime:
 
     # ---- training requests (sequenced per model) -----------------------------------------------
     def _sequenced(self, owner: str, body: dict | None, what: str, make_run: Callable[[TrainingModel], Callable],
-                   model_id: Any = None, seq: Any = None) -> FutureRecord:
+                   model_id: Any = None, seq: Any = None, cost: int | None = 0) -> FutureRecord:
         """Queue ``make_run(model)`` in the model's ``seq_id`` order. The model must be the
         caller's; a retry of a (model, seq_id) gets the first submission's future. Bad input
         found by ``make_run`` fails the future but still takes its turn, so later requests
@@ -259,20 +275,16 @@ class Runtime:
                 raise exc
         rec = self.futures.create(owner, model.model_id, dedup)
         self.store.touch_run(model.model_id)
-        model.sequencer.submit(seq, Job(run=run, done=self.futures.completer(rec), what=f"{what}({model.model_id})"))
+        model.sequencer.submit(seq, Job(run=run, done=self.futures.completer(rec), what=f"{what}({model.model_id})",
+                                        cost=cost))
         return rec
 
-    def forward_backward(self, owner: str, raw: bytes, content_type: str) -> FutureRecord:
-        if "json" in content_type:
-            raise InputError("forward_backward: send a protobuf ForwardBackwardRequest "
-                             "(Content-Type: application/x-protobuf)")
+    def _seq_limit(self, model_id: str) -> int | None:
+        """(any thread) The longest datum ``model_id``'s base accepts."""
+        model = self.models.get(model_id)
+        return self.served.max_seq_len(model.base_model if model is not None else None)
 
-        def limit(model_id: str) -> int | None:
-            model = self.models.get(model_id)
-            return self.served.max_seq_len(model.base_model if model is not None else None)
-
-        req = proto.parse_forward_backward(raw, limit)
-
+    def forward_backward(self, owner: str, req: proto.FwdBwdRequest) -> FutureRecord:
         def make(model: TrainingModel):
             if req.error is not None:
                 raise InputError(req.error)
@@ -289,7 +301,7 @@ class Runtime:
             return run
 
         what = "forward" if req.forward_only else "forward_backward"
-        return self._sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id)
+        return self._sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id, cost=req.tokens)
 
     def optim_step(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
@@ -321,7 +333,7 @@ class Runtime:
 
             return run
 
-        return self._sequenced(owner, body, "save_weights", make)
+        return self._sequenced(owner, body, "save_weights", make, cost=None)
 
     def save_weights_for_sampler(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
@@ -344,7 +356,8 @@ class Runtime:
 
             return run_ephemeral
 
-        return self._sequenced(owner, body, "save_weights_for_sampler", make)
+        named = body.get("path") is not None  # a named export writes to disk; a snapshot only pins
+        return self._sequenced(owner, body, "save_weights_for_sampler", make, cost=None if named else 0)
 
     # ---- sampling ------------------------------------------------------------------------------
     def create_sampling_session(self, owner: str, body: dict) -> str:
@@ -393,13 +406,31 @@ class Runtime:
         return doc
 
     # ---- shutdown ------------------------------------------------------------------------------
+    def begin_shutdown(self) -> None:
+        """(event loop, at the first Ctrl-C / SIGTERM, before connections drain) Fail every request
+        that has not run and answer every waiting long-poll with "the server is shutting down";
+        the running job stops at its next micro-batch."""
+        if self.stopping is not None:
+            return
+        self.stopping = time.monotonic()
+        for m in self.models.values():
+            m.sequencer.fail_pending(SHUTDOWN_MESSAGE)
+        self.executors.stop()
+        self.futures.fail_unfinished(SHUTDOWN_MESSAGE)
+
     def close(self) -> None:
-        """(any thread, after ``sessions.stop()`` on the loop) Stop every worker, close every Backend."""
-        workers = [m.worker for m in self.models.values()]
-        for w in workers:
-            w.close(wait=False)
-        for w in workers:
-            w.close(wait=True, timeout=60)
+        """(any thread, after ``begin_shutdown`` and ``sessions.stop()`` on the loop) Wait for the
+        running job until ``shutdown_s`` after the signal, then close every Backend. A job still
+        running then (one that cannot stop between micro-batches, such as a long save) is left
+        to the process exit (``left_running``): closing Backends under it is unsafe."""
+        deadline = (self.stopping or time.monotonic()) + self.config.shutdown_s
+        self.executors.stop()
+        if not self.executors.join(deadline):
+            logger.warning("a job was still running %.0f s after the shutdown began; leaving it to the exit",
+                           self.config.shutdown_s)
+            self.left_running = True
+            self.store.close()
+            return
         for m in self.models.values():
             if m.backend is not None:
                 try:

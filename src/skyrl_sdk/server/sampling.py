@@ -2,8 +2,9 @@
 
 A sampling session samples from a base model, a saved ``tinker://`` path, or a live
 training model (``save_weights_and_get_sampling_client``). Base models and saved paths are
-served by sampler Backends, loaded lazily, each with its own worker, the least recently
-used evicted past ``max_sampler_backends``.
+served by sampler Backends, loaded lazily, each with its own queue on the compute executor
+(a base model's per owner, so owners take turns), the least recently used evicted past
+``max_sampler_backends``.
 
 Weights versions: a training model's ``version`` grows with every ``optim_step`` and
 ``load_weights``. An ephemeral ``snapshot`` session pins the version it was created at and
@@ -26,11 +27,12 @@ from typing import Any
 
 import attrs
 
-from ..errors import InputError, NotFoundError
+from ..errors import InputError, NotFoundError, quoted
 from ..inputs.coerce import lora_config_from_any
 from . import proto
 from .config import ServerConfig
-from .futures import Job, Result, Worker
+from .executor import Executors, Queue
+from .futures import Job, Result
 from .served import RNG_LOCK, ServedModels
 from .sessions import TrainingModel
 from .snapshots import SnapshotCache, WeightsSnapshot, load_tensors, supports_memory_snapshots, take_tensors
@@ -54,7 +56,7 @@ class SamplerTarget:
     """A Backend used only for sampling (a base model or saved weights), loaded lazily."""
 
     key: tuple
-    worker: Worker
+    worker: Queue
     loader: Callable[[], Any]
     backend: Any = None
 
@@ -67,10 +69,11 @@ class SamplerTarget:
 class Sampling:
     """Sampling sessions by id, and the cache of sampler Backends they run on."""
 
-    def __init__(self, config: ServerConfig, store: Store, served: ServedModels) -> None:
+    def __init__(self, config: ServerConfig, store: Store, served: ServedModels, executors: Executors) -> None:
         self.config = config
         self.store = store
         self.served = served
+        self.executors = executors
         self.sessions: dict[str, SamplingSession] = {}
         self._targets: collections.OrderedDict[tuple, SamplerTarget] = collections.OrderedDict()
         self._targets_lock = threading.Lock()
@@ -81,7 +84,7 @@ class Sampling:
                ) -> SamplingSession:
         """A durable session on a base model or a saved path (survives a restart)."""
         if (old := self.sessions.get(sid)) is not None and old.owner != owner:
-            raise NotFoundError(f"unknown session {session_id!r}")
+            raise NotFoundError(f"unknown session {quoted(session_id)}")
         session = self.session_from(owner, model_path, base_model, sid)
         self.sessions[sid] = session
         self.store.add_sampling_session(sid, owner, session_id, session.base_model, session.model_path)
@@ -112,8 +115,8 @@ class Sampling:
             s = self.session_from(owner, row["model_path"], row["base_model"], sid)
             self.sessions[sid] = s
         if s is None or s.owner != owner:
-            raise NotFoundError(f"unknown sampling session {sid!r} (ephemeral sampling sessions are lost when the "
-                               f"server restarts)")
+            raise NotFoundError(f"unknown sampling session {quoted(sid)} (ephemeral sampling sessions are lost "
+                                f"when the server restarts)")
         return s
 
     def drop_snapshots(self, model: TrainingModel) -> None:
@@ -170,7 +173,8 @@ class Sampling:
         if spec.params.seed is None:
             key = (target_key, snapshot.version if snapshot else None, spec.params, spec.num_samples,
                    spec.prompt_logprobs, spec.topk_prompt_logprobs)
-        job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=spec)
+        cost = spec.num_samples * (spec.prompt.size + spec.params.max_tokens)  # roughly: tokens decoded
+        job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=spec, cost=cost)
         return job
 
     # ---- snapshots ------------------------------------------------------------------------------
@@ -227,22 +231,24 @@ class Sampling:
                     raise
                 return backend
 
-            return self._target(("memory", *snap.key), load)
+            return self._target(("memory", *snap.key), load, model.owner)
         if shared:
-            return self._target(("state", str(snap)), self._state_loader(model.base_model, snap, model.lora))
-        return self._target(("dir", str(snap)), self._state_loader(str(snap)))
+            return self._target(("state", str(snap)), self._state_loader(model.base_model, snap, model.lora),
+                                model.owner)
+        return self._target(("dir", str(snap)), self._state_loader(str(snap)), model.owner)
 
     # ---- the sampler-backend cache --------------------------------------------------------------
     def _target_for(self, session: SamplingSession) -> SamplerTarget:
-        if session.kind == "base":
-            return self._target(("base", session.base_model), self._state_loader(session.base_model))
+        owner = session.owner
+        if session.kind == "base":  # the shared base itself (no copy): one per owner, so owners take turns
+            return self._target(("base", session.base_model, owner), self._state_loader(session.base_model), owner)
         tp = TinkerPath.parse(session.model_path)
-        _, directory = self.store.resolve_checkpoint(session.model_path, session.owner)
+        _, directory = self.store.resolve_checkpoint(session.model_path, owner)
         if tp.kind == "sampler":
-            return self._target(("dir", str(directory)), self._state_loader(str(directory)))
-        run = self.store.run(tp.run_id, session.owner)
+            return self._target(("dir", str(directory)), self._state_loader(str(directory)), owner)
+        run = self.store.run(tp.run_id, owner)
         lora = lora_config_from_any(run["lora"]) if run else None
-        return self._target(("state", str(directory)), self._state_loader(session.base_model, directory, lora))
+        return self._target(("state", str(directory)), self._state_loader(session.base_model, directory, lora), owner)
 
     def _state_loader(self, model: str, directory: Path | None = None, lora: Any = None) -> Callable[[], Any]:
         """A sampler of ``model`` (a served model or an exported directory), with a training state
@@ -261,15 +267,15 @@ class Sampling:
 
         return load
 
-    def _target(self, key: tuple, load: Callable[[], Any]) -> SamplerTarget:
+    def _target(self, key: tuple, load: Callable[[], Any], owner: str) -> SamplerTarget:
         """Get or create a sampler backend (safe from any thread: dict ops only)."""
         with self._targets_lock:
             target = self._targets.get(key)
             if target is not None:
                 self._targets.move_to_end(key)
                 return target
-            worker = Worker(f"sampler-{uuid.uuid4().hex[:8]}", self.config.max_sample_batch,
-                            self.config.sample_batch_wait_s)
+            worker = self.executors.queue(f"sampler-{uuid.uuid4().hex[:8]}", owner, self.config.max_sample_batch,
+                                          self.config.sample_batch_wait_s)
             target = SamplerTarget(key, worker, load)
             self._targets[key] = target
             evict = list(self._targets)[: max(0, len(self._targets) - self.config.max_sampler_backends)]
@@ -292,11 +298,8 @@ class Sampling:
         target.worker.put(Job(run=close, done=lambda r: target.worker.close(wait=False), what="close sampler"))
 
     def close(self) -> None:
-        """(server shutdown) Stop every sampler worker and close its Backend."""
-        targets = list(self._targets.values())
-        for t in targets:
+        """(server shutdown, the executors stopped) Close every sampler Backend."""
+        for t in list(self._targets.values()):
             t.worker.close(wait=False)
-        for t in targets:
-            t.worker.close(wait=True, timeout=60)
             if t.backend is not None:
                 t.backend.close()

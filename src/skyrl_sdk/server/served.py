@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, quoted
 from ..types import LoraConfig
 from .config import ServerConfig
 from .memory import TRAINING_COPIES, MemoryBudget, weight_bytes
@@ -68,10 +68,11 @@ class ServedModels:
     def resolve(self, name: Any) -> str:
         """The ``--model`` entry a client's ``base_model`` names."""
         if not isinstance(name, str) or not name:
-            raise InputError(f"base_model: expected a model name, got {name!r}")
+            raise InputError(f"base_model: expected a model name, got {quoted(name)}")
         found = self._by_canonical.get(_canonical(name))
         if found is None:
-            raise InputError(f"base model {name!r} is not served here; this server serves {list(self.config.models)}")
+            raise InputError(f"base model {quoted(name)} is not served here; this server serves "
+                             f"{list(self.config.models)}")
         return found
 
     def max_seq_len(self, base_model: str | None) -> int | None:

@@ -20,11 +20,12 @@ from typing import Any
 
 import attrs
 
-from ..errors import InputError, NotFoundError
+from ..errors import InputError, NotFoundError, quoted
 from ..types import LoraConfig
 from . import wire
 from .config import ServerConfig
-from .futures import Sequencer, Worker
+from .executor import Queue
+from .futures import Sequencer
 from .snapshots import WeightsSnapshot
 from .store import Store
 
@@ -60,7 +61,7 @@ class Sessions:
         """``owner``'s live session (refreshing its liveness): unknown, finished or expired -> error."""
         row = self.store.session(session_id, owner)
         if row is None:
-            raise NotFoundError(f"unknown session {session_id!r}")
+            raise NotFoundError(f"unknown session {quoted(session_id)}")
         if row["finished_at"] is not None:
             if row["finish_reason"] == f'"{EXPIRED}"':
                 raise InputError(f"session {session_id} expired: no heartbeat for {self.config.session_timeout_s:g} s "
@@ -88,7 +89,7 @@ class Sessions:
 
     def finish(self, owner: str, session_id: str, reason: Any) -> None:
         if self.store.session(session_id, owner) is None:
-            raise NotFoundError(f"unknown session {session_id!r}")
+            raise NotFoundError(f"unknown session {quoted(session_id)}")
         self._end(session_id, reason, "its session finished")
 
     def _end(self, session_id: str, reason: Any, why: str) -> None:
@@ -124,21 +125,22 @@ class Sessions:
     def get(self, owner: str, session_id: str) -> dict:
         row = self.store.session(session_id, owner)
         if row is None:
-            raise NotFoundError(f"unknown session {session_id!r}")
+            raise NotFoundError(f"unknown session {quoted(session_id)}")
         return wire.session_json(row, self.store.run_ids_of_session(session_id, owner))
 
 
 @attrs.define(eq=False)
 class TrainingModel:
-    """A client's training model: its Backend (built on its worker), the order its requests
-    run in, and the pinned weights its sampling sessions read."""
+    """A client's training model: its Backend (built on its queue's executor), the order its
+    requests run in, and the pinned weights its sampling sessions read."""
 
     model_id: str
     owner: str
     session_id: str
     base_model: str
     lora: LoraConfig | None
-    worker: Worker
+    #: the model's queue on the compute executor
+    worker: Queue
     sequencer: Sequencer
     ready: asyncio.Event
     backend: Any = None

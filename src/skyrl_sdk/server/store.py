@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import re
 import shutil
 import sqlite3
@@ -20,8 +22,11 @@ from typing import Any
 
 import attrs
 
-from ..errors import InputError, NotFoundError
+from ..errors import InputError, NotFoundError, quoted
+from ..models.checkpoint import clean_interrupted_saves, is_checkpoint_dir, protect_directory
 from .config import DEFAULT_OWNER
+
+logger = logging.getLogger(__name__)
 
 #: tinker path segment -> checkpoint type (Tinker's names)
 SEGMENT_TO_KIND = {"weights": "training", "sampler_weights": "sampler"}
@@ -79,7 +84,7 @@ def check_name(name: Any, what: str = "checkpoint name") -> str:
     """A checkpoint name: letters, digits, ``_ . -``; no slashes, no leading dot."""
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
         raise InputError(
-            f"invalid {what} {name!r}: use 1-200 characters from A-Z a-z 0-9 _ . - "
+            f"invalid {what} {quoted(name)}: use 1-200 characters from A-Z a-z 0-9 _ . - "
             f"(no '/', no '..', not starting with '.' or '-')"
         )
     return name
@@ -88,7 +93,7 @@ def check_name(name: Any, what: str = "checkpoint name") -> str:
 def check_run_id(run_id: Any, what: str = "training run id") -> str:
     """An id made of letters, digits and ``_ . : -`` (session, model and run ids)."""
     if not isinstance(run_id, str) or not _ID_RE.fullmatch(run_id) or ".." in run_id:
-        raise InputError(f"invalid {what} {run_id!r}: use 1-200 characters from A-Z a-z 0-9 _ . : -")
+        raise InputError(f"invalid {what} {quoted(run_id)}: use 1-200 characters from A-Z a-z 0-9 _ . : -")
     return run_id
 
 
@@ -107,11 +112,11 @@ class TinkerPath:
     @classmethod
     def parse(cls, path: Any) -> TinkerPath:
         if not isinstance(path, str) or not path.startswith("tinker://"):
-            raise InputError(f"expected a tinker:// path, got {path!r}")
+            raise InputError(f"expected a tinker:// path, got {quoted(path)}")
         parts = path[len("tinker://"):].split("/")
         if len(parts) != 3 or parts[1] not in SEGMENT_TO_KIND:
             raise InputError(
-                f"invalid tinker path {path!r}: expected tinker://<training_run_id>/weights/<name> "
+                f"invalid tinker path {quoted(path)}: expected tinker://<training_run_id>/weights/<name> "
                 f"or tinker://<training_run_id>/sampler_weights/<name>"
             )
         return cls(check_run_id(parts[0]), SEGMENT_TO_KIND[parts[1]], check_name(parts[2]))
@@ -142,6 +147,7 @@ class Store:
     def __init__(self, state_dir: Path) -> None:
         self.root = Path(state_dir).expanduser().resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        self._path_re = re.compile(re.escape(str(self.root)) + r"(/[^\s'\"]*)?")
         (self.root / "runs").mkdir(exist_ok=True)
         self._lock = threading.RLock()
         #: run id -> (last request time, the one last written)
@@ -155,6 +161,30 @@ class Store:
                 columns = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
                 if "owner" not in columns:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT '{DEFAULT_OWNER}'")
+
+    def tidy(self) -> None:
+        """(start-up) Saves interrupted by a crash leave temp/.old directories: remove them (only
+        our own names, of dead processes); let no save ever replace the state dir or a parent;
+        delete expired checkpoints; reconcile directories that have no record."""
+        if (leftovers := clean_interrupted_saves(self.root, recursive=True)):
+            logger.info("removed %d leftovers of interrupted saves", len(leftovers))
+        protect_directory(self.root)
+        if (n := self.delete_expired()):
+            logger.info("deleted %d expired checkpoints", n)
+        self.reconcile_checkpoints()
+
+    def redact(self, message: str) -> str:
+        """``message`` with paths under the state dir shown as ``tinker://`` paths (or ``<state-dir>``)."""
+
+        def shown(match: re.Match) -> str:
+            parts = (match.group(1) or "").strip("/").split("/")
+            if len(parts) >= 4 and parts[0] == "runs" and parts[2] in SEGMENT_TO_KIND:
+                run_id = self.run_id_of_dirname(parts[1])
+                if run_id is not None:
+                    return f"tinker://{run_id}/{parts[2]}/{'/'.join(parts[3:])}"
+            return "<state-dir>" + ("/..." if match.group(1) else "")
+
+        return self._path_re.sub(shown, message)
 
     def close(self) -> None:
         with self._lock:
@@ -271,8 +301,9 @@ class Store:
         return [r["run_id"] for r in rows]
 
     # ---- checkpoints (owned through their training run) -------------------------------
-    def add_checkpoint(self, tp: TinkerPath, ttl_seconds: Any = None, user_metadata: Any = None) -> None:
-        now = time.time()
+    def add_checkpoint(self, tp: TinkerPath, ttl_seconds: Any = None, user_metadata: Any = None,
+                       created_at: float | None = None) -> None:
+        now = time.time() if created_at is None else created_at
         directory = self.checkpoint_dir(tp)
         size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()) if directory.exists() else None
         expires = now + float(ttl_seconds) if isinstance(ttl_seconds, (int, float)) and ttl_seconds else None
@@ -327,6 +358,42 @@ class Store:
             shutil.rmtree(directory, ignore_errors=True)
             found = True
         return found
+
+    def reconcile_checkpoints(self) -> tuple[list[str], list[str]]:
+        """(start-up) Checkpoint directories without a record: a save that died between writing
+        its directory and recording it, or a state dir copied without its database. Left alone,
+        such a directory blocks its name forever (a save refuses to replace it, a load finds no
+        record). A complete checkpoint (written by a save of ours) of a known run is adopted;
+        anything else is moved to ``<state-dir>/quarantine/``. Both are logged. Returns
+        (adopted tinker paths, quarantined directories relative to the state dir)."""
+        adopted, quarantined = [], []
+        rows = self._rows("SELECT run_id, kind, name FROM checkpoints")
+        recorded = {(r["run_id"], r["kind"], r["name"]) for r in rows}
+        for run_dir in sorted((self.root / "runs").iterdir()):
+            run_id = self.run_id_of_dirname(run_dir.name) if run_dir.is_dir() else None
+            for segment, kind in SEGMENT_TO_KIND.items():
+                folder = run_dir / segment
+                if run_dir.is_symlink() or folder.is_symlink() or not folder.is_dir():
+                    continue
+                for entry in sorted(folder.iterdir()):
+                    if entry.name.startswith(".") or (run_id, kind, entry.name) in recorded:
+                        continue  # a save in progress (or its leftovers, cleaned elsewhere), or recorded
+                    if run_id is not None and _NAME_RE.fullmatch(entry.name) and is_checkpoint_dir(entry):
+                        tp = TinkerPath(run_id, kind, entry.name)
+                        self.add_checkpoint(tp, created_at=entry.stat().st_mtime)
+                        adopted.append(str(tp))
+                        continue
+                    target = self.root / "quarantine" / run_dir.name / segment / f"{entry.name}-{int(time.time())}"
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(entry, target)
+                    quarantined.append(str(target.relative_to(self.root)))
+        if adopted:
+            logger.warning("adopted %d checkpoint directories that had no record (a save interrupted before it was "
+                           "recorded): %s", len(adopted), ", ".join(adopted))
+        if quarantined:
+            logger.warning("moved %d checkpoint directories without a record that are not complete checkpoints of a "
+                           "known run to <state-dir>/quarantine: %s", len(quarantined), ", ".join(quarantined))
+        return adopted, quarantined
 
     def delete_expired(self) -> int:
         """Delete checkpoints whose ``ttl_seconds`` ran out; returns how many."""

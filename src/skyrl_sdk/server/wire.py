@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..errors import InputError, did_you_mean_keys
+from ..errors import InputError, did_you_mean_keys, quoted
 from ..inputs.tinker_json import model_input_from_json
 from ..types import SamplingParams
 from ..types.numbers import check_number, check_sample_counts
@@ -67,7 +67,7 @@ def flag(body: Mapping[str, Any], key: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise InputError(f"{key}: expected true or false, got {value!r}")
+        raise InputError(f"{key}: expected true or false, got {quoted(value)}")
     return value
 
 
@@ -95,7 +95,7 @@ def seq_id(body: Mapping[str, Any]) -> int | None:
 def model_id(body: Mapping[str, Any]) -> str:
     value = body.get("model_id")
     if not isinstance(value, str):
-        raise InputError(f"model_id: expected a string, got {value!r}")
+        raise InputError(f"model_id: expected a string, got {quoted(value)}")
     return value
 
 
@@ -118,7 +118,8 @@ def parse_new_model(body: Mapping[str, Any], from_state: bool = False) -> NewMod
     seq = integer(body, "model_seq_id")
     optimizer_config = _object(body, "optimizer_config") or {}
     if optimizer_config.get("type", "adamw") != "adamw":
-        raise InputError(f"optimizer {optimizer_config.get('type')!r} is not supported; skyrl-sdk trains with AdamW")
+        raise InputError(f"optimizer {quoted(optimizer_config.get('type'))} is not supported; skyrl-sdk trains "
+                         f"with AdamW")
     return NewModel(
         session_id=sid, model_id=check_run_id(f"{sid}:train:{seq}", "model id"), base_model=body.get("base_model"),
         lora_config=_object(body, "lora_config"), user_metadata=_object(body, "user_metadata"),
@@ -173,7 +174,7 @@ def parse_sampler_save(body: Mapping[str, Any]) -> SamplerSave:
         raise InputError("save_weights_for_sampler: needs a path (a name) or a sampling_session_seq_id")
     kind = body.get("kind") or "snapshot"
     if kind not in SAMPLER_KINDS:
-        raise InputError(f"save_weights_for_sampler: unknown kind {kind!r} (snapshot or inflight)")
+        raise InputError(f"save_weights_for_sampler: unknown kind {quoted(kind)} (snapshot or inflight)")
     return SamplerSave(None, integer(body, "sampling_session_seq_id"), kind)
 
 

@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, quoted
 
 
 def check_number(
@@ -36,13 +36,13 @@ def check_number(
     bounds = _bounds(low, high, low_open, high_open, integer)
     kind = "an integer" if integer else "a finite number"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
-        raise error(f"{what}: expected {kind}{bounds}, got {value!r}")
+        raise error(f"{what}: expected {kind}{bounds}, got {quoted(value)}")
     number = int(value) if integer else float(value)
     if not math.isfinite(number):
-        raise error(f"{what}: expected {kind}{bounds}, got {value!r}")
+        raise error(f"{what}: expected {kind}{bounds}, got {quoted(value)}")
     if (low is not None and (number <= low if low_open else number < low)) or (
             high is not None and (number >= high if high_open else number > high)):
-        raise error(f"{what}: expected {'an integer' if integer else 'a value'}{bounds}, got {value!r}")
+        raise error(f"{what}: expected {'an integer' if integer else 'a value'}{bounds}, got {quoted(value)}")
     return number
 
 

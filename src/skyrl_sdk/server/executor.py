@@ -1,0 +1,294 @@
+"""Compute executors: the threads every Backend call runs on, shared fairly between clients.
+
+Why one thread for all the models of a device rather than one per model: every thread that
+runs torch grows a glibc malloc arena of its own that keeps an activation working set, so
+per-model threads cost each LoRA client roughly the base's bytes again (measured through
+the server: 1.1-4.6x the base per client, against 0.04-0.08x on one thread; see
+docs/performance.md). So each client gets a :class:`Queue` (what its :class:`~.futures.Sequencer`
+feeds), and one :class:`Executor` thread runs the jobs of all of them.
+
+Turns: queues with work are served round-robin by owner, then by queue (client) within the
+owner; one turn is one job (or one batch of compatible sample jobs). A forward/backward
+gives way between its micro-batches (:func:`~skyrl_sdk.engines.turns.between_micro_batches`):
+every other queue whose next job is small (``cost <= turn_tokens``) gets one turn there,
+nested on the same thread, so a small call waits for one micro-batch of a big call, not for
+all of it. A job never waits for another queue.
+
+Stopping (server shutdown): queued jobs fail at once with :data:`SHUTDOWN_MESSAGE`; the
+running one fails the same way at its next micro-batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+from ..engines.turns import on_micro_batch
+from .futures import Job, Result
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_MESSAGE = ("the server is shutting down; this request did not run to the end "
+                    "(submit it again after the restart)")
+
+
+class Stopped(Exception):
+    """Raised between the micro-batches of a job whose executor is stopping."""
+
+
+class Queue:
+    """One client's jobs on an :class:`Executor`, run one at a time in the order they were put."""
+
+    def __init__(self, executor: Executor, name: str, owner: str, max_batch: int, batch_wait_s: float) -> None:
+        self.executor, self.name, self.owner = executor, name, owner
+        self.max_batch, self.batch_wait_s = max_batch, batch_wait_s
+        self._jobs: collections.deque[Job] = collections.deque()
+        self._closed: str | None = None
+        self._running = False
+        self.last_active = time.monotonic()
+
+    def put(self, job: Job) -> None:
+        with self.executor._cv:
+            if self._closed is None and not self.executor._stopping:
+                self._jobs.append(job)
+                self.executor._ready(self)
+                return
+            why = self._closed or "the server is shutting down"
+        job.done(Result.error(f"{self.name}: {why}; retry the request", "server"))
+
+    def close(self, wait: bool = True, timeout: float | None = None,
+              why: str = "was shut down (server stopping, model released or sampler evicted)") -> None:
+        """Stop taking jobs; queued ones fail; the running one finishes (waited for unless
+        ``wait`` is false or this is the executor's own thread)."""
+        ex = self.executor
+        with ex._cv:
+            self._closed = self._closed or why
+            dropped = list(self._jobs)
+            self._jobs.clear()
+            ex._unready(self)
+        for job in dropped:
+            job.done(Result.error(f"{self.name}: {why}", "server"))
+        if ex.dedicated:
+            ex.stop()
+        if wait and threading.current_thread() is not ex._thread:
+            end = None if timeout is None else time.monotonic() + timeout
+            with ex._cv:
+                while self._running:
+                    left = None if end is None else end - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    ex._cv.wait(left)
+
+    def idle_for(self) -> float:
+        """Seconds since this queue last had anything to do (0 while a job is queued or running)."""
+        with self.executor._cv:
+            if self._running or self._jobs:
+                return 0.0
+            return time.monotonic() - self.last_active
+
+    def pending(self) -> int:
+        """Jobs queued or running."""
+        with self.executor._cv:
+            return len(self._jobs) + self._running
+
+    def _small_head(self, turn_tokens: int) -> bool:
+        return bool(self._jobs) and self._jobs[0].cost is not None and self._jobs[0].cost <= turn_tokens
+
+
+class Executor:
+    """One compute thread serving many :class:`Queue` s in fair turns (see the module docstring)."""
+
+    #: at most this many waits of a queue's ``batch_wait_s`` while gathering one sample batch
+    BATCH_WAIT_ROUNDS = 8
+
+    def __init__(self, name: str, turn_tokens: int = 8192, dedicated: bool = False) -> None:
+        self.name, self.turn_tokens, self.dedicated = name, turn_tokens, dedicated
+        self._cv = threading.Condition()
+        #: owner -> its queues that have jobs, both in turn order
+        self._line: collections.OrderedDict[str, collections.OrderedDict[Queue, None]] = collections.OrderedDict()
+        self._stopping = False
+        self._nested = False
+        self._current: Queue | None = None
+        #: (owner, queue name, nested) of the last turns, oldest first (tests read it)
+        self.history: collections.deque = collections.deque(maxlen=1024)
+        self._thread = threading.Thread(target=self._loop, name=f"skyrl-compute-{name}", daemon=True)
+        self._thread.start()
+
+    def queue(self, name: str, owner: str, max_batch: int = 64, batch_wait_s: float = 0.0) -> Queue:
+        return Queue(self, name, owner, max_batch, batch_wait_s)
+
+    # ---- the line (holding the condition) -----------------------------------------------------
+    def _ready(self, q: Queue) -> None:
+        self._line.setdefault(q.owner, collections.OrderedDict())[q] = None
+        self._cv.notify_all()
+
+    def _unready(self, q: Queue) -> None:
+        queues = self._line.get(q.owner)
+        if queues is not None:
+            queues.pop(q, None)
+            if not queues:
+                del self._line[q.owner]
+
+    def _pick(self, exclude: set, small: bool) -> Queue | None:
+        """The next queue in turn (moved to the back of its owner's line, and the owner to the
+        back of the line), skipping running and ``exclude``d ones; ``small``: only a queue whose
+        next job costs at most ``turn_tokens``."""
+        for owner, queues in self._line.items():
+            for q in queues:
+                if q._running or q in exclude or (small and not q._small_head(self.turn_tokens)):
+                    continue
+                queues.move_to_end(q)
+                self._line.move_to_end(owner)
+                return q
+        return None
+
+    def _others_ready(self, q: Queue) -> bool:
+        return any(other is not q for queues in self._line.values() for other in queues)
+
+    def _take(self, q: Queue, wait: bool) -> list[Job]:
+        """Pop ``q``'s next job, with the compatible sample jobs behind it; with ``wait``, wait
+        up to ``batch_wait_s`` for each next one while no other queue has work."""
+        first = q._jobs.popleft()
+        q._running = True
+        batch = [first]
+        if first.batch_key is not None and first.run_batch is not None:
+            waits = self.BATCH_WAIT_ROUNDS if wait and q.batch_wait_s > 0 else 0
+            while len(batch) < q.max_batch:
+                if q._jobs:
+                    if q._jobs[0].batch_key != first.batch_key:
+                        break
+                    batch.append(q._jobs.popleft())
+                    continue
+                if waits <= 0 or self._stopping or q._closed or self._others_ready(q):
+                    break
+                waits -= 1
+                self._cv.wait(q.batch_wait_s)
+                if not q._jobs:
+                    break
+        if not q._jobs:
+            self._unready(q)
+        return batch
+
+    # ---- running --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        with on_micro_batch(self._between_micro_batches):
+            while True:
+                with self._cv:
+                    q = None
+                    while not self._stopping and (q := self._pick(set(), small=False)) is None:
+                        self._cv.wait()
+                    if self._stopping:
+                        return
+                    batch = self._take(q, wait=True)
+                self._run(q, batch, nested=False)
+
+    def _between_micro_batches(self) -> None:
+        """(this thread, between micro-batches of the running job) Give each other queue whose
+        next job is small one turn; stop the job when the executor stops."""
+        if self._stopping:
+            raise Stopped(SHUTDOWN_MESSAGE)
+        if self._nested:  # a nested turn does not give way again
+            return
+        served = {self._current}
+        while True:
+            with self._cv:
+                q = None if self._stopping else self._pick(served, small=True)
+                if q is None:
+                    break
+                batch = self._take(q, wait=False)
+            served.add(q)
+            self._nested = True
+            try:
+                self._run(q, batch, nested=True)
+            finally:
+                self._nested = False
+        if self._stopping:
+            raise Stopped(SHUTDOWN_MESSAGE)
+
+    def _run(self, q: Queue, batch: list[Job], nested: bool) -> None:
+        outer, self._current = self._current, q
+        self.history.append((q.owner, q.name, nested))
+        try:
+            if len(batch) == 1:
+                results = [_run_one(batch[0])]
+            else:
+                try:
+                    results = batch[0].run_batch(batch)
+                except BaseException:
+                    logger.debug("batched %s failed; running its %d jobs one by one", batch[0].what, len(batch))
+                    results = [_run_one(job) for job in batch]
+        finally:
+            self._current = outer
+        for job, result in zip(batch, results, strict=True):
+            if result is None:  # the job handed itself on to another queue
+                continue
+            try:
+                job.done(result)
+            except Exception:  # pragma: no cover - a callback bug must not kill the executor
+                logger.exception("result callback of %s failed", job.what)
+        with self._cv:
+            q._running = False
+            q.last_active = time.monotonic()
+            self._cv.notify_all()
+
+    # ---- lifetime -------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Fail every queued job, close every queue; the running job stops at its next micro-batch."""
+        with self._cv:
+            self._stopping = True
+            queues = [q for queues in self._line.values() for q in queues]
+            dropped = []
+            for q in queues:
+                dropped += q._jobs
+                q._jobs.clear()
+                q._closed = q._closed or "the server is shutting down"
+            self._line.clear()
+            self._cv.notify_all()
+        for job in dropped:
+            job.done(Result.error(SHUTDOWN_MESSAGE, "server"))
+
+    def join(self, timeout: float | None) -> bool:
+        """Wait for the thread to end (after :meth:`stop`); whether it did."""
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _run_one(job: Job) -> Result:
+    try:
+        return job.run()
+    except Stopped:
+        return Result.error(SHUTDOWN_MESSAGE, "server")
+    except BaseException as exc:
+        return Result.from_exception(exc, job.what)
+
+
+class Executors:
+    """A server's executors: one shared by every model computing in this process (the local
+    engine: one device), or, for engines that compute in processes of their own (``fsdp``),
+    one per queue, so their models keep progressing side by side."""
+
+    def __init__(self, shared: bool, turn_tokens: int = 8192) -> None:
+        self.turn_tokens = turn_tokens
+        self.shared = Executor("shared", turn_tokens) if shared else None
+        self._dedicated: list[Executor] = []
+
+    def queue(self, name: str, owner: str, max_batch: int = 64, batch_wait_s: float = 0.0) -> Queue:
+        ex = self.shared
+        if ex is None:
+            ex = Executor(name, self.turn_tokens, dedicated=True)
+            self._dedicated = [e for e in self._dedicated if e._thread.is_alive()] + [ex]
+        return ex.queue(name, owner, max_batch, batch_wait_s)
+
+    def all(self) -> list[Executor]:
+        return ([self.shared] if self.shared is not None else []) + list(self._dedicated)
+
+    def stop(self) -> None:
+        for ex in self.all():
+            ex.stop()
+
+    def join(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (monotonic) for every executor to end; whether all did."""
+        return all([ex.join(max(0.0, deadline - time.monotonic())) for ex in self.all()])
