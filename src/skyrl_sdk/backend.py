@@ -317,4 +317,5 @@ class Backend:
             engine=self.engine_name,
             num_parameters=info.num_parameters,
             num_trainable_parameters=info.num_trainable_parameters,
+            prefix_sharing=getattr(info, "prefix_sharing", "off"),
         )

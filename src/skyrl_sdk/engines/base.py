@@ -49,17 +49,19 @@ class EngineInfo:
     num_parameters: int
     num_trainable_parameters: int
     eos_token_id: int | None = None
+    #: whether datums sharing a head are computed with it once, and why not (a status line)
+    prefix_sharing: str = "off"
 
     @classmethod
     def of(cls, loaded: LoadedModel, module: torch.nn.Module | None = None, *,
-           counts: tuple[int, int] | None = None) -> EngineInfo:
+           counts: tuple[int, int] | None = None, prefix_sharing: str = "off") -> EngineInfo:
         """The info of ``loaded``; parameters are counted on ``module`` (default: the loaded
         module), or given as ``counts = (total, trainable)``."""
         total, trainable = counts if counts is not None else count_parameters(
             loaded.module if module is None else module)
         return cls(model_name=loaded.name, architecture=loaded.architecture, vocab_size=loaded.vocab_size,
                    tokenizer_dir=loaded.tokenizer_dir, num_parameters=total, num_trainable_parameters=trainable,
-                   eos_token_id=loaded.eos_token_id)
+                   eos_token_id=loaded.eos_token_id, prefix_sharing=prefix_sharing)
 
 
 class Engine:
@@ -127,7 +129,9 @@ def scoring_model(module: torch.nn.Module, role: str, config: EngineConfig,
 
 def runner_options(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> dict[str, Any]:
     """The keyword arguments of a :class:`~.runner.ModelRunner` for ``config``: micro-batching,
-    padding id, and autocast to the compute dtype under mixed precision."""
+    padding id, prefix sharing, and autocast to the compute dtype under mixed precision."""
     return dict(device=device, micro_batch_tokens=config.micro_batch_tokens, batching=config.batching,
                 pad_id=loaded.pad_token_id,
+                prefix_min_tokens=config.prefix_sharing_min_tokens if config.prefix_sharing else None,
+                compute_float32=config.dtype == "float32",
                 autocast_dtype=config.torch_dtype if config.mixed_precision else None)

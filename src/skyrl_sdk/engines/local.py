@@ -46,7 +46,7 @@ class LocalEngine(Engine):
             enable_activation_checkpointing(self.loaded.module)
         scoring = scoring_model(self.loaded.module, role, self.config)
         self.runner = ModelRunner(scoring, **runner_options(self.config, self.loaded, self.device))
-        self.info = EngineInfo.of(self.loaded)
+        self.info = EngineInfo.of(self.loaded, prefix_sharing=self.runner.prefix_status)
         self.tokenizer = self.loaded.tokenizer
 
     # ---- compute ----------------------------------------------------------------------
@@ -105,6 +105,7 @@ class LocalEngine(Engine):
                 self.loaded.module, self.tokenizer, prompts, params, num_samples,
                 device=self.device, eos_token_id=self.info.eos_token_id, pad_token_id=self.runner.pad_id,
                 prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+                prefix_min_tokens=self.runner.prefix_min_tokens,
             )
 
     def close(self) -> None:

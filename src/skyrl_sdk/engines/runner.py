@@ -22,6 +22,7 @@ from ..models.scoring import ScoringModel
 from ..types import AdamParams, Datum
 from .base import EngineResult, scores_key
 from .batching import make_micro_batches, pack_inputs
+from .sharing import start_prefix_sharing
 from .step_guard import StepBound, measure_step
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class ModelRunner:
         pad_id: int = 0,
         loss_scale: float = 1.0,
         autocast_dtype: torch.dtype | None = None,
+        prefix_min_tokens: int | None = None,
+        compute_float32: bool = True,
     ) -> None:
         self.scoring = scoring
         self.device = device
@@ -60,6 +63,9 @@ class ModelRunner:
         #: or loaded moments forget it, and the next step measures instead
         self._bound: tuple[torch.optim.Optimizer, StepBound] | None = None
         self._trainable: tuple[object, list[tuple[str, torch.nn.Parameter]]] | None = None
+        #: prefix sharing (engines/sharing.py): the shortest head shared (None: off), and why
+        self.prefix_min_tokens, self.prefix_status = start_prefix_sharing(
+            scoring, prefix_min_tokens, device, float32=compute_float32, any_rank=self.any_rank)
 
     # ---- parameters -------------------------------------------------------------------
     def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -91,7 +97,7 @@ class ModelRunner:
 
     def plan(self, data: Sequence[Datum]) -> list:
         """The micro-batches this runner will use for ``data``."""
-        return make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)
+        return make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id, self.prefix_min_tokens)
 
     def run(
         self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None
@@ -137,6 +143,7 @@ class ModelRunner:
                     None if mb.position_ids is None else mb.position_ids.to(dev),
                     mb.flat_index.to(dev),
                     targets,
+                    prefix=None if mb.prefix is None else mb.prefix.to(dev),
                 )
             kwargs = dict(
                 inputs=inputs,

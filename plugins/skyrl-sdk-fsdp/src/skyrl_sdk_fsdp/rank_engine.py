@@ -88,7 +88,7 @@ class RankEngine:
         # FSDP2's mixed precision casts the gathered parameters: no autocast on the ranks
         options = {**runner_options(self.config, self.loaded, self.device), "autocast_dtype": None}
         self.runner = ShardedRunner(scoring, group=self.mesh.get_group(), loss_scale=float(loss_scale), **options)
-        self.engine_info = attrs.asdict(info)
+        self.engine_info = attrs.asdict(attrs.evolve(info, prefix_sharing=self.runner.prefix_status))
         self.gather = StreamingGather(self.loaded, self.runner, self.aliases, self.hf_aliases, self.rank)
         self.weights_version = 0  # bumped whenever the weights change (sampler cache key)
         self._sampler: tuple[int, Any] | None = None

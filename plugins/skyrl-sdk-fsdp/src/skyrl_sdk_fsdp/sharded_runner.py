@@ -24,8 +24,9 @@ class ShardedRunner(ModelRunner):
     """
 
     def __init__(self, scoring: ScoringModel, *, group=None, **kwargs) -> None:
+        self.group = group  # first: the prefix-sharing self-test (in ModelRunner's init) ORs over ranks
         super().__init__(scoring, **kwargs)
-        self.group = group
+        reshard(self.scoring)  # that self-test's no-grad forwards left the root gathered
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         norm = super().grad_norm(grads)  # DTensor grads: a replicated global norm
