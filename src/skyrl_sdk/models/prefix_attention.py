@@ -67,6 +67,11 @@ def _attend(q, k, v, mask, scaling, softcap, math: bool, dropout: float):
     return torch.matmul(F.dropout(w, p=dropout), v)
 
 
+def _padded(t: torch.Tensor, g) -> torch.Tensor:
+    """(H, N, d) -> (G, H, Smax, d): a group's suffixes, right-padded."""
+    return t.index_select(1, g.gather).view(t.shape[0], g.count, g.width, t.shape[2]).transpose(0, 1)
+
+
 def _two_part(module, query, key, value, plan: PrefixPlan, *, scaling, softcap, window, math: bool, dropout):
     n_rep = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
@@ -83,13 +88,9 @@ def _two_part(module, query, key, value, plan: PrefixPlan, *, scaling, softcap, 
         if g.count == 0:
             continue
         count, width = g.count, g.width
-
-        def padded(t):
-            return t.index_select(1, g.gather).view(heads, count, width, dim).transpose(0, 1)
-
-        ks = torch.cat([kp.unsqueeze(0).expand(count, heads, p, dim), padded(k)], dim=2)
-        vs = torch.cat([vp.unsqueeze(0).expand(count, heads, p, dim), padded(v)], dim=2)
-        o = _attend(padded(q), ks, vs, plan.mask(width, p, p + width, window, device), scaling, softcap, math,
+        ks = torch.cat([kp.unsqueeze(0).expand(count, heads, p, dim), _padded(k, g)], dim=2)
+        vs = torch.cat([vp.unsqueeze(0).expand(count, heads, p, dim), _padded(v, g)], dim=2)
+        o = _attend(_padded(q, g), ks, vs, plan.mask(width, p, p + width, window, device), scaling, softcap, math,
                     dropout)  # (G, H, Smax, d)
         outs.append(o.transpose(0, 1).reshape(heads, count * width, dim).index_select(1, g.unpad))
     out = torch.cat(outs, dim=1)  # (H, N, d), in row order
