@@ -48,55 +48,71 @@ def find_groups(seqs: Sequence[np.ndarray], min_tokens: int, max_tokens: int) ->
     """``(groups, alone)``: the groups worth sharing, and the datums left to the unshared path.
 
     Sorted lexicographically, a sequence's longest common prefix with its predecessor is its
-    longest with any sequence (a trie in depth-first order). One level of groups: a run of
-    sorted sequences whose common prefix stays at least ``min_tokens`` long, extended while
-    the tokens it saves grow. A group whose row would exceed ``max_tokens`` unique tokens is
-    cut into several (each computes the prefix once); a group saving less than
-    :data:`MIN_SAVED_FRACTION` of its tokens is not shared.
+    longest with any other sequence (a trie in depth-first order), and a run of sorted
+    sequences shares the smallest of its neighbours' common prefixes. One level of groups:
+    the runs are chosen to save the most tokens (an exact dynamic programme over the sorted
+    order), a run's prefix being at least ``min_tokens`` long. A group whose row would exceed
+    ``max_tokens`` unique tokens is cut into several (each computes the prefix once); a group
+    saving less than :data:`MIN_SAVED_FRACTION` of its tokens is not shared.
     """
     seqs = [np.asarray(s, dtype=np.int64) for s in seqs]
+    n = len(seqs)
     # big-endian bytes compare as the integer sequences do (tokens are non-negative)
-    order = sorted(range(len(seqs)), key=lambda i: seqs[i].astype(">i8").tobytes())
+    order = sorted(range(n), key=lambda i: seqs[i].astype(">i8").tobytes())
+    lcp = np.zeros(n, dtype=np.int64)  # lcp[k]: sorted k-1 and k
+    for k in range(1, n):
+        lcp[k] = common_prefix(seqs[order[k - 1]], seqs[order[k]])
+    best = np.zeros(n + 1, dtype=np.int64)  # the most tokens the first j sorted sequences can save
+    start = np.arange(-1, n)  # where the last run of the best solution for j starts
+    run = 0  # the first sorted index of the current chain of common prefixes >= min_tokens
+    for j in range(1, n + 1):
+        if lcp[j - 1] < min_tokens:
+            run = j - 1
+        best[j], start[j] = best[j - 1], j - 1
+        if j - 1 - run < 1:
+            continue
+        # runs [i, j) for i in run .. j-2: prefix = min(lcp[i+1 .. j-1]), saving (j-1-i) * prefix
+        prefixes = np.minimum.accumulate(lcp[run + 1:j][::-1])[::-1]
+        i = np.arange(run, j - 1)
+        saving = best[run:j - 1] + (j - 1 - i) * prefixes
+        k = int(np.argmax(saving))
+        if saving[k] > best[j]:
+            best[j], start[j] = saving[k], run + k
     groups: list[Group] = []
     alone: list[int] = []
-
-    def emit(members: list[int], prefix: int) -> None:
-        total = sum(len(seqs[m]) for m in members)
-        unique = total - (len(members) - 1) * prefix
-        if len(members) >= 2 and prefix >= min_tokens and total - unique >= MIN_SAVED_FRACTION * total:
-            groups.append(Group(tuple(members), prefix, unique))
-        else:
+    j = n
+    while j > 0:
+        i = int(start[j])
+        members = order[i:j]
+        if len(members) == 1:
             alone.extend(members)
+        else:
+            _cut(seqs, members, int(lcp[i + 1:j].min()), max_tokens, min_tokens, groups, alone)
+        j = i
+    return groups[::-1], sorted(alone)
 
-    def close(members: list[int], prefix: int) -> None:
-        chunk: list[int] = []
-        used = prefix
-        for m in members:
-            suffix = len(seqs[m]) - prefix
-            if chunk and used + suffix > max_tokens:
-                emit(chunk, prefix)
-                chunk, used = [], prefix
-            chunk.append(m)
-            used += suffix
-        emit(chunk, prefix)
 
-    current: list[int] = []
-    shared = 0
-    for i in order:
-        if current:
-            p = common_prefix(seqs[current[-1]], seqs[i])
-            if len(current) > 1:
-                p = min(p, shared)
-            # joining shrinks the group's prefix to p: join while the saving does not fall
-            if p >= min_tokens and len(current) * p >= (len(current) - 1) * shared:
-                current.append(i)
-                shared = p
-                continue
-            close(current, shared)
-        current, shared = [i], 0
-    if current:
-        close(current, shared)
-    return groups, sorted(alone)
+def _cut(seqs, members: list[int], prefix: int, max_tokens: int, min_tokens: int, groups: list, alone: list) -> None:
+    """Cut a run into groups of at most ``max_tokens`` unique tokens; keep those worth sharing."""
+
+    def emit(chunk: list[int]) -> None:
+        total = sum(len(seqs[m]) for m in chunk)
+        unique = total - (len(chunk) - 1) * prefix
+        if len(chunk) >= 2 and prefix >= min_tokens and total - unique >= MIN_SAVED_FRACTION * total:
+            groups.append(Group(tuple(chunk), prefix, unique))
+        else:
+            alone.extend(chunk)
+
+    chunk: list[int] = []
+    used = prefix
+    for m in members:
+        suffix = len(seqs[m]) - prefix
+        if chunk and used + suffix > max_tokens:
+            emit(chunk)
+            chunk, used = [], prefix
+        chunk.append(m)
+        used += suffix
+    emit(chunk)
 
 
 def fill_rows(groups: Sequence[Group], budget: int) -> list[list[Group]]:
