@@ -114,15 +114,17 @@ def table(result: dict) -> list[str]:
     return lines
 
 
-def plot(result: dict, path) -> str:
+LABELS = {"trl": "TRL GRPOTrainer", "backend": "skyrl-sdk Backend", "server": "skyrl-sdk serve + tinker"}
+
+
+def plot(result: dict, path, labels: dict[str, str] = LABELS, title: str = "") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    labels = {"trl": "TRL GRPOTrainer", "backend": "skyrl-sdk Backend", "server": "skyrl-sdk serve + tinker"}
-    for name in SIDES:
+    for name in labels:
         side = result["sides"][name]
         steps = range(1, len(side["reward"]) + 1)
         axes[0].plot(steps, side["reward"], marker=".", label=labels[name])
@@ -139,7 +141,7 @@ def plot(result: dict, path) -> str:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     m = result["model"]
-    fig.suptitle(f"GRPO, {m['parameters'] / 1e6:.1f}M-param Llama, LoRA r{result['settings']['lora_rank']}: "
+    fig.suptitle(f"GRPO{title}, {m['parameters'] / 1e6:.1f}M-param Llama, LoRA r{result['settings']['lora_rank']}: "
                  "reward per step and over time", fontsize=10)
     fig.tight_layout()
     fig.savefig(str(path), dpi=80)

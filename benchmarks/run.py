@@ -31,10 +31,12 @@ from benchmarks import (
     fsdp,
     fsdp_loading,
     grpo,
+    grpo_prefix,
     input_path,
     memory,
     optim_step,
     precision,
+    prefix_sharing,
     qwen,
     sampling,
     scaling,
@@ -59,6 +61,8 @@ BENCHMARKS = {
     qwen.NAME: qwen,
     grpo.NAME: grpo,
     optim_step.NAME: optim_step,
+    prefix_sharing.NAME: prefix_sharing,
+    grpo_prefix.NAME: grpo_prefix,
 }
 
 
@@ -168,7 +172,7 @@ def targets(results: dict) -> list[dict]:
     elif r:
         rows.append({"benchmark": fsdp_loading.NAME, "metric": "fsdp loading", "target": fsdp_loading.TARGET,
                      "verdict": r.get("status")})
-    for module in (precision, checkpointing, qwen):  # these report their own rows
+    for module in (precision, checkpointing, qwen, prefix_sharing, grpo_prefix):  # these report their own rows
         r = results.get(module.NAME, {})
         if r.get("status") == "ok":
             rows.extend(module.targets(r))

@@ -4,8 +4,9 @@ For each group of a :class:`~.prefix.PrefixPlan` (the "Prefix Grouper" split):
 
 1. the prefix attends to itself, causally (SDPA with ``is_causal``: no mask, flash on CUDA);
 2. the G suffixes, right-padded into a (G, Smax) batch, attend to the prefix's keys and
-   values (expanded over the G rows, not copied) followed by their own, with a lower-right
-   causal mask: suffix token i sits at position P + i and sees keys 0 .. P + i. The padding
+   values (expanded over the G rows, not copied) followed by their own, lower-right causal:
+   suffix token i sits at position P + i and sees keys 0 .. P + i (torch's
+   ``causal_lower_right`` bias: no mask tensor, SDPA's fused kernels on CUDA). The padding
    lies to the right of every real query, so it needs no mask of its own.
 
 Per-layer sliding windows (the ``sliding_window`` keyword every family passes, ``None`` on
@@ -24,13 +25,11 @@ unchanged, with the base's masks, so a model is switched once, at load, and neve
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .loading import hf_model
 from .prefix import PrefixPlan
@@ -57,6 +56,11 @@ def _attend(q, k, v, mask, scaling, softcap, math: bool, dropout: float):
     """(B, H, Q, d) attention; ``mask`` bool (True = may attend), or None for plain causal
     (SDPA only)."""
     if not math:
+        device = q.device.type
+        if torch.is_autocast_enabled(device):
+            # a causal bias dispatches before autocast casts: cast as autocast would
+            dtype = torch.get_autocast_dtype(device)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                               scale=scaling)
     w = torch.matmul(q, k.transpose(-1, -2)) * scaling
@@ -73,6 +77,10 @@ def _padded(t: torch.Tensor, g) -> torch.Tensor:
 
 
 def _two_part(module, query, key, value, plan: PrefixPlan, *, scaling, softcap, window, math: bool, dropout):
+    # imported here: torch.nn.attention.bias loads torch._dynamo, transformers' attention its registries
+    from torch.nn.attention.bias import causal_lower_right
+    from transformers.integrations.sdpa_attention import repeat_kv
+
     n_rep = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -90,8 +98,11 @@ def _two_part(module, query, key, value, plan: PrefixPlan, *, scaling, softcap, 
         count, width = g.count, g.width
         ks = torch.cat([kp.unsqueeze(0).expand(count, heads, p, dim), _padded(k, g)], dim=2)
         vs = torch.cat([vp.unsqueeze(0).expand(count, heads, p, dim), _padded(v, g)], dim=2)
-        o = _attend(_padded(q, g), ks, vs, plan.mask(width, p, p + width, window, device), scaling, softcap, math,
-                    dropout)  # (G, H, Smax, d)
+        if window is None and not math:  # no mask tensor: SDPA's own lower-right causal kernels
+            smask = causal_lower_right(width, p + width)
+        else:
+            smask = plan.mask(width, p, p + width, window, device)
+        o = _attend(_padded(q, g), ks, vs, smask, scaling, softcap, math, dropout)  # (G, H, Smax, d)
         outs.append(o.transpose(0, 1).reshape(heads, count * width, dim).index_select(1, g.unpad))
     out = torch.cat(outs, dim=1)  # (H, N, d), in row order
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
@@ -101,6 +112,8 @@ def _implementation(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         plan = kwargs.get(PLAN_KWARG)
         if plan is None:  # an ordinary call: the base implementation, as if we were not here
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
             fn = sdpa_attention_forward if base == "sdpa" else _model_eager(module)
             return fn(module, query, key, value, attention_mask, **kwargs)
         if query.shape[0] != 1 or query.shape[2] != plan.length:
@@ -114,9 +127,16 @@ def _implementation(base: str):
     return attention
 
 
-for _base, _ours in IMPLEMENTATIONS.items():
-    AttentionInterface.register(_ours, _implementation(_base))
-    AttentionMaskInterface.register(_ours, sdpa_mask if _base == "sdpa" else eager_mask)
+@functools.cache
+def _register() -> None:
+    """Register our implementations with transformers (once; importing transformers' attention
+    registries is not free, so it waits for the first model switched)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    for base, ours in IMPLEMENTATIONS.items():
+        AttentionInterface.register(ours, _implementation(base))
+        AttentionMaskInterface.register(ours, sdpa_mask if base == "sdpa" else eager_mask)
 
 
 def unsupported_reason(model) -> str | None:
@@ -141,6 +161,7 @@ def enable(model) -> str | None:
     implementation of its attention, for good; returns why it cannot, or None."""
     reason = unsupported_reason(model)
     if reason is None:
+        _register()
         config = hf_model(model).config
         config._attn_implementation = IMPLEMENTATIONS.get(config._attn_implementation, config._attn_implementation)
     return reason
