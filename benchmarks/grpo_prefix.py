@@ -20,13 +20,8 @@ reward curve; for ours the sampling and training phases; the ratios to TRL (targ
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import tempfile
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import attrs
 
@@ -34,8 +29,7 @@ if __package__ in (None, ""):  # ``python benchmarks/grpo_prefix.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import grpo_task as task
-from benchmarks.common import check_verdict, set_threads, summary
-from benchmarks.grpo import _side, available
+from benchmarks.grpo import available, cli, run_sides
 from benchmarks.grpo import plot as grpo_plot
 
 NAME = "grpo_long_prompts"
@@ -64,24 +58,7 @@ def run(ctx) -> dict:
         "backend": lambda: grpo_sides.run_backend(model_dir, s),
         "backend_unshared": lambda: grpo_sides.run_backend(model_dir, s, {"prefix_sharing": False}),
     }
-    sides = {}
-    for name, runner in runners.items():
-        ctx.log(f"{NAME}: {name} ({s.steps} steps) ...")
-        t0 = time.perf_counter()
-        raw = runner()
-        sides[name] = _side(raw, s)
-        for phase in ("sample_s", "train_s"):
-            if phase in raw:
-                sides[name][phase] = summary(raw[phase][1:] or raw[phase])
-        ctx.log(f"{NAME}: {name} {sides[name]['step_s']['median']:.3f} s/step, reward "
-                f"{sides[name]['reward_first']:+.3f} -> {sides[name]['reward_last']:+.3f} "
-                f"({time.perf_counter() - t0:.0f} s)")
-    trl_s, trl_cpu = sides["trl"]["step_s"]["median"], sides["trl"]["cpu_step_s"]["median"]
-    for name in ("backend", "backend_unshared"):
-        side = sides[name]
-        side["ratio_to_trl"] = side["step_s"]["median"] / trl_s
-        side["cpu_ratio_to_trl"] = side["cpu_step_s"]["median"] / trl_cpu
-        side["verdict"] = check_verdict(side["ratio_to_trl"], TARGET)
+    sides = run_sides(ctx, NAME, runners, s, ("backend", "backend_unshared"), TARGET)
     sides["backend"]["ratio_to_unshared"] = sides["backend"]["step_s"]["median"] / sides["backend_unshared"][
         "step_s"]["median"]
     prompt_tokens = len(task.prompt_ids(_tokenizer(model_dir), task.prompt_texts(s)[0]))
@@ -130,33 +107,7 @@ def plot(result: dict, path) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.grpo_prefix", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="toy model, 2 steps: checks that every side runs")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per side (default: 12; smoke: 2)")
-    p.add_argument("--max-tokens", type=int, default=None, help="completion length limit (default: 32; smoke: 4)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
-    p.add_argument("--plot", default=None, help="write the reward-curve plot (PNG) here")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    args = p.parse_args(argv)
-    threads = set_threads(args.threads)
-    import logging
-
-    logging.getLogger("skyrl_sdk").setLevel(logging.WARNING)
-    with tempfile.TemporaryDirectory(prefix="skyrl-bench-grpo-prefix-") as tmp:
-        ctx = SimpleNamespace(smoke=args.smoke, workdir=Path(tmp), threads=threads, grpo_steps=args.steps,
-                              grpo_max_tokens=args.max_tokens,
-                              log=(lambda m: None) if args.quiet else
-                              (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True)))
-        t0 = time.perf_counter()
-        result = run(ctx)
-        result["seconds"] = time.perf_counter() - t0
-    if args.plot and result.get("status") == "ok":
-        result["plot"] = plot(result, args.plot)
-    print(json.dumps(result, indent=2))
-    if not args.quiet and result.get("status") == "ok":
-        print("\n".join(table(result)), file=sys.stderr)
-    return 0 if result.get("status") == "ok" or result["status"].startswith("not available") else 1
+    return cli(argv, module=sys.modules[__name__], steps="12", max_tokens="32")
 
 
 if __name__ == "__main__":
