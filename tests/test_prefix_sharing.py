@@ -316,3 +316,13 @@ def test_bf16_sampler_logprobs_equal_forward_on_shared_rows():
         fwd = b.forward(data, "cross_entropy")
         for s, o in zip(outs[0].sequences, fwd.loss_fn_outputs, strict=True):
             np.testing.assert_allclose(s.logprobs, o["logprobs"].to_numpy()[len(prompt) - 1:], atol=1e-3)
+
+
+def test_a_self_test_that_raises_turns_sharing_off(monkeypatch):
+    def broken(scoring, device):
+        raise RuntimeError("an attention that cannot take the plan")
+
+    monkeypatch.setattr(sharing, "self_test", broken)
+    with skyrl_sdk.Backend(seed=0) as b:
+        assert b.get_info().prefix_sharing.startswith("off: the self-test found shared and unshared scores inf apart")
+        assert b.forward(_only(make_group_data(seed=13), *CE), "cross_entropy").loss_fn_outputs

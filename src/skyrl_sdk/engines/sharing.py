@@ -47,7 +47,11 @@ def start_prefix_sharing(
     checked = getattr(inner, _CHECKED, None)
     if checked is None:
         tolerance = CHECK_TOLERANCE[float32]
-        diff = self_test(scoring, device)
+        try:
+            diff = self_test(scoring, device)
+        except Exception as exc:  # a family whose attention fails on shared rows: off, not broken
+            logger.warning("prefix sharing's self-test raised %s: %s", type(exc).__name__, exc)
+            diff = float("inf")
         checked = (not any_rank(not diff <= tolerance), diff, tolerance)  # a NaN fails too
         setattr(inner, _CHECKED, checked)
     ok, diff, tolerance = checked
