@@ -186,18 +186,18 @@ def plot(result: dict, path) -> str:
         med = [c["speedup"]["median"] for c in cases]
         lo = [c["speedup"]["median"] - c["speedup"]["min"] for c in cases]
         hi = [c["speedup"]["max"] - c["speedup"]["median"] for c in cases]
-        ax.errorbar(x, med, yerr=[lo, hi], marker="o", capsize=3, label="measured (sharing off / on)")
+        ax.errorbar(x, med, yerr=[lo, hi], marker="o", capsize=3, label="measured (CPU time)")
         ideal = [c["tokens"] / c["unique_tokens"] for c in cases]
         ax.plot(x, ideal, linestyle="--", color="grey", label="tokens / unique tokens")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel(label)
-        ax.set_ylabel("speedup of forward_backward + optim_step")
+        ax.set_ylabel("speedup, sharing off / on")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     m = result["model"]
-    fig.suptitle(f"Prefix sharing, {m['parameters'] / 1e6:.1f}M-param Llama, completions of "
-                 f"{result['completions'][0]}-{result['completions'][1]} tokens, 1 thread", fontsize=10)
+    fig.suptitle(f"Prefix sharing: forward_backward + optim_step, {m['parameters'] / 1e6:.1f}M-param Llama, "
+                 f"completions of {result['completions'][0]}-{result['completions'][1]} tokens, 1 thread", fontsize=10)
     fig.tight_layout()
     fig.savefig(str(path), dpi=80)
     plt.close(fig)
