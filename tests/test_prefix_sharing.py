@@ -19,7 +19,7 @@ from skyrl_sdk.engines import sharing
 from skyrl_sdk.models import prefix_attention
 from skyrl_sdk.models.prefix import MIN_SAVED_FRACTION, find_groups, layout_groups
 from skyrl_sdk.plugins import get_registry
-from skyrl_sdk.testing import assert_metrics_close, grads_of, make_group_data
+from skyrl_sdk.testing import assert_metrics_close, grads_of, make_group_data, make_sft_data
 
 OFF = {"prefix_sharing": False}
 REDUCTIONS = ["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
@@ -130,6 +130,7 @@ def test_a_group_call_is_planned_shared(pair):
     assert shared.get_info().prefix_sharing.startswith("on: two-part attention over sdpa")
     assert plain.get_info().prefix_sharing == "off (engine_config prefix_sharing=false)"
     batches = shared.engine.runner.plan(data)
+    assert shared.get_info().prefix_sharing == "on: two-part attention over sdpa; heads of >= 16 tokens are computed once"
     rows = [mb for mb in batches if mb.prefix is not None]
     assert len(rows) == 1 and rows[0].input_ids.shape[0] == 1
     assert sum(mb.flat_index.shape[0] for mb in batches) == sum(d.model_input.length for d in data)
@@ -233,8 +234,13 @@ def test_an_unchecked_family_falls_back_and_says_why(monkeypatch):
 def test_a_failed_self_test_turns_sharing_off(monkeypatch, caplog):
     monkeypatch.setattr(sharing, "self_test", lambda scoring, device: 0.5)
     with caplog.at_level(logging.WARNING, logger="skyrl_sdk"), skyrl_sdk.Backend(seed=0) as b:
+        assert b.get_info().prefix_sharing.endswith("(self-test at the first use)")
+        b.forward(make_sft_data([30, 40], seed=1), "cross_entropy")  # nothing to share: nothing checked yet
+        assert b.get_info().prefix_sharing.endswith("(self-test at the first use)")
+        data = _only(make_group_data(seed=11), *CE)
+        b.forward(data, "cross_entropy")  # the first call that shares runs the self-test: it runs unshared
         assert b.get_info().prefix_sharing.startswith("off: the self-test found shared and unshared scores 0.5 apart")
-        assert not _shares(b, make_group_data(seed=11))
+        assert not _shares(b, data)
         assert not prefix_attention.enabled(b.engine.loaded.module)  # back to plain sdpa
     assert any("prefix sharing off" in r.getMessage() for r in caplog.records)
 
@@ -324,5 +330,5 @@ def test_a_self_test_that_raises_turns_sharing_off(monkeypatch):
 
     monkeypatch.setattr(sharing, "self_test", broken)
     with skyrl_sdk.Backend(seed=0) as b:
-        assert b.get_info().prefix_sharing.startswith("off: the self-test found shared and unshared scores inf apart")
         assert b.forward(_only(make_group_data(seed=13), *CE), "cross_entropy").loss_fn_outputs
+        assert b.get_info().prefix_sharing.startswith("off: the self-test found shared and unshared scores inf apart")

@@ -40,12 +40,19 @@ def test_groups_stay_on_one_rank_and_the_ranks_stay_balanced():
 
 def test_two_ranks_equal_the_local_unshared_engine():
     data = make_group_data(((24, 3), (30, 4)), seed=31)
+    # one group and two singletons: one rank shares, the other does not
+    first = [types.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
+             for d in make_group_data(((24, 4),), seed=32, odd_cases=False) + make_group_data(((30, 1), (31, 1)), seed=33,
+                                                                                               odd_cases=False)]
     config = {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_reduction": "token_mean"}
     with torch_threads(1), \
             skyrl_sdk.Backend(model="tiny", engine="fsdp", dialect="native", engine_config={"world_size": 2}) as fsdp, \
             skyrl_sdk.Backend(model="tiny", dialect="native", engine_config={"prefix_sharing": False}) as local:
-        assert fsdp.get_info().prefix_sharing.startswith("on: two-part attention")
+        assert fsdp.get_info().prefix_sharing.endswith("(self-test at the first use)")
+        assert_outputs_close(fsdp.forward(first, "cross_entropy"), local.forward(first, "cross_entropy"), atol=1e-5)
         out_f = fsdp.forward_backward(data, "regular", config)
+        # every rank ran the self-test (collectively) at that call, and passed it
+        assert fsdp.get_info().prefix_sharing == "on: two-part attention over sdpa; heads of >= 16 tokens are computed once"
         out_l = local.forward_backward(data, "regular", config)
         assert_outputs_close(out_f, out_l, atol=1e-5)
         assert_metrics_close(out_f.metrics, out_l.metrics)

@@ -92,8 +92,7 @@ class _OnSharedBase(LocalEngine):
         self.device = shared.device
         self.tokenizer = shared.loaded.tokenizer
         extra = adapter.num_parameters if adapter is not None else 0
-        self.info = EngineInfo.of(shared.loaded, counts=(shared.base_parameters + extra, extra),
-                                  prefix_sharing=shared.base_runner.prefix_status)
+        self.info = EngineInfo.of(shared.loaded, counts=(shared.base_parameters + extra, extra))
 
     @property
     def loaded(self) -> LoadedModel:  # LocalEngine's methods read the model from here

@@ -150,10 +150,13 @@ class FSDPEngine(Engine):
         replies = self._transport.request("run", payloads)
         outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
         acc = MetricAccumulator()
-        for part, (rank_outputs, metric_state) in zip(parts, replies, strict=True):
+        for part, (rank_outputs, metric_state, _) in zip(parts, replies, strict=True):
             for index, out in zip(part, rank_outputs, strict=True):
                 outputs[index] = out
             acc.merge([metric_state])
+        status = replies[0][2]  # the same on every rank (their self-test's verdict is agreed on)
+        if status != self.info.prefix_sharing:  # the ranks' self-test ran at the first call
+            self.info = attrs.evolve(self.info, prefix_sharing=status)
         return EngineResult(outputs=outputs, metric_state=acc.state())  # type: ignore[arg-type]
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:

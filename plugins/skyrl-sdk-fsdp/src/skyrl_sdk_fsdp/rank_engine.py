@@ -115,7 +115,7 @@ class RankEngine:
         data = datums_from_plain(items)
         self._collectives()
         result = self.runner.run(data, resolved, backward=backward)
-        return result.outputs, result.metric_state
+        return result.outputs, result.metric_state, self.runner.prefix_status
 
     def op_optim_step(self, params: dict, grad_scale: float):
         self._collectives()
