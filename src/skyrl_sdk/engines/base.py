@@ -49,19 +49,20 @@ class EngineInfo:
     num_parameters: int
     num_trainable_parameters: int
     eos_token_id: int | None = None
-    #: whether datums sharing a head are computed with it once, and why not (a status line)
+    #: whether datums sharing a head are computed with it once, and why not (a status line; an
+    #: in-process engine's ``runner.prefix_status`` is read live instead)
     prefix_sharing: str = "off"
 
     @classmethod
     def of(cls, loaded: LoadedModel, module: torch.nn.Module | None = None, *,
-           counts: tuple[int, int] | None = None, prefix_sharing: str = "off") -> EngineInfo:
+           counts: tuple[int, int] | None = None) -> EngineInfo:
         """The info of ``loaded``; parameters are counted on ``module`` (default: the loaded
         module), or given as ``counts = (total, trainable)``."""
         total, trainable = counts if counts is not None else count_parameters(
             loaded.module if module is None else module)
         return cls(model_name=loaded.name, architecture=loaded.architecture, vocab_size=loaded.vocab_size,
                    tokenizer_dir=loaded.tokenizer_dir, num_parameters=total, num_trainable_parameters=trainable,
-                   eos_token_id=loaded.eos_token_id, prefix_sharing=prefix_sharing)
+                   eos_token_id=loaded.eos_token_id)
 
 
 class Engine:
