@@ -50,6 +50,27 @@ def set_threads(n: int | None) -> int:
     return n
 
 
+def run_standalone(run: Callable[[Any], dict], *, smoke: bool, threads: int | None, quiet: bool, name: str,
+                   **settings: Any) -> dict:
+    """A benchmark's ``run(ctx)`` from its own command line: threads set, skyrl_sdk's logging at
+    WARNING, a temporary work directory, progress on stderr unless ``quiet``; ``settings``
+    become attributes of the context. Returns the result with its ``seconds``."""
+    import logging
+    import tempfile
+    from types import SimpleNamespace
+
+    threads = set_threads(threads)
+    logging.getLogger("skyrl_sdk").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory(prefix=f"skyrl-bench-{name}-") as tmp:
+        ctx = SimpleNamespace(smoke=smoke, workdir=Path(tmp), threads=threads, **settings,
+                              log=(lambda m: None) if quiet else
+                              (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True)))
+        t0 = time.perf_counter()
+        result = run(ctx)
+        result["seconds"] = time.perf_counter() - t0
+    return result
+
+
 # ---- statistics ---------------------------------------------------------------------------
 def summary(values: Sequence[float]) -> dict[str, Any]:
     vals = [float(v) for v in values]

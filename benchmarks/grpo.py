@@ -22,16 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 if __package__ in (None, ""):  # ``python benchmarks/grpo.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import grpo_task as task
-from benchmarks.common import check_verdict, set_threads, summary
+from benchmarks.common import check_verdict, run_standalone, summary
 
 NAME = "grpo"
 TARGET = 0.5
@@ -53,9 +51,31 @@ def _side(raw: dict, s: task.GrpoSettings) -> dict:
     timed = raw["step_s"][1:] or raw["step_s"]  # the first step pays one-off warm-up
     cpu = raw["cpu_s"][1:] or raw["cpu_s"]
     k = max(1, s.steps // 5)
-    return {"step_s": summary(timed), "cpu_step_s": summary(cpu), "total_s": sum(raw["step_s"]),
+    side = {"step_s": summary(timed), "cpu_step_s": summary(cpu), "total_s": sum(raw["step_s"]),
             "reward": [round(r, 4) for r in raw["reward"]], "reward_first": sum(raw["reward"][:k]) / k,
             "reward_last": sum(raw["reward"][-k:]) / k}
+    for phase in ("sample_s", "train_s"):  # our Backend loop's phases
+        if phase in raw:
+            side[phase] = summary(raw[phase][1:] or raw[phase])
+    return side
+
+
+def run_sides(ctx, name: str, runners: dict, s: task.GrpoSettings, ours: tuple[str, ...], target: float) -> dict:
+    """Run each side in turn; ``ours`` get their ratios to TRL's step time and a verdict."""
+    sides = {}
+    for side, runner in runners.items():
+        ctx.log(f"{name}: {side} ({s.steps} steps) ...")
+        t0 = time.perf_counter()
+        sides[side] = _side(runner(), s)
+        ctx.log(f"{name}: {side} {sides[side]['step_s']['median']:.3f} s/step, reward "
+                f"{sides[side]['reward_first']:+.3f} -> {sides[side]['reward_last']:+.3f} "
+                f"({time.perf_counter() - t0:.0f} s)")
+    trl_s, trl_cpu = sides["trl"]["step_s"]["median"], sides["trl"]["cpu_step_s"]["median"]
+    for side in ours:
+        sides[side]["ratio_to_trl"] = sides[side]["step_s"]["median"] / trl_s
+        sides[side]["cpu_ratio_to_trl"] = sides[side]["cpu_step_s"]["median"] / trl_cpu
+        sides[side]["verdict"] = check_verdict(sides[side]["ratio_to_trl"], target)
+    return sides
 
 
 def run(ctx) -> dict:
@@ -74,20 +94,7 @@ def run(ctx) -> dict:
         "backend": lambda: grpo_sides.run_backend(model_dir, s),
         "server": lambda: grpo_sides.run_server(model_dir, s, ctx.threads, ctx.log),
     }
-    sides = {}
-    for name, runner in runners.items():
-        ctx.log(f"{NAME}: {name} ({s.steps} steps) ...")
-        t0 = time.perf_counter()
-        sides[name] = _side(runner(), s)
-        ctx.log(f"{NAME}: {name} {sides[name]['step_s']['median']:.3f} s/step, reward "
-                f"{sides[name]['reward_first']:+.3f} -> {sides[name]['reward_last']:+.3f} "
-                f"({time.perf_counter() - t0:.0f} s)")
-    trl_s, trl_cpu = sides["trl"]["step_s"]["median"], sides["trl"]["cpu_step_s"]["median"]
-    for name in ("backend", "server"):
-        side = sides[name]
-        side["ratio_to_trl"] = side["step_s"]["median"] / trl_s
-        side["cpu_ratio_to_trl"] = side["cpu_step_s"]["median"] / trl_cpu
-        side["verdict"] = check_verdict(side["ratio_to_trl"], TARGET)
+    sides = run_sides(ctx, NAME, runners, s, ("backend", "server"), TARGET)
     return {
         "status": "ok",
         "model": task.model_info(ctx.smoke),
@@ -114,15 +121,17 @@ def table(result: dict) -> list[str]:
     return lines
 
 
-def plot(result: dict, path) -> str:
+LABELS = {"trl": "TRL GRPOTrainer", "backend": "skyrl-sdk Backend", "server": "skyrl-sdk serve + tinker"}
+
+
+def plot(result: dict, path, labels: dict[str, str] = LABELS, title: str = "") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    labels = {"trl": "TRL GRPOTrainer", "backend": "skyrl-sdk Backend", "server": "skyrl-sdk serve + tinker"}
-    for name in SIDES:
+    for name in labels:
         side = result["sides"][name]
         steps = range(1, len(side["reward"]) + 1)
         axes[0].plot(steps, side["reward"], marker=".", label=labels[name])
@@ -139,7 +148,7 @@ def plot(result: dict, path) -> str:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     m = result["model"]
-    fig.suptitle(f"GRPO, {m['parameters'] / 1e6:.1f}M-param Llama, LoRA r{result['settings']['lora_rank']}: "
+    fig.suptitle(f"GRPO{title}, {m['parameters'] / 1e6:.1f}M-param Llama, LoRA r{result['settings']['lora_rank']}: "
                  "reward per step and over time", fontsize=10)
     fig.tight_layout()
     fig.savefig(str(path), dpi=80)
@@ -148,32 +157,28 @@ def plot(result: dict, path) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.grpo", description=__doc__,
+    return cli(argv, module=sys.modules[__name__], steps="30", max_tokens="6")
+
+
+def cli(argv, *, module, steps: str, max_tokens: str) -> int:
+    """The command line of a GRPO benchmark ``module`` (its ``run``, ``table``, ``plot``, docstring)."""
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{Path(module.__file__).stem}", description=module.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="toy model, 2 steps: checks that every side runs")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per side (default: 30; smoke: 2)")
-    p.add_argument("--max-tokens", type=int, default=None, help="completion length limit (default: 6; smoke: 4)")
+    p.add_argument("--steps", type=int, default=None, help=f"RL steps per side (default: {steps}; smoke: 2)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"completion length limit (default: {max_tokens}; smoke: 4)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1)")
     p.add_argument("--plot", default=None, help="write the reward-curve plot (PNG) here")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args(argv)
-    threads = set_threads(args.threads)
-    import logging
-
-    logging.getLogger("skyrl_sdk").setLevel(logging.WARNING)
-    with tempfile.TemporaryDirectory(prefix="skyrl-bench-grpo-") as tmp:
-        ctx = SimpleNamespace(smoke=args.smoke, workdir=Path(tmp), threads=threads, grpo_steps=args.steps,
-                              grpo_max_tokens=args.max_tokens,
-                              log=(lambda m: None) if args.quiet else
-                              (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True)))
-        t0 = time.perf_counter()
-        result = run(ctx)
-        result["seconds"] = time.perf_counter() - t0
+    result = run_standalone(module.run, smoke=args.smoke, threads=args.threads, quiet=args.quiet,
+                            name=Path(module.__file__).stem, grpo_steps=args.steps, grpo_max_tokens=args.max_tokens)
     if args.plot and result.get("status") == "ok":
-        result["plot"] = plot(result, args.plot)
+        result["plot"] = module.plot(result, args.plot)
     print(json.dumps(result, indent=2))
     if not args.quiet and result.get("status") == "ok":
-        print("\n".join(table(result)), file=sys.stderr)
+        print("\n".join(module.table(result)), file=sys.stderr)
     return 0 if result.get("status") == "ok" or result["status"].startswith("not available") else 1
 
 

@@ -58,12 +58,13 @@ def build_datums(prompts: list[list[int]], groups: list[list[Any]], tokenizer) -
 
 
 # ---- (b) our Backend loop -------------------------------------------------------------------
-def run_backend(model_dir: Path, s: GrpoSettings) -> dict[str, Any]:
+def run_backend(model_dir: Path, s: GrpoSettings, engine_config: dict | None = None) -> dict[str, Any]:
     from skyrl_sdk import Backend, types
 
     lora = types.LoraConfig(rank=s.lora_rank, alpha=s.lora_alpha, seed=s.seed, train_unembed=False)
     clock, rewards = StepClock(), []
-    with Backend(model=str(model_dir), lora=lora, seed=s.seed) as backend:
+    phases: dict[str, list[float]] = {"sample_s": [], "train_s": []}
+    with Backend(model=str(model_dir), lora=lora, seed=s.seed, engine_config=engine_config) as backend:
         tok = backend.tokenizer
         params = types.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, stop=[tok.eos_token_id])
         adam = types.AdamParams(**s.adam_kwargs())
@@ -74,14 +75,18 @@ def run_backend(model_dir: Path, s: GrpoSettings) -> dict[str, Any]:
             # seeded per step, as TRL's generation is: the curve is the same in every run
             # (the server side stays unseeded: seeded requests are not batched together there)
             step_params = attrs.evolve(params, seed=s.seed * 1_000_003 + step)
+            t0 = time.perf_counter()
             outs = backend.sample(prompts, step_params, num_samples=s.group_size)
             data, mean = build_datums(prompts, [o.sequences for o in outs], tok)
+            t1 = time.perf_counter()
             if data:
                 backend.forward_backward(data, "importance_sampling")
                 backend.optim_step(adam)
             clock.stop()
+            phases["sample_s"].append(t1 - t0)
+            phases["train_s"].append(time.perf_counter() - t1)
             rewards.append(mean)
-    return clock.result(rewards)
+    return {**clock.result(rewards), **phases}
 
 
 # ---- (c) skyrl-sdk serve + the tinker client ---------------------------------------------------

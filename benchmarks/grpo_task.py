@@ -41,6 +41,9 @@ class GrpoSettings:
     lora_alpha: float = 32.0
     temperature: float = 1.0
     seed: int = 0
+    #: characters (= tokens: byte-level tokenizer) of an instruction + few-shot preamble that
+    #: every prompt starts with (benchmarks.grpo_prefix); 0: none
+    preamble: int = 0
 
     def adam_kwargs(self) -> dict[str, float]:
         return dict(learning_rate=self.learning_rate, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
@@ -64,9 +67,23 @@ def model_info(smoke: bool) -> dict[str, Any]:
 
 
 def prompt_texts(s: GrpoSettings) -> list[str]:
-    """``groups`` prompts per step, fixed-width (``"042?"``) so no side pads a prompt."""
+    """``groups`` prompts per step, fixed-width (``"042?"``) so no side pads a prompt; each
+    after the same :func:`preamble_text` when ``s.preamble`` is set."""
     rng = random.Random(s.seed)
-    return [f"{rng.randint(0, 999):03d}?" for _ in range(s.steps * s.groups)]
+    head = preamble_text(s.preamble, s.seed)
+    return [f"{head}{rng.randint(0, 999):03d}?" for _ in range(s.steps * s.groups)]
+
+
+def preamble_text(length: int, seed: int = 0) -> str:
+    """An instruction and few-shot examples, exactly ``length`` characters (a long system
+    prompt: the part of every prompt that a group shares with the other groups, too)."""
+    if length <= 0:
+        return ""
+    rng = random.Random(seed + 1)
+    text = "Answer with exactly four digits, then stop.\n"
+    while len(text) < length:
+        text += f"{rng.randint(0, 999):03d}? {rng.randint(0, 9999):04d}\n"
+    return text[:length]
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:

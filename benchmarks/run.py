@@ -32,10 +32,12 @@ from benchmarks import (
     fsdp,
     fsdp_loading,
     grpo,
+    grpo_prefix,
     input_path,
     memory,
     optim_step,
     precision,
+    prefix_sharing,
     qwen,
     sampling,
     scaling,
@@ -63,6 +65,8 @@ BENCHMARKS = {
     grpo.NAME: grpo,
     optim_step.NAME: optim_step,
     call_grads.NAME: call_grads,
+    prefix_sharing.NAME: prefix_sharing,
+    grpo_prefix.NAME: grpo_prefix,
 }
 
 
@@ -177,7 +181,7 @@ def targets(results: dict) -> list[dict]:
     elif r:
         rows.append({"benchmark": fsdp_loading.NAME, "metric": "fsdp loading", "target": fsdp_loading.TARGET,
                      "verdict": r.get("status")})
-    for module in (precision, checkpointing, qwen):  # these report their own rows
+    for module in (precision, checkpointing, qwen, prefix_sharing, grpo_prefix):  # these report their own rows
         r = results.get(module.NAME, {})
         if r.get("status") == "ok":
             rows.extend(module.targets(r))

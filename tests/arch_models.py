@@ -28,15 +28,16 @@ FAMILIES = {
 }
 
 
-def make_family_dir(family: str, path: Path, seed: int = 0) -> Path:
-    """Build ``family``'s tiny config with random weights and save it (config, weights, tokenizer)."""
+def make_family_dir(family: str, path: Path, seed: int = 0, **overrides) -> Path:
+    """Build ``family``'s tiny config (with ``overrides`` of its fields) with random weights and
+    save it (config, weights, tokenizer)."""
     import transformers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from skyrl_sdk.models.loading import TINY_DIR
 
     cls_name, extra = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms start at exactly 1 (or 0): perturb them so they are really loaded

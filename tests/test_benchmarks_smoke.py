@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: every benchmark registered in benchmarks/run.py must run in smoke mode
 BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "fsdp_loading", "scaling",
               "sampling", "tenancy", "serve_load", "mixed_precision", "activation_checkpointing", "qwen_0p5b", "grpo",
-              "optim_step", "pending_grads"]
+              "optim_step", "pending_grads", "prefix_sharing", "grpo_long_prompts"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")
@@ -76,6 +76,13 @@ def test_smoke_mode_emits_valid_json(tmp_path):
     assert {"server_round_trip", "fsdp"} <= {t["benchmark"] for t in doc["targets"]}
     if doc["benchmarks"]["grpo"]["status"] == "ok":
         assert ("grpo", "RL step-time ratio (backend / TRL GRPOTrainer)") in metrics
+    prefix = doc["benchmarks"]["prefix_sharing"]
+    assert prefix["headline"]["unique_tokens"] < prefix["headline"]["tokens"]  # the shared side did share
+    assert all(c["speedup"]["median"] > 0 for c in prefix["prompt_len"] + prefix["group_size"])
+    assert ("prefix_sharing", "RL training phase, shared prompts (shared / padded hand loop, CPU)") in metrics
+    if doc["benchmarks"]["grpo_long_prompts"]["status"] == "ok":
+        assert {t["metric"] for t in doc["targets"] if t["benchmark"] == "grpo_long_prompts"} == {
+            f"RL step-time ratio, long shared prompts ({side} / TRL)" for side in ("backend", "backend_unshared")}
     for t in doc["targets"]:
         assert {"benchmark", "metric", "target", "verdict"} <= set(t)
 
@@ -101,6 +108,29 @@ def test_grpo_smoke_runs_every_side_and_plots(tmp_path):
         side, trl = result["sides"][name], result["sides"]["trl"]
         assert side["ratio_to_trl"] == pytest.approx(side["step_s"]["median"] / trl["step_s"]["median"])
         assert side["verdict"] == ("met" if side["ratio_to_trl"] <= 0.5 else "NOT met")
+    assert result["plot"] == str(plot) and plot.stat().st_size > 1000
+
+
+def test_grpo_long_prompts_smoke_runs_every_side_and_plots(tmp_path):
+    """The long-shared-prompt GRPO benchmark on its own: TRL, ours shared and unshared, a plot."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("trl")
+    plot = tmp_path / "grpo_prefix.png"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.grpo_prefix", "--smoke", "--quiet", "--plot", str(plot)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert result["status"] == "ok" and result["prompt_tokens"] > result["settings"]["preamble"]
+    assert set(result["sides"]) == {"trl", "backend", "backend_unshared"}
+    for name, side in result["sides"].items():
+        assert len(side["reward"]) == 2 and side["step_s"]["median"] > 0, name
+    for name in ("backend", "backend_unshared"):
+        side = result["sides"][name]
+        assert side["sample_s"]["median"] > 0 and side["train_s"]["median"] > 0
+        assert side["ratio_to_trl"] == pytest.approx(side["step_s"]["median"] / result["sides"]["trl"]["step_s"]["median"])
+    # seeded sampling: both of our sides draw the same samples, so their rewards agree
+    assert result["sides"]["backend"]["reward"] == pytest.approx(result["sides"]["backend_unshared"]["reward"])
     assert result["plot"] == str(plot) and plot.stat().st_size > 1000
 
 

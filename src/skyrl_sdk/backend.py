@@ -340,4 +340,7 @@ class Backend:
             engine=self.engine_name,
             num_parameters=info.num_parameters,
             num_trainable_parameters=info.num_trainable_parameters,
+            # an in-process engine's runner knows it now (its self-test runs at the first call)
+            prefix_sharing=getattr(getattr(self.engine, "runner", None), "prefix_status", None)
+            or getattr(info, "prefix_sharing", "off"),
         )

@@ -61,6 +61,36 @@ def make_rl_data(
     return data
 
 
+def make_group_data(
+    groups: Sequence[tuple[int, int]] = ((24, 3), (30, 4)), seed: int = 0, vocab: int = 256, odd_cases: bool = True,
+) -> list[types.Datum]:
+    """RL datums shaped like GRPO groups, in a shuffled order: each ``(prompt length, group
+    size)`` gives that many datums on one random prompt, each with its own completion (3-9
+    tokens). ``odd_cases`` adds a singleton, a pair sharing only an 18-token head, an exact
+    duplicate and a strict prefix of another datum. Every position (prompt included) carries
+    a weight, an advantage, sampler logprobs and reference logprobs (for a KL term)."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for prompt_len, size in groups:
+        prompt = rng.integers(0, vocab, prompt_len)
+        seqs += [np.concatenate([prompt, rng.integers(0, vocab, int(rng.integers(3, 10)))]) for _ in range(size)]
+    if odd_cases:
+        head = rng.integers(0, vocab, 18)
+        seqs += [rng.integers(0, vocab, 21), np.concatenate([head, rng.integers(0, vocab, 6)]),
+                 np.concatenate([head, rng.integers(0, vocab, 9)]), seqs[0].copy(), seqs[1][:-2].copy()]
+    data = []
+    for i in rng.permutation(len(seqs)):
+        seq = np.append(seqs[i], rng.integers(0, vocab))  # model_input = seq[:-1], targets = seq[1:]
+        n = len(seq) - 1
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs={
+            "target_tokens": seq[1:], "weights": (rng.random(n) > 0.2).astype(np.float32),
+            "advantages": rng.normal(size=n).astype(np.float32),
+            "logprobs": (-5.8 + 0.3 * rng.normal(size=n)).astype(np.float32),
+            "ref_logprobs": (-5.8 + 0.3 * rng.normal(size=n)).astype(np.float32),
+        }))
+    return data
+
+
 def grads_of(backend: Any) -> dict[str, torch.Tensor]:
     """Accumulated gradients of an in-process (local-engine) Backend's trainable parameters."""
     return {n: p.grad.detach().clone() for n, p in backend.engine.runner.named_trainable() if p.grad is not None}

@@ -51,6 +51,9 @@ class EngineInfo:
     eos_token_id: int | None = None
     #: the longest sequence the model accepts (``max_position_embeddings``; None: no limit known)
     max_positions: int | None = None
+    #: whether datums sharing a head are computed with it once, and why not (a status line; an
+    #: in-process engine's ``runner.prefix_status`` is read live instead)
+    prefix_sharing: str = "off"
 
     @classmethod
     def of(cls, loaded: LoadedModel, module: torch.nn.Module | None = None, *,
@@ -133,8 +136,10 @@ def scoring_model(module: torch.nn.Module, role: str, config: EngineConfig,
 
 def runner_options(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> dict[str, Any]:
     """The keyword arguments of a :class:`~.runner.ModelRunner` for ``config``: micro-batching,
-    padding id, and autocast to the compute dtype under mixed precision."""
+    padding id, prefix sharing, and autocast to the compute dtype under mixed precision."""
     return dict(device=device, micro_batch_tokens=config.micro_batch_tokens, batching=config.batching,
                 pad_id=loaded.pad_token_id,
+                prefix_min_tokens=config.prefix_sharing_min_tokens if config.prefix_sharing else None,
+                compute_float32=config.dtype == "float32",
                 autocast_dtype=config.torch_dtype if config.mixed_precision else None,
                 keep_grads_on_error=config.keep_grads_on_error)

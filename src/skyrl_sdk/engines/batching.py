@@ -12,6 +12,11 @@ Two layouts, both exact (a datum is never split, so SUM losses add up):
 - ``pack``: concatenate datums into one row per micro-batch with ``position_ids``
   restarting per datum (needs ``use_cache=False``; on CUDA with flash attention this is
   the padding-free varlen path).
+
+With ``prefix_min_tokens`` (prefix sharing on), datums that share a head of at least that
+many tokens (the samples of an RL group) are first taken out into shared-prefix rows
+(:mod:`skyrl_sdk.models.prefix`), several groups per micro-batch within the budget of
+*unique* tokens; the rest goes through the layout above.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import attrs
 import numpy as np
 import torch
 
+from ..models.prefix import PrefixPlan, fill_rows, find_groups, layout_groups
 from ..types import Datum
 
 Layout = Literal["bucket", "pack"]
@@ -44,6 +50,9 @@ class MicroBatch:
     flat_index: torch.Tensor
     segment_ids: torch.Tensor
     offsets: np.ndarray
+    #: a shared-prefix row's plan for the attention (``input_ids`` is then one row of unique
+    #: tokens and ``flat_index`` repeats the prefix slots of every datum); None otherwise
+    prefix: PrefixPlan | None = None
 
 
 #: Cost of one more micro-batch, in padded tokens, when ``bucket`` chooses its cuts: the
@@ -122,14 +131,22 @@ def _group(lengths: np.ndarray, budget: int, layout: Layout) -> list[list[int]]:
 
 
 def make_micro_batches(
-    data: Sequence[Datum], micro_batch_tokens: int, layout: Layout = "bucket", pad_id: int = 0
+    data: Sequence[Datum], micro_batch_tokens: int, layout: Layout = "bucket", pad_id: int = 0,
+    prefix_min_tokens: int | None = None,
 ) -> list[MicroBatch]:
     if layout not in ("bucket", "pack"):
         raise ValueError(f"engine_config['batching'] must be 'bucket' or 'pack', got {layout!r}")
     tokens = [d.model_input.to_numpy() for d in data]
     lengths = np.array([len(t) for t in tokens], dtype=np.int64)
-    batches = []
-    for group in _group(lengths, max(1, int(micro_batch_tokens)), layout):
+    budget = max(1, int(micro_batch_tokens))
+    batches: list[MicroBatch] = []
+    rest = np.arange(len(data))
+    if prefix_min_tokens is not None and len(data) > 1:
+        groups, alone = find_groups(tokens, prefix_min_tokens, budget)
+        batches += [_shared_batch(tokens, lengths, part) for part in fill_rows(groups, budget)]
+        rest = np.asarray(alone, dtype=np.int64)
+    for local in _group(lengths[rest], budget, layout) if len(rest) else []:
+        group = rest[local].tolist()
         seqs = [tokens[i] for i in group]
         lens = lengths[group]
         offsets = np.concatenate([[0], np.cumsum(lens)])
@@ -152,6 +169,16 @@ def make_micro_batches(
             MicroBatch(tuple(group), torch.from_numpy(ids), attention_mask, None, flat_index, segment_ids, offsets)
         )
     return batches
+
+
+def _shared_batch(tokens, lengths: np.ndarray, groups) -> MicroBatch:
+    row = layout_groups(tokens, groups)
+    members = tuple(m for g in groups for m in g.members)
+    lens = lengths[list(members)]
+    flat_index = torch.from_numpy(np.concatenate([row.paths[m] for m in members]))
+    segment_ids = torch.from_numpy(np.repeat(np.arange(len(members)), lens))
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    return MicroBatch(members, row.input_ids, None, row.position_ids, flat_index, segment_ids, offsets, row.plan)
 
 
 def pack_inputs(data: Sequence[Datum], group: Sequence[int]) -> dict[str, np.ndarray]:

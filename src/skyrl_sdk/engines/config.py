@@ -40,6 +40,9 @@ class EngineConfig:
       keeping its activations (less memory, ~one more forward of compute).
     - ``micro_batch_tokens``: token budget of one micro-batch (padded tokens for buckets).
     - ``batching``: "bucket" (length-sorted, padded) or "pack" (one packed row).
+    - ``prefix_sharing``: datums of one call that start with the same tokens (an RL group's
+      prompt) are computed with that head once (exact; docs/engines.md).
+    - ``prefix_sharing_min_tokens``: the shortest common head worth sharing.
     - ``logprob_chunk_elements``: tokens x vocab above which logprobs are chunked.
     - ``world_size``: ranks (FSDP engine only).
     - ``max_shard_bytes``: largest safetensors shard of an exported model.
@@ -54,6 +57,8 @@ class EngineConfig:
     gradient_checkpointing: bool = attrs.field(default=False, validator=_bool)
     micro_batch_tokens: int = attrs.field(default=8192, validator=_positive)
     batching: str = "bucket"
+    prefix_sharing: bool = attrs.field(default=True, validator=_bool)
+    prefix_sharing_min_tokens: int = attrs.field(default=16, validator=_positive)
     logprob_chunk_elements: int = attrs.field(default=2**27, validator=_positive)
     world_size: int = attrs.field(default=1, validator=_positive)
     max_shard_bytes: int = attrs.field(default=5 * 1024**3, validator=_positive)

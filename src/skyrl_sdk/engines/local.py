@@ -100,11 +100,14 @@ class LocalEngine(Engine):
 
         if self.loaded.role != "policy":
             raise InputError("sampling needs a policy model; this Backend's role is 'critic'")
+        if self.config.dtype != "float32":  # bf16 samples are rescored, on forward's shared rows
+            self.runner.prefix.check(self.device)
         with self.runner.compute_precision():  # sample in the dtype forward computes in
             return generate(
                 self.loaded.module, self.tokenizer, prompts, params, num_samples,
                 device=self.device, eos_token_id=self.info.eos_token_id, pad_token_id=self.runner.pad_id,
                 prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+                prefix_min_tokens=self.runner.prefix.min_tokens,
             )
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from ..types import AdamParams, Datum
 from .base import EngineResult, scores_key
 from .batching import make_micro_batches, pack_inputs
 from .call_grads import call_gradients
+from .sharing import PrefixSharing
 from .step_guard import StepBound, measure_step
 from .turns import between_micro_batches
 
@@ -46,6 +47,8 @@ class ModelRunner:
         loss_scale: float = 1.0,
         autocast_dtype: torch.dtype | None = None,
         keep_grads_on_error: bool = True,
+        prefix_min_tokens: int | None = None,
+        compute_float32: bool = True,
     ) -> None:
         self.scoring = scoring
         self.device = device
@@ -66,6 +69,8 @@ class ModelRunner:
         #: or loaded moments forget it, and the next step measures instead
         self._bound: tuple[torch.optim.Optimizer, StepBound] | None = None
         self._trainable: tuple[object, list[tuple[str, torch.nn.Parameter]]] | None = None
+        #: prefix sharing (engines/sharing.py): switched on now, checked at its first use
+        self.prefix = PrefixSharing(scoring, prefix_min_tokens, float32=compute_float32)
 
     # ---- parameters -------------------------------------------------------------------
     def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -95,9 +100,20 @@ class ModelRunner:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    @property
+    def prefix_status(self) -> str:
+        """Whether prefix sharing is on, and why not (``get_info().prefix_sharing``)."""
+        return self.prefix.status
+
     def plan(self, data: Sequence[Datum]) -> list:
-        """The micro-batches this runner will use for ``data``."""
-        return make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)
+        """The micro-batches this runner will use for ``data``; the first call that would share
+        a prefix (on any rank) runs prefix sharing's self-test first."""
+        batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id, self.prefix.min_tokens)
+        if self.prefix.pending and self.any_rank(any(mb.prefix is not None for mb in batches)):
+            self.prefix.check(self.device, self.any_rank)
+            if self.prefix.min_tokens is None:  # failed: this call runs unshared
+                batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)
+        return batches
 
     def run(
         self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None
@@ -139,6 +155,7 @@ class ModelRunner:
                     None if mb.position_ids is None else mb.position_ids.to(dev),
                     mb.flat_index.to(dev),
                     targets,
+                    prefix=None if mb.prefix is None else mb.prefix.to(dev),
                 )
             kwargs = dict(
                 inputs=inputs,

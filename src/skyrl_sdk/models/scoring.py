@@ -11,8 +11,10 @@ import math
 import torch
 from torch import nn
 
+from . import prefix_attention
 from .loading import hf_model
 from .logprobs import CHUNK_THRESHOLD_ELEMENTS, target_logprobs
+from .prefix import PrefixPlan
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
@@ -49,6 +51,11 @@ class ScoringModel(nn.Module):
     ``forward`` returns ``(scores, entropy)``: the scores are a policy's target logprobs
     (with their entropy) or a critic's values (entropy ``None``), of shape (T,) over
     ``flat_index``; :func:`~skyrl_sdk.engines.base.scores_key` names them per role.
+
+    With a ``prefix`` plan the row is a shared-prefix row (:mod:`.prefix`): ``flat_index``
+    repeats the prefix slots once per datum, and the head runs once per distinct (slot,
+    target) pair, its results repeated (the samples of a group have the same hidden state and
+    the same next token all along their prompt).
     """
 
     def __init__(self, model: nn.Module, role: str) -> None:
@@ -73,7 +80,10 @@ class ScoringModel(nn.Module):
         flat_index: torch.Tensor,
         targets: torch.Tensor | None,
         want_entropy: bool = True,
+        prefix: PrefixPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if prefix is not None:
+            return self._shared(input_ids, position_ids, flat_index, targets, want_entropy, prefix)
         if attention_mask is not None and position_ids is None and self.drop_right_padding_mask:
             attention_mask = None  # rows are right-padded (batching.py); outputs at padding are dropped
         out = backbone_of(self.model)(
@@ -88,6 +98,19 @@ class ScoringModel(nn.Module):
         return target_logprobs(
             hidden, self.head, targets, self.vocab_size, want_entropy=want_entropy, chunk_elements=self.chunk_elements
         )
+
+    def _shared(self, input_ids, position_ids, flat_index, targets, want_entropy, plan: PrefixPlan):
+        hidden = prefix_attention.shared_hidden(backbone_of(self.model), input_ids, position_ids, plan)
+        if self.role == "critic":
+            return self.head.proj(hidden.index_select(0, flat_index)).squeeze(-1).float(), None
+        if targets.dim() != 1:  # top-K targets: no deduplication (rows of K targets)
+            return target_logprobs(hidden.index_select(0, flat_index), self.head, targets, self.vocab_size,
+                                   want_entropy=want_entropy, chunk_elements=self.chunk_elements)
+        pairs, inverse = torch.unique(flat_index * self.vocab_size + targets, return_inverse=True)
+        slots = torch.div(pairs, self.vocab_size, rounding_mode="floor")
+        lp, entropy = target_logprobs(hidden.index_select(0, slots), self.head, pairs - slots * self.vocab_size,
+                                      self.vocab_size, want_entropy=want_entropy, chunk_elements=self.chunk_elements)
+        return lp.index_select(0, inverse), None if entropy is None else entropy.index_select(0, inverse)
 
 
 def count_parameters(module: nn.Module) -> tuple[int, int]:

@@ -1,13 +1,15 @@
 """Our own decode loop over the KV cache: bounded memory, each prompt prefilled once.
 
-- **Prefill** all prompts in one left-padded batch (attention mask + position ids), once per
-  prompt: the KV cache is then repeated ``num_samples`` times (rows of one prompt are
-  adjacent), so samples share the prompt's compute.
+- **Prefill** all distinct prompts in one left-padded batch (attention mask + position ids),
+  once per prompt: the KV cache is then repeated ``num_samples`` times (rows of one prompt
+  are adjacent), so samples share the prompt's compute. A prompt sent several times (the
+  server merges a group's separate requests into one call) is prefilled once too.
 - **Decode** one token per live row per step; only the (rows x steps) token ids and
   logprobs are kept, never a (rows x steps x vocab) tensor: the live (rows x vocab) logits
   of one step are the largest buffer.
 - **bfloat16 weights**: the sampled sequences are scored once more the way ``forward``
-  does (``rescore``), so the returned logprobs equal ``forward``'s in every dtype.
+  does (``rescore``, with ``forward``'s shared-prefix rows when ``prefix_min_tokens`` is
+  given), so the returned logprobs equal ``forward``'s in every dtype.
 - **Finished rows leave the batch**: once a quarter of the rows still in the batch have
   stopped, they are dropped from the cache (``batch_select_indices``), so stopped rows stop
   costing compute; until then they ride along and their draws are ignored.
@@ -59,8 +61,12 @@ def generate(
     pad_token_id: int,
     prompt_logprobs: bool = False,
     topk_prompt_logprobs: int = 0,
+    prefix_min_tokens: int | None = None,
 ) -> list[SampleOutput]:
-    """Sample ``num_samples`` continuations of every prompt; one :class:`SampleOutput` per prompt."""
+    """Sample ``num_samples`` continuations of every prompt; one :class:`SampleOutput` per prompt.
+
+    ``prefix_min_tokens``: the engine's prefix sharing (None: off), for rescoring as ``forward``.
+    """
     hf = hf_model(module)
     backbone = backbone_of(module)
     head = Head(hf.get_output_embeddings(), hf.config)
@@ -68,27 +74,31 @@ def generate(
     rules = StopRules.of(params, eos_token_id, tokenizer)
     generator = request_generator(params.seed, device)
 
-    ids, mask, positions = _left_padded(prompts, pad_token_id, device)
+    distinct, source = _distinct(prompts)
+    ids, mask, positions = _left_padded(distinct, pad_token_id, device)
     cache = DynamicCache(config=hf.config)
     forward_step = _stepper(backbone, cache)
     out = forward_step(ids, mask, positions)
     hidden = out.last_hidden_state
     width = ids.shape[1]
     plps, topks = [], []
-    for p, prompt in enumerate(prompts):
+    for p, prompt in enumerate(distinct):
         h = hidden[p, width - len(prompt):]
         plps.append(score_prompt(h, head, ids[p, width - len(prompt):], vocab) if prompt_logprobs else None)
         topks.append(topk_prompt(h, head, topk_prompt_logprobs, vocab) if topk_prompt_logprobs > 0 else None)
     logits = head(hidden[:, -1]).float()
     del out, hidden
-    if num_samples > 1:
-        cache.batch_repeat_interleave(num_samples)
-        logits, mask = logits.repeat_interleave(num_samples, 0), mask.repeat_interleave(num_samples, 0)
+    rows = np.repeat(source, num_samples)  # each sample's row: its prompt's prefill
+    if not np.array_equal(rows, np.arange(len(distinct))):
+        index = torch.from_numpy(rows).to(device)
+        cache.batch_select_indices(index)
+        logits, mask = logits.index_select(0, index), mask.index_select(0, index)
     tokens, logprobs, lengths, stopped = _decode(forward_step, head, cache, logits, mask, params, rules, generator,
                                                  tokenizer, pad_token_id)
     del cache
     if needs_rescoring(hf):
-        logprobs = rescore(backbone, head, vocab, prompts, num_samples, tokens, lengths, pad_token_id, device)
+        logprobs = rescore(backbone, head, vocab, prompts, num_samples, tokens, lengths, pad_token_id, device,
+                           prefix_min_tokens)
     results = []
     for p in range(len(prompts)):
         seqs = []
@@ -96,8 +106,23 @@ def generate(
             n = lengths[r]
             seqs.append(SampledSequence(tokens=tokens[r][:n], logprobs=logprobs[r][:n],
                                         stop_reason="stop" if stopped[r] else "length"))
-        results.append(SampleOutput(sequences=seqs, prompt_logprobs=plps[p], topk_prompt_logprobs=topks[p]))
+        results.append(SampleOutput(sequences=seqs, prompt_logprobs=plps[source[p]],
+                                    topk_prompt_logprobs=topks[source[p]]))
     return results
+
+
+def _distinct(prompts: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+    """The distinct prompts (first-seen order), and for each prompt the index of its copy."""
+    seen: dict[bytes, int] = {}
+    distinct, source = [], []
+    for p in prompts:
+        arr = np.asarray(p, dtype=np.int64)
+        key = arr.tobytes()
+        if key not in seen:
+            seen[key] = len(distinct)
+            distinct.append(arr)
+        source.append(seen[key])
+    return distinct, np.asarray(source, dtype=np.int64)
 
 
 def _stepper(backbone, cache):

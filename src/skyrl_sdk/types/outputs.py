@@ -104,3 +104,6 @@ class ModelInfo:
     num_parameters: int
     #: Parameters that receive gradients.
     num_trainable_parameters: int
+    #: Whether datums that start alike (an RL group's prompt) are computed with their common
+    #: head once: "on: ..." or "off: <why>" (engine_config ``prefix_sharing``).
+    prefix_sharing: str = "off"

@@ -1,6 +1,7 @@
 """The ``fsdp`` engine's controller: the object the Backend drives.
 
-It holds no model. Each call is split across the ranks (datums balanced by token count),
+It holds no model. Each call is split across the ranks (datums balanced by token count, the
+datums of a shared-prefix group kept on one rank),
 sent to every rank, and the answers are put back together: per-datum outputs in the
 caller's order, metrics merged by their reduction suffix. Input was validated by the
 Backend; checkpoint files are checked here, before anything is dispatched.
@@ -23,6 +24,7 @@ from skyrl_sdk.engines.state import StateLayout, check_engine_metadata, check_st
 from skyrl_sdk.errors import CheckpointError, InputError
 from skyrl_sdk.losses.metrics import MetricAccumulator
 from skyrl_sdk.models import load_tokenizer
+from skyrl_sdk.models.prefix import find_groups
 from skyrl_sdk.types import AdamParams, Datum, LoraConfig, SampleOutput, SamplingParams
 
 from .options import FSDP_KEYS, SHARDED_DIR, FSDPOptions, launcher_env
@@ -134,7 +136,12 @@ class FSDPEngine(Engine):
     # ---- compute ----------------------------------------------------------------------
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
         lengths = [d.model_input.length for d in data]
-        parts = split_by_tokens(lengths, self.world_size)
+        together = []
+        if self.info.prefix_sharing.startswith("on"):  # a group stays on one rank, to share its prefix there
+            groups, _ = find_groups([d.model_input.to_numpy() for d in data], self.config.prefix_sharing_min_tokens,
+                                    self.config.micro_batch_tokens)
+            together = [(g.members, g.unique_tokens) for g in groups]
+        parts = split_by_tokens(lengths, self.world_size, together)
         loss_payload = loss_to_plain(loss)
         payloads = [
             dict(items=datums_to_plain([data[i] for i in part]), loss=loss_payload, backward=backward)
@@ -143,10 +150,13 @@ class FSDPEngine(Engine):
         replies = self._transport.request("run", payloads)
         outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
         acc = MetricAccumulator()
-        for part, (rank_outputs, metric_state) in zip(parts, replies, strict=True):
+        for part, (rank_outputs, metric_state, _) in zip(parts, replies, strict=True):
             for index, out in zip(part, rank_outputs, strict=True):
                 outputs[index] = out
             acc.merge([metric_state])
+        status = replies[0][2]  # the same on every rank (their self-test's verdict is agreed on)
+        if status != self.info.prefix_sharing:  # the ranks' self-test ran at the first call
+            self.info = attrs.evolve(self.info, prefix_sharing=status)
         return EngineResult(outputs=outputs, metric_state=acc.state())  # type: ignore[arg-type]
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:

@@ -91,7 +91,7 @@ class RankEngine:
         options = {**runner_options(self.config, self.loaded, self.device), "autocast_dtype": None,
                    "keep_grads_on_error": False}
         self.runner = ShardedRunner(scoring, group=self.mesh.get_group(), loss_scale=float(loss_scale), **options)
-        self.engine_info = attrs.asdict(info)
+        self.engine_info = attrs.asdict(attrs.evolve(info, prefix_sharing=self.runner.prefix_status))
         self.gather = StreamingGather(self.loaded, self.runner, self.aliases, self.hf_aliases, self.rank)
         self.weights_version = 0  # bumped whenever the weights change (sampler cache key)
         self._sampler: tuple[int, Any] | None = None
@@ -118,7 +118,7 @@ class RankEngine:
         data = datums_from_plain(items)
         self._collectives()
         result = self.runner.run(data, resolved, backward=backward)
-        return result.outputs, result.metric_state
+        return result.outputs, result.metric_state, self.runner.prefix_status
 
     def op_optim_step(self, params: dict, grad_scale: float):
         self._collectives()

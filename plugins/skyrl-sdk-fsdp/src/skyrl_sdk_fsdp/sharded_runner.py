@@ -38,7 +38,12 @@ class ShardedRunner(ModelRunner):
         return bool(value.item())
 
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
-        batches = self.plan(data) if data else []
+        pending = self.prefix.pending
+        # every rank plans, data or not: while prefix sharing is unchecked, planning asks every
+        # rank whether it would share, and then all run the self-test (its forwards are collective)
+        batches = self.plan(data)
+        if pending and not self.prefix.pending:
+            reshard(self.scoring)  # the self-test's no-grad forwards left the root gathered
         mine = len(batches)
         count = torch.tensor([mine], dtype=torch.int64, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
