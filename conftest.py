@@ -3,8 +3,9 @@
 The HTTP-server tests (``tests/test_server*.py``) keep uvicorn and per-model worker threads
 alive across tests, so tox runs them in a process of their own: ``--suite main`` collects
 every other test file, ``--suite server`` only those. Both commands get the same arguments,
-so ``tox -- -k losses`` runs each selected test once, in its own process, and a suite left
-with nothing selected passes instead of failing with "no tests ran". Without ``--suite``
+so ``tox -- -k losses`` runs each selected test once, in its own process, and a suite whose
+selection is all in the other one passes instead of failing with "no tests ran" (a plain run
+that collects nothing still fails). Without ``--suite``
 everything is collected, as plain ``pytest`` always did.
 """
 
@@ -47,5 +48,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if session.config.getoption("suite") and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+    """A selection (``-k``, ``-m`` or named files) may fall wholly in the other suite: then this
+    one passes. A plain run that collects nothing still fails (exit 5), as it should."""
+    config = session.config
+    selected = bool(config.option.keyword or config.option.markexpr or config.args != config.getini("testpaths"))
+    if config.getoption("suite") and selected and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
         session.exitstatus = pytest.ExitCode.OK  # the selection is all in the other suite
