@@ -260,17 +260,17 @@ def run(ctx) -> dict:
             clients, steps, rows, length = (3, 1, 2, 32) if ctx.smoke else (8, 2, 8, 256)  # 4.6x before
             out["memory"] = m = _memory(server, model, vocab, clients, steps, rows, length)
             ctx.log(f"{NAME}: extra client {m['extra_client_bytes_mean'] / 2**20:.1f} MiB = {m['ratio']:.3f}x base")
-            out["fairness"] = {"micro_batch_tokens_8192": _fairness(server, model, vocab, *big)}
+            out["fairness"] = {"micro_batch_tokens_2048_default": _fairness(server, model, vocab, *big)}
             out["shutdown"] = s = _shutdown(server, model, vocab, *big)
             ctx.log(f"{NAME}: exit {s['exit_after_sigint_s']:.1f} s after SIGINT; answers {s['answers']}")
         finally:
             server.stop()
-        # a turn is a micro-batch: the same call with 1024-token micro-batches (--engine-config)
+        # a turn is a micro-batch: the same call with the library's 8192-token micro-batches
         small_mb = None if ctx.smoke else ServerProcess(os.path.join(tmp, "state-mb"), ctx.threads or 1, model=model,
-                                 extra=("--api-keys", keys, "--engine-config", '{"micro_batch_tokens": 1024}'))
+                                 extra=("--api-keys", keys, "--engine-config", '{"micro_batch_tokens": 8192}'))
         if small_mb is not None:
             try:
-                out["fairness"]["micro_batch_tokens_1024"] = _fairness(small_mb, model, vocab, *big)
+                out["fairness"]["micro_batch_tokens_8192"] = _fairness(small_mb, model, vocab, *big)
             finally:
                 small_mb.stop()
         for mb, f in out["fairness"].items():

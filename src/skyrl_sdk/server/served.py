@@ -29,6 +29,13 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: and runs concurrently.
 RNG_LOCK = threading.RLock()
 
+#: micro-batch budget of the served models when ``--engine-config`` sets none: a long request
+#: gives way to other clients' small ones between its micro-batches (docs/server.md, Fairness),
+#: so the budget bounds how long a small call waits; 2048 tokens instead of the library's 8192
+#: shorten that wait about 4x (docs/performance.md, section 16)
+SERVER_MICRO_BATCH_TOKENS = 2048
+
+
 def _canonical(name: str) -> str:
     if name == "tiny":
         return name
@@ -53,6 +60,8 @@ class ServedModels:
 
     def __init__(self, config: ServerConfig, offload_root: Path | None = None) -> None:
         self.config = config
+        #: what every Backend and shared base of this server is built with
+        self.engine_config = {"micro_batch_tokens": SERVER_MICRO_BATCH_TOKENS, **config.engine_config}
         self._by_canonical = {_canonical(m): m for m in config.models}
         self._limits: dict[str, int | None] = {}
         for m in config.models:
@@ -105,7 +114,7 @@ class ServedModels:
         self.budget.check(f"loading the shared base {base_model}", weight_bytes(base_model, self._dtype_bytes()),
                           self.shared_bytes())
         offload = self._offload_root / f"base-{len(self._pools)}" if self._offload_root is not None else None
-        pool = SharedBase(base_model, self.config.engine_config, seed=self.config.seed,
+        pool = SharedBase(base_model, self.engine_config, seed=self.config.seed,
                           max_lora_adapters=self.config.max_lora_adapters, offload_dir=offload)
         with self._pools_lock:
             self._pools[base_model] = pool
@@ -118,7 +127,7 @@ class ServedModels:
 
         need = weight_bytes(model, self._dtype_bytes()) * (TRAINING_COPIES if training and lora is None else 1)
         self.budget.check(what, need, self.shared_bytes())
-        backend = Backend(model=model, engine=self.config.engine, engine_config=self.config.engine_config,
+        backend = Backend(model=model, engine=self.config.engine, engine_config=self.engine_config,
                           lora=lora, seed=self.config.seed)
         self.budget.add(backend, need)
         return backend
