@@ -1,7 +1,8 @@
 """The console in a real browser: headless Chromium opens ``GET /`` with an owner's key in the
 URL fragment after a short training run through the tinker client, and the page it rendered
 (the DOM after its scripts ran) shows that owner's run, its loss curve and its checkpoint, and
-nothing of another owner's run.
+nothing of another owner's run; and a mouse moved over a curve's point (DevTools input events)
+shows that point's exact value.
 
 Chromium is Debian's ``chromium`` package (``.ci/run`` installs it). Without it these tests
 fail, unless ``SKYRL_SDK_SKIP_BROWSER_TESTS=1`` says to skip them on a machine that cannot have
@@ -11,9 +12,12 @@ it. ``SKYRL_SDK_CONSOLE_SCREENSHOT=FILE`` also writes the owner's page as a PNG 
 from __future__ import annotations
 
 import html.parser
+import json
 import os
+import select
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -21,7 +25,8 @@ tinker = pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
 from tinker import types as tt
 
-from _server_harness import ServerThread
+from _limits import HANG_S
+from _server_harness import ServerThread, raw_client
 from skyrl_sdk.server.config import read_api_keys
 
 SKIP_ENV = "SKYRL_SDK_SKIP_BROWSER_TESTS"
@@ -39,14 +44,74 @@ def chromium() -> str:
     return found
 
 
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
+
+
 def run_chromium(tmp_path, url: str, *args: str) -> str:
     """Headless Chromium on ``url`` (scripts get 15 s of virtual time); its stdout."""
-    cmd = [chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'chromium-profile'}", "--virtual-time-budget=15000", *args, url]
+    cmd = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}",
+           "--virtual-time-budget=15000", *args, url]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+class DevTools:
+    """Chromium driven through its DevTools protocol over a pipe (it reads commands on fd 3 and
+    writes answers on fd 4, JSON messages ending in NUL), to move a real mouse over the page."""
+
+    def __init__(self, tmp_path, url: str) -> None:
+        commands_r, self._commands = os.pipe()
+        self._answers, answers_w = os.pipe()
+        self.proc = subprocess.Popen(  # bash, not sh: dash redirects only one-digit fds
+            ["bash", "-c", f'exec "$0" "$@" 3<&{commands_r} 4>&{answers_w}', chromium(), *CHROMIUM_FLAGS,
+             f"--user-data-dir={tmp_path / 'chromium-devtools'}", "--remote-debugging-pipe",
+             "--window-size=1400,1000", url],
+            pass_fds=(commands_r, answers_w), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(commands_r)
+        os.close(answers_w)
+        self._next_id, self._buffer, self.session = 0, b"", None
+        page = next(t for t in self.send("Target.getTargets")["targetInfos"] if t["type"] == "page")
+        self.session = self.send("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+
+    def send(self, method: str, **params):
+        self._next_id += 1
+        message = {"id": self._next_id, "method": method, "params": params}
+        if self.session:
+            message["sessionId"] = self.session
+        os.write(self._commands, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + HANG_S
+        while True:
+            while b"\0" in self._buffer:
+                raw, self._buffer = self._buffer.split(b"\0", 1)
+                answer = json.loads(raw)
+                if answer.get("id") == self._next_id:
+                    assert "error" not in answer, answer
+                    return answer["result"]
+            ready, _, _ = select.select([self._answers], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"no answer to {method} from Chromium in {HANG_S} s"
+            chunk = os.read(self._answers, 1 << 16)
+            assert chunk, f"Chromium closed its DevTools pipe (exit {self.proc.poll()})"
+            self._buffer += chunk
+
+    def evaluate(self, expression: str):
+        result = self.send("Runtime.evaluate", expression=expression, returnByValue=True)
+        assert "exceptionDetails" not in result, result
+        return result["result"].get("value")
+
+    def wait_for(self, expression: str):
+        deadline = time.monotonic() + HANG_S
+        while not (value := self.evaluate(expression)):
+            assert time.monotonic() < deadline, f"the page never had {expression}"
+            time.sleep(0.2)
+        return value
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=HANG_S)
+        os.close(self._commands)
+        os.close(self._answers)
 
 
 class Elements(html.parser.HTMLParser):
@@ -118,6 +183,31 @@ def test_an_owner_sees_their_run_curve_and_checkpoint_and_nothing_of_another(wor
     if target := os.environ.get("SKYRL_SDK_CONSOLE_SCREENSHOT"):
         run_chromium(tmp_path, f"{world['srv'].url}/#key={ALICE}", f"--screenshot={target}",
                      "--window-size=1400,1000", "--hide-scrollbars")
+
+
+def test_the_mouse_over_a_point_shows_its_exact_value(world, tmp_path):
+    """A real mouse move (DevTools Input events) over the loss curve's third point shows that
+    step and its value with every digit the server stored."""
+    with raw_client(world["srv"], ALICE) as http:
+        curves = http.get(f"/console/api/runs/{world['run']}/curves").json()
+    browser = DevTools(tmp_path, f"{world['srv'].url}/#key={ALICE}")
+    try:
+        dots = 'document.querySelectorAll(\'svg[data-series="loss_per_token"] circle.dot\')'
+        assert browser.wait_for(f"{dots}.length") == STEPS
+        x, y = browser.evaluate(f"(() => {{ const d = {dots}[2]; d.scrollIntoView({{block: 'center'}}); "
+                                "const r = d.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        assert browser.evaluate("document.getElementById('tooltip').hidden") is True
+        browser.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+        lines = browser.wait_for("(() => { const t = document.getElementById('tooltip'); "
+                                 "return t.hidden ? null : [...t.children].map((c) => c.textContent); })()")
+        marker = browser.evaluate('document.querySelector(\'svg[data-series="loss_per_token"] line.marker\')'
+                                  '.getAttribute("visibility")')
+    finally:
+        browser.close()
+    step, value = curves["step"][2], curves["series"]["loss_per_token"]["mean"][2]
+    assert lines[0] == f"step {step}" and marker == "visible"
+    title, shown = lines[1].split(": ")
+    assert title == "loss per token" and float(shown) == value  # exact: the same float, not a rounding
 
 
 def test_the_other_owner_sees_only_theirs(world, tmp_path):
