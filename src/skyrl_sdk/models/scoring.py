@@ -83,29 +83,30 @@ class ScoringModel(nn.Module):
         prefix: PrefixPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if prefix is not None:
-            return self._shared(input_ids, position_ids, flat_index, targets, want_entropy, prefix)
-        if attention_mask is not None and position_ids is None and self.drop_right_padding_mask:
-            attention_mask = None  # rows are right-padded (batching.py); outputs at padding are dropped
-        out = backbone_of(self.model)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        )
-        hidden = out.last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        if flat_index.shape[0] != hidden.shape[0]:  # equal: no padding, flat_index is arange
-            hidden = hidden.index_select(0, flat_index)
+            hidden = prefix_attention.shared_hidden(backbone_of(self.model), input_ids, position_ids, prefix)
+            if self.role == "policy" and targets.dim() == 1:
+                return self._deduplicated_logprobs(hidden, flat_index, targets, want_entropy)
+            hidden = hidden.index_select(0, flat_index)  # repeats the prefix slots once per datum
+        else:
+            if attention_mask is not None and position_ids is None and self.drop_right_padding_mask:
+                attention_mask = None  # rows are right-padded (batching.py); outputs at padding are dropped
+            out = backbone_of(self.model)(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            )
+            hidden = out.last_hidden_state
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            if flat_index.shape[0] != hidden.shape[0]:  # equal: no padding, flat_index is arange
+                hidden = hidden.index_select(0, flat_index)
         if self.role == "critic":
             return self.head.proj(hidden).squeeze(-1).float(), None
         return target_logprobs(
             hidden, self.head, targets, self.vocab_size, want_entropy=want_entropy, chunk_elements=self.chunk_elements
         )
 
-    def _shared(self, input_ids, position_ids, flat_index, targets, want_entropy, plan: PrefixPlan):
-        hidden = prefix_attention.shared_hidden(backbone_of(self.model), input_ids, position_ids, plan)
-        if self.role == "critic":
-            return self.head.proj(hidden.index_select(0, flat_index)).squeeze(-1).float(), None
-        if targets.dim() != 1:  # top-K targets: no deduplication (rows of K targets)
-            return target_logprobs(hidden.index_select(0, flat_index), self.head, targets, self.vocab_size,
-                                   want_entropy=want_entropy, chunk_elements=self.chunk_elements)
+    def _deduplicated_logprobs(self, hidden, flat_index, targets, want_entropy):
+        """A shared row's logprobs with the head run once per distinct (slot, target) pair: the
+        samples of a group share the prompt's hidden states and next tokens (top-K targets,
+        rows of K, are not deduplicated)."""
         pairs, inverse = torch.unique(flat_index * self.vocab_size + targets, return_inverse=True)
         slots = torch.div(pairs, self.vocab_size, rounding_mode="floor")
         lp, entropy = target_logprobs(hidden.index_select(0, slots), self.head, pairs - slots * self.vocab_size,

@@ -84,14 +84,15 @@ def _rescore_shared(backbone, head, vocab_size, rows, lengths, min_tokens, devic
     for part in fill_rows(groups, RESCORE_TOKENS):
         row = layout_groups([datums[r] for r in keys], part)
         hidden = shared_hidden(backbone, row.input_ids.to(device), row.position_ids.to(device), row.plan.to(device))
-        for g in part:
-            for m in g.members:
-                r, n = keys[m], lengths[keys[m]]
-                slots = torch.from_numpy(row.paths[m][-n:]).to(device)
-                targets = torch.from_numpy(rows[r][-n:]).to(device)
-                lp, _ = target_logprobs(hidden.index_select(0, slots), head, targets, vocab_size, want_entropy=False,
-                                        chunk_elements=CHUNK_THRESHOLD_ELEMENTS)
-                out[r] = lp.float().cpu().tolist()
+        members = [m for g in part for m in g.members]
+        counts = [lengths[keys[m]] for m in members]  # each row's sampled tokens: the last slots of its path
+        slots = np.concatenate([row.paths[m][-n:] for m, n in zip(members, counts, strict=True)])
+        targets = np.concatenate([rows[keys[m]][-n:] for m, n in zip(members, counts, strict=True)])
+        lp, _ = target_logprobs(hidden.index_select(0, torch.from_numpy(slots).to(device)), head,
+                                torch.from_numpy(targets).to(device), vocab_size, want_entropy=False,
+                                chunk_elements=CHUNK_THRESHOLD_ELEMENTS)  # one head call per shared row
+        for m, values in zip(members, np.split(lp.float().cpu().numpy(), np.cumsum(counts)[:-1]), strict=True):
+            out[keys[m]] = values.tolist()
         del hidden
     return [keys[m] for m in alone]
 
