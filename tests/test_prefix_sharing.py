@@ -155,6 +155,7 @@ def test_every_policy_loss_and_reduction_with_kl_and_entropy(pair, loss_fn):
 def test_forward_and_accumulated_calls(pair):
     shared, plain = pair
     data = _only(make_group_data(seed=2), *RL)
+    assert _shares(shared, data) and _shares(shared, data[:7]) and _shares(shared, data[7:])
     _outputs_close(shared.forward(data, "importance_sampling"), plain.forward(data, "importance_sampling"))
     for b in (shared, plain):  # gradients of successive calls add up, shared or not
         b.zero_grad()
