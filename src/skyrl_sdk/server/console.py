@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..errors import InputError, NotFoundError
 from ..version import __version__
+from .edge import default_max_connections
 from .guard import CONSOLE_STATIC
 from .history import MAX_POINTS
 from .routes import owner, runtime
@@ -176,7 +177,10 @@ def _limits(rt: Runtime) -> dict[str, Any]:
     return {"engine": c.engine, "models": list(c.models), "share_base": c.share_base,
             "max_memory_bytes": c.max_memory, "max_lora_adapters": c.max_lora_adapters,
             "snapshot_memory_bytes": c.snapshot_memory, "session_timeout_s": c.session_timeout_s,
-            "max_seq_len": c.max_seq_len, "max_num_samples": c.max_num_samples, "max_body_bytes": c.max_body_bytes}
+            "max_seq_len": c.max_seq_len, "max_num_samples": c.max_num_samples, "max_body_bytes": c.max_body_bytes,
+            "max_tokens_per_request": c.max_tokens_per_request, "max_queued_requests": c.max_queued_requests,
+            "header_timeout_s": c.header_timeout_s,
+            "max_connections": c.max_connections or default_max_connections()}
 
 
 @router.get("/console/api/server")

@@ -367,7 +367,9 @@ function renderServer(srv) {
     ["--max-memory", l.max_memory_bytes ? fmtBytes(l.max_memory_bytes) : "none"],
     ["--max-lora-adapters", l.max_lora_adapters ?? "none"], ["--snapshot-memory", fmtBytes(l.snapshot_memory_bytes)],
     ["--session-timeout", `${l.session_timeout_s} s`], ["--max-seq-len", l.max_seq_len ?? "the model's"],
-    ["--max-num-samples", l.max_num_samples], ["request body", fmtBytes(l.max_body_bytes)]]));
+    ["--max-num-samples", l.max_num_samples], ["--max-tokens-per-request", l.max_tokens_per_request],
+    ["--max-queued-requests", l.max_queued_requests], ["--header-timeout", `${l.header_timeout_s} s`],
+    ["--max-connections", l.max_connections], ["request body", fmtBytes(l.max_body_bytes)]]));
   $("server").replaceChildren(...parts);
 }
 
