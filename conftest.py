@@ -24,12 +24,16 @@ def pytest_addoption(parser):
                           "('main'); tox runs the two in separate processes")
 
 
+def _other_suite(file_name: str, suite: str) -> bool:
+    return (suite == "server") != fnmatch.fnmatch(file_name, SERVER_TESTS)
+
+
 def pytest_ignore_collect(collection_path, config):
     suite = config.getoption("suite")
     name = collection_path.name
     if suite is None or not (name.startswith("test_") and name.endswith(".py")):
         return None
-    if (suite == "server") != fnmatch.fnmatch(name, SERVER_TESTS):
+    if _other_suite(name, suite):
         return True  # the other suite's file: not even imported here
     return None
 
@@ -41,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
         return
     keep, drop = [], []
     for item in items:
-        (keep if (suite == "server") == fnmatch.fnmatch(item.path.name, SERVER_TESTS) else drop).append(item)
+        (drop if _other_suite(item.path.name, suite) else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
