@@ -12,7 +12,9 @@ A batch is ``prompts`` random prompts of ``P`` tokens, each with ``G`` random co
   backward, AdamW (only on the headline batch: it is the slowest side).
 
 Reported: the headline batch (the issue's: 4 prompts x 320 tokens x 8 completions), shared /
-hand (target <= 0.40) and shared / unshared; the speedup unshared / shared against the prompt
+hand (target <= 0.40) and shared / unshared; the same batch through ``skyrl-sdk serve`` and
+the tinker client (a rank-8 LoRA client, the server's defaults), against a server started
+with ``--engine-config '{"prefix_sharing": false}'``: the servers' CPU seconds per step; the speedup unshared / shared against the prompt
 length (G = 8) and the group size (P = 256), the shared side sharing any common head
 (``prefix_sharing_min_tokens: 1``, and no minimum saving: ``MIN_SAVED_FRACTION = 0``) so that
 the break-even shows. Speedups are ratios of CPU seconds (this process's: insensitive to
@@ -48,6 +50,7 @@ from benchmarks.common import (
     run_standalone,
     summary,
 )
+from benchmarks.server import API_KEY, ServerProcess, available, process_cpu_s, rows_to_tinker
 
 NAME = "prefix_sharing"
 TARGET_HAND = 0.40
@@ -98,6 +101,49 @@ def _case(sides: dict, rows: list[dict], reps: int, warmup: int) -> dict:
     return out
 
 
+def _through_server(ctx, model_dir: Path, rows: list[dict], reps: int, warmup: int) -> dict:
+    """``forward_backward`` + ``optim_step`` of ``rows`` from the tinker client, on a server with
+    prefix sharing (its default) and one without, alternated; each step's wall time and the
+    serving process's CPU seconds (load-insensitive, as the in-process sides' CPU time)."""
+    why = available()
+    if why is not None:
+        return {"status": why}
+    import tempfile
+
+    import tinker
+    from tinker import types as tt
+
+    data, adam = rows_to_tinker(rows), tt.AdamParams(learning_rate=1e-4)
+    with tempfile.TemporaryDirectory(prefix="skyrl-bench-prefix-serve-") as tmp:
+        servers = {"shared": ServerProcess(f"{tmp}/on", ctx.threads or 1, model=str(model_dir))}
+        try:
+            servers["unshared"] = ServerProcess(f"{tmp}/off", ctx.threads or 1, model=str(model_dir),
+                                                extra=("--engine-config", '{"prefix_sharing": false}'))
+            services = {n: tinker.ServiceClient(base_url=srv.url, api_key=API_KEY) for n, srv in servers.items()}
+            clients = {n: svc.create_lora_training_client(base_model=str(model_dir), rank=8, seed=0).result(timeout=600)
+                       for n, svc in services.items()}
+            cpu: dict[str, list[float]] = {n: [] for n in servers}
+
+            def step(name: str) -> None:
+                c0 = process_cpu_s(servers[name].proc.pid)
+                fb, opt = clients[name].forward_backward(data, "cross_entropy"), clients[name].optim_step(adam)
+                fb.result(timeout=1800)
+                opt.result(timeout=1800)
+                cpu[name].append(process_cpu_s(servers[name].proc.pid) - c0)
+
+            wall, _ = alternate({n: (lambda n=n: step(n)) for n in servers}, reps=reps, warmup=warmup)
+            cpu = {n: v[warmup:] for n, v in cpu.items()}  # the timed repetitions only
+            for svc in services.values():
+                svc.close("success").result(timeout=60)
+        finally:
+            for srv in servers.values():
+                srv.stop()
+    return {"status": "ok", "lora_rank": 8, **{f"{n}_s": summary(wall[n]) for n in servers},
+            **{f"{n}_server_cpu_s": summary(cpu[n]) for n in servers},
+            "speedup": ratio_summary(cpu["unshared"], cpu["shared"]),
+            "speedup_wall": ratio_summary(wall["unshared"], wall["shared"])}
+
+
 def run(ctx) -> dict:
     from skyrl_sdk.models import prefix
 
@@ -114,14 +160,18 @@ def run(ctx) -> dict:
         prompts, plen, group = g["headline"]
         ctx.log(f"{NAME}: headline {prompts} x {plen} x {group} (shared, unshared, hand) ...")
         hand = HandLoop(model_dir)
-        case = _case({"shared": shared, "unshared": unshared, "hand": hand}, group_rows(prompts, plen, group,
-                                                                                      spec["vocab"]), reps, warmup)
+        rows = group_rows(prompts, plen, group, spec["vocab"])
+        case = _case({"shared": shared, "unshared": unshared, "hand": hand}, rows, reps, warmup)
         del hand
         case.update(prompts=prompts, prompt_len=plen, group_size=group, target=TARGET_HAND,
                     verdict=check_verdict(case["ratio_to_hand"]["median"], TARGET_HAND))
         out["headline"] = case
         ctx.log(f"{NAME}: shared / hand {case['ratio_to_hand']['median']:.3f}, unshared / hand "
                 f"{case['unshared_to_hand']['median']:.3f}, speedup {case['speedup']['median']:.2f}x")
+        out["through_server"] = srv = _through_server(ctx, model_dir, rows, reps, warmup)
+        if srv["status"] == "ok":
+            ctx.log(f"{NAME}: through skyrl-sdk serve (LoRA): speedup {srv['speedup']['median']:.2f}x "
+                    f"(server CPU), {srv['speedup_wall']['median']:.2f}x (wall)")
         sweeps = {"prompt_len": [(g["sweep_prompts"], p, g["sweep_group_size"]) for p in g["prompt_len"]],
                   "group_size": [(g["sweep_prompts"], g["sweep_prompt_len"], k) for k in g["group_size"]]}
         saved_fraction = prefix.MIN_SAVED_FRACTION
@@ -154,6 +204,12 @@ def targets(result: dict) -> list[dict]:
     s = h["speedup"]
     rows.append({"benchmark": NAME, "metric": "RL training phase speedup (sharing off / on, CPU), reported",
                  "median": s["median"], "min": s["min"], "max": s["max"], "target": None, "verdict": "reported"})
+    srv = result.get("through_server", {})
+    if srv.get("status") == "ok":
+        s = srv["speedup"]
+        rows.append({"benchmark": NAME, "metric": "the same through skyrl-sdk serve + tinker client, LoRA "
+                     "(sharing off / on, server CPU), reported", "median": s["median"], "min": s["min"],
+                     "max": s["max"], "target": None, "verdict": "reported"})
     return rows
 
 
@@ -162,7 +218,12 @@ def table(result: dict) -> list[str]:
     lines = [f"headline {h['prompts']} x {h['prompt_len']} x {h['group_size']}: {h['tokens']} tokens, "
              f"{h['unique_tokens']} unique; shared {h['shared_s']['median']:.3f} s, unshared "
              f"{h['unshared_s']['median']:.3f} s, hand {h['hand_s']['median']:.3f} s; shared / hand (CPU) "
-             f"{h['ratio_to_hand']['median']:.3f} (<= {h['target']}: {h['verdict']})", "",
+             f"{h['ratio_to_hand']['median']:.3f} (<= {h['target']}: {h['verdict']})"]
+    srv = result.get("through_server", {})
+    lines.append(f"through skyrl-sdk serve (tinker client, LoRA): shared {srv['shared_s']['median']:.3f} s, unshared "
+                 f"{srv['unshared_s']['median']:.3f} s; speedup {srv['speedup']['median']:.2f}x (server CPU)"
+                 if srv.get("status") == "ok" else f"through skyrl-sdk serve: {srv.get('status')}")
+    lines += ["",
              "| prompt tokens | group | tokens -> unique | speedup (CPU) median (min-max) |", "|---|---|---|---|"]
     for c in result["prompt_len"] + result["group_size"]:
         s = c["speedup"]

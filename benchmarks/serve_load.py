@@ -27,7 +27,7 @@ import threading
 import time
 
 from .common import make_model_dir, make_sft_rows, num_parameters, proc_status
-from .server import API_KEY, ServerProcess, available
+from .server import API_KEY, ServerProcess, available, rows_to_tinker
 from .tenancy import MODEL_34M, TARGET_MEMORY
 
 NAME = "serve_load"
@@ -42,12 +42,7 @@ def _keys_file(directory: str) -> str:
 
 
 def _datums(vocab: int, rows: int, length: int, seed: int):
-    from tinker import types as tt
-
-    return [tt.Datum(model_input=tt.ModelInput.from_ints(r["tokens"].tolist()),
-                     loss_fn_inputs={"target_tokens": tt.TensorData.from_numpy(r["targets"]),
-                                     "weights": tt.TensorData.from_numpy(r["weights"])})
-            for r in make_sft_rows([length] * rows, vocab, seed=seed)]
+    return rows_to_tinker(make_sft_rows([length] * rows, vocab, seed=seed))
 
 
 def _get(url: str, path: str, key: str = API_KEY) -> dict:

@@ -32,6 +32,22 @@ def available() -> str | None:
     return None
 
 
+def rows_to_tinker(rows) -> list:
+    """Benchmark rows (``tokens``, ``targets``, ``weights``) as the tinker client's Datums."""
+    from tinker import types as tt
+
+    return [tt.Datum(model_input=tt.ModelInput.from_ints(r["tokens"].tolist()),
+                     loss_fn_inputs={"target_tokens": tt.TensorData.from_numpy(r["targets"]),
+                                     "weights": tt.TensorData.from_numpy(r["weights"])}) for r in rows]
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (a server's compute, whatever else runs)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,14 +109,7 @@ def run(ctx) -> dict:
 
     batch, seq = (2, 32) if ctx.smoke else (8, 256)
     rows = make_sft_rows([seq] * batch, 256, seed=5)
-    tdata = [
-        tt.Datum(
-            model_input=tt.ModelInput.from_ints(r["tokens"].tolist()),
-            loss_fn_inputs={"target_tokens": tt.TensorData.from_numpy(r["targets"]),
-                            "weights": tt.TensorData.from_numpy(r["weights"])},
-        )
-        for r in rows
-    ]
+    tdata = rows_to_tinker(rows)
     tadam = tt.AdamParams(learning_rate=ADAM["learning_rate"], beta1=ADAM["beta1"], beta2=ADAM["beta2"],
                           eps=ADAM["eps"])
     with tempfile.TemporaryDirectory(prefix="skyrl-bench-server-") as state_dir:

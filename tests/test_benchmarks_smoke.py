@@ -80,6 +80,9 @@ def test_smoke_mode_emits_valid_json(tmp_path):
     assert prefix["headline"]["unique_tokens"] < prefix["headline"]["tokens"]  # the shared side did share
     assert all(c["speedup"]["median"] > 0 for c in prefix["prompt_len"] + prefix["group_size"])
     assert ("prefix_sharing", "RL training phase, shared prompts (shared / padded hand loop, CPU)") in metrics
+    if doc["benchmarks"]["server_round_trip"]["status"] == "ok":  # the server and the tinker client are here
+        served = prefix["through_server"]
+        assert served["status"] == "ok" and served["shared_server_cpu_s"]["n"] == served["unshared_server_cpu_s"]["n"]
     if doc["benchmarks"]["grpo_long_prompts"]["status"] == "ok":
         assert {t["metric"] for t in doc["targets"] if t["benchmark"] == "grpo_long_prompts"} == {
             f"RL step-time ratio, long shared prompts ({side} / TRL)" for side in ("backend", "backend_unshared")}
