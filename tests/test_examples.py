@@ -101,7 +101,7 @@ def test_cookbook_sl_on_your_own_server_shows_its_loss_in_the_console(tmp_path):
         assert curves["series"]["loss_per_token"]["mean"] == pytest.approx(nll, abs=6e-4) and nll[-1] < nll[0]
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        server.wait(timeout=HANG_S)
 
 
 def test_fsdp_under_torchrun(tmp_path):

@@ -682,11 +682,11 @@ def test_a_signal_stops_a_big_request_at_its_next_micro_batch_and_fails_the_queu
                                  "--state-dir", str(tmp_path / "state"), "--engine-config",
                                  '{"micro_batch_tokens": 16}'], env=env, stderr=subprocess.PIPE, text=True)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_S
         while True:
             try:
                 if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                    return proc, httpx.Client(base_url=url, timeout=60)
+                    return proc, httpx.Client(base_url=url, timeout=HANG_S)
             except httpx.HTTPError:
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
@@ -718,10 +718,10 @@ def test_a_signal_stops_a_big_request_at_its_next_micro_batch_and_fails_the_queu
         poll.start()
         time.sleep(1.0)  # (the big one has started; had it not, it fails as a queued one, which is checked too)
         proc.send_signal(getattr(signal, sig))
-        poll.join(60)
+        poll.join(HANG_S)
         for q in queued:
             answers[q["request_id"]] = wait_result(http, q["request_id"]).json()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -738,7 +738,7 @@ def test_a_signal_stops_a_big_request_at_its_next_micro_batch_and_fails_the_queu
         assert [c["checkpoint_id"] for c in listed] == ["weights/before"]
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
+        proc.communicate(timeout=HANG_S)
 
 
 def to_tinker_list(data):

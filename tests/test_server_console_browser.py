@@ -52,7 +52,7 @@ def run_chromium(tmp_path, url: str, *args: str) -> str:
     """Headless Chromium on ``url`` (scripts get 15 s of virtual time); its stdout."""
     cmd = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}",
            "--virtual-time-budget=15000", *args, url]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

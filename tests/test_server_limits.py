@@ -354,7 +354,7 @@ def test_the_tinker_client_cuts_a_big_batch_below_the_token_limit(srv):
     service = srv.service_client()
     tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
     datums = [next_token_datum(50)] * 8  # 400 tokens: sent in chunks of <= 200
-    out = tc.forward_backward(datums, "cross_entropy").result(timeout=60)
+    out = tc.forward_backward(datums, "cross_entropy").result(timeout=HANG_S)
     assert len(out.loss_fn_outputs) == 8 and np.isfinite(out.metrics["loss:sum"])
     service.close("success").result()
 
