@@ -9,7 +9,10 @@ completions may be up to 32 tokens. 4 prompts x 8 samples per step, as there. Si
 - ``trl``: ``trl.GRPOTrainer`` (each of the 32 rows carries its prompt, in generation and training);
 - ``backend``: our ``Backend`` loop, prefix sharing on (the default): the sampler prefills each
   prompt once, ``forward_backward`` computes each group's prompt once;
-- ``backend_unshared``: the same loop with ``engine_config={"prefix_sharing": False}``.
+- ``backend_unshared``: the same loop with ``engine_config={"prefix_sharing": False}``;
+- ``server``: the ``backend`` loop through ``skyrl-sdk serve`` (a subprocess, its defaults:
+  prefix sharing on) with the tinker client, as ``benchmarks.grpo``'s server side (its CPU
+  seconds include the server process's).
 
 Reported per side: seconds per RL step (median over steps after the first), CPU seconds, the
 reward curve; for ours the sampling and training phases; the ratios to TRL (target <= 0.45).
@@ -35,7 +38,8 @@ from benchmarks.grpo import plot as grpo_plot
 NAME = "grpo_long_prompts"
 TARGET = 0.45
 LABELS = {"trl": "TRL GRPOTrainer", "backend": "skyrl-sdk Backend (prefix sharing)",
-          "backend_unshared": "skyrl-sdk Backend, sharing off"}
+          "backend_unshared": "skyrl-sdk Backend, sharing off", "server": "skyrl-sdk serve + tinker (prefix sharing)"}
+OURS = ("backend", "backend_unshared", "server")
 
 
 def settings(smoke: bool, steps: int | None = None, max_tokens: int | None = None) -> task.GrpoSettings:
@@ -57,8 +61,9 @@ def run(ctx) -> dict:
         "trl": lambda: grpo_sides.run_trl(model_dir, s, ctx.workdir),
         "backend": lambda: grpo_sides.run_backend(model_dir, s),
         "backend_unshared": lambda: grpo_sides.run_backend(model_dir, s, {"prefix_sharing": False}),
+        "server": lambda: grpo_sides.run_server(model_dir, s, ctx.threads, ctx.log),
     }
-    sides = run_sides(ctx, NAME, runners, s, ("backend", "backend_unshared"), TARGET)
+    sides = run_sides(ctx, NAME, runners, s, OURS, TARGET)
     sides["backend"]["ratio_to_unshared"] = sides["backend"]["step_s"]["median"] / sides["backend_unshared"][
         "step_s"]["median"]
     prompt_tokens = len(task.prompt_ids(_tokenizer(model_dir), task.prompt_texts(s)[0]))
@@ -75,7 +80,7 @@ def _tokenizer(model_dir):
 
 def targets(result: dict) -> list[dict]:
     rows = []
-    for side in ("backend", "backend_unshared"):
+    for side in OURS:
         v = result["sides"][side]["ratio_to_trl"]
         rows.append({"benchmark": NAME, "metric": f"RL step-time ratio, long shared prompts ({side} / TRL)",
                      "median": v, "min": v, "max": v, "target": result["target"],

@@ -12,7 +12,9 @@ A batch is ``prompts`` random prompts of ``P`` tokens, each with ``G`` random co
   backward, AdamW (only on the headline batch: it is the slowest side).
 
 Reported: the headline batch (the issue's: 4 prompts x 320 tokens x 8 completions), shared /
-hand (target <= 0.40) and shared / unshared; the same batch through ``skyrl-sdk serve`` and
+hand (target <= 0.40) and shared / unshared; a batch whose prompts are shorter than
+``prefix_sharing_min_tokens`` (benchmarks.grpo's: 5 tokens, nothing to share), sharing on
+against off: what the grouping costs when it finds nothing; the headline batch through ``skyrl-sdk serve`` and
 the tinker client (a rank-8 LoRA client, the server's defaults), against a server started
 with ``--engine-config '{"prefix_sharing": false}'``: the servers' CPU seconds per step; the speedup unshared / shared against the prompt
 length (G = 8) and the group size (P = 256), the shared side sharing any common head
@@ -59,9 +61,9 @@ COMPLETIONS = (8, 48)
 
 def grid(smoke: bool) -> dict:
     if smoke:
-        return {"headline": (2, 24, 4), "prompt_len": [4, 24], "group_size": [2, 4], "sweep_prompt_len": 24,
+        return {"headline": (2, 24, 4), "below_minimum": (2, 5, 4), "prompt_len": [4, 24], "group_size": [2, 4], "sweep_prompt_len": 24,
                 "sweep_group_size": 4, "sweep_prompts": 2}
-    return {"headline": (4, 320, 8), "prompt_len": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+    return {"headline": (4, 320, 8), "below_minimum": (4, 5, 8), "prompt_len": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
             "group_size": [2, 4, 8, 16],
             "sweep_prompt_len": 256, "sweep_group_size": 8, "sweep_prompts": 2}
 
@@ -168,6 +170,11 @@ def run(ctx) -> dict:
         out["headline"] = case
         ctx.log(f"{NAME}: shared / hand {case['ratio_to_hand']['median']:.3f}, unshared / hand "
                 f"{case['unshared_to_hand']['median']:.3f}, speedup {case['speedup']['median']:.2f}x")
+        prompts, plen, group = g["below_minimum"]
+        below = _case({"shared": shared, "unshared": unshared}, group_rows(prompts, plen, group, spec["vocab"]),
+                      reps * 3, warmup)  # short steps: more repetitions
+        out["below_minimum"] = {**below, "prompts": prompts, "prompt_len": plen, "group_size": group}
+        ctx.log(f"{NAME}: prompts of {plen} tokens (nothing shared): speedup {below['speedup']['median']:.3f}x")
         out["through_server"] = srv = _through_server(ctx, model_dir, rows, reps, warmup)
         if srv["status"] == "ok":
             ctx.log(f"{NAME}: through skyrl-sdk serve (LoRA): speedup {srv['speedup']['median']:.2f}x "
@@ -219,6 +226,9 @@ def table(result: dict) -> list[str]:
              f"{h['unique_tokens']} unique; shared {h['shared_s']['median']:.3f} s, unshared "
              f"{h['unshared_s']['median']:.3f} s, hand {h['hand_s']['median']:.3f} s; shared / hand (CPU) "
              f"{h['ratio_to_hand']['median']:.3f} (<= {h['target']}: {h['verdict']})"]
+    b = result["below_minimum"]
+    lines.append(f"prompts of {b['prompt_len']} tokens (below the minimum, nothing shared): sharing off / on (CPU) "
+                 f"{b['speedup']['median']:.3f} ({b['speedup']['min']:.3f}-{b['speedup']['max']:.3f}; 1: no cost)")
     srv = result.get("through_server", {})
     lines.append(f"through skyrl-sdk serve (tinker client, LoRA): shared {srv['shared_s']['median']:.3f} s, unshared "
                  f"{srv['unshared_s']['median']:.3f} s; speedup {srv['speedup']['median']:.2f}x (server CPU)"

@@ -78,6 +78,7 @@ def test_smoke_mode_emits_valid_json(tmp_path):
         assert ("grpo", "RL step-time ratio (backend / TRL GRPOTrainer)") in metrics
     prefix = doc["benchmarks"]["prefix_sharing"]
     assert prefix["headline"]["unique_tokens"] < prefix["headline"]["tokens"]  # the shared side did share
+    assert prefix["below_minimum"]["unique_tokens"] == prefix["below_minimum"]["tokens"]  # nothing to share there
     assert all(c["speedup"]["median"] > 0 for c in prefix["prompt_len"] + prefix["group_size"])
     assert ("prefix_sharing", "RL training phase, shared prompts (shared / padded hand loop, CPU)") in metrics
     if doc["benchmarks"]["server_round_trip"]["status"] == "ok":  # the server and the tinker client are here
@@ -85,7 +86,8 @@ def test_smoke_mode_emits_valid_json(tmp_path):
         assert served["status"] == "ok" and served["shared_server_cpu_s"]["n"] == served["unshared_server_cpu_s"]["n"]
     if doc["benchmarks"]["grpo_long_prompts"]["status"] == "ok":
         assert {t["metric"] for t in doc["targets"] if t["benchmark"] == "grpo_long_prompts"} == {
-            f"RL step-time ratio, long shared prompts ({side} / TRL)" for side in ("backend", "backend_unshared")}
+            f"RL step-time ratio, long shared prompts ({side} / TRL)" for side in ("backend", "backend_unshared",
+                                                                                   "server")}
     for t in doc["targets"]:
         assert {"benchmark", "metric", "target", "verdict"} <= set(t)
 
@@ -115,17 +117,18 @@ def test_grpo_smoke_runs_every_side_and_plots(tmp_path):
 
 
 def test_grpo_long_prompts_smoke_runs_every_side_and_plots(tmp_path):
-    """The long-shared-prompt GRPO benchmark on its own: TRL, ours shared and unshared, a plot."""
+    """The long-shared-prompt GRPO benchmark on its own: TRL, ours shared and unshared, through the
+    server, a plot."""
     pytest.importorskip("matplotlib")
     pytest.importorskip("trl")
     plot = tmp_path / "grpo_prefix.png"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.grpo_prefix", "--smoke", "--quiet", "--plot", str(plot)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     assert result["status"] == "ok" and result["prompt_tokens"] > result["settings"]["preamble"]
-    assert set(result["sides"]) == {"trl", "backend", "backend_unshared"}
+    assert set(result["sides"]) == {"trl", "backend", "backend_unshared", "server"}
     for name, side in result["sides"].items():
         assert len(side["reward"]) == 2 and side["step_s"]["median"] > 0, name
     for name in ("backend", "backend_unshared"):
