@@ -28,6 +28,18 @@ def test_did_you_mean_only_for_a_close_name():
     assert did_you_mean(None, ["ppo"]) == "" and did_you_mean("", ["ppo"]) == ""
 
 
+def test_a_name_typed_in_capitals_gets_the_lower_case_name():
+    """Names compare case-insensitively; the suggestion is the name as registered."""
+    assert did_you_mean("PPO", ["ppo", "cispo"]) == "; did you mean 'ppo'?"
+    assert did_you_mean("Cross_Entropy", ["cross_entropy"]) == "; did you mean 'cross_entropy'?"
+    with pytest.raises(UnknownLossError) as exc:
+        evaluate_loss("PPO", LP, {}, dialect="tinker")
+    assert str(exc.value).endswith("; did you mean 'ppo'?"), str(exc.value)
+    with pytest.raises(InputError) as exc:
+        coerce.adam_params_from_any({"Learning_Rate": 1e-3})
+    assert str(exc.value).endswith("; did you mean 'learning_rate'?"), str(exc.value)
+
+
 def test_missing_input_names_the_typed_loss_and_the_canonical_one():
     with pytest.raises(DatumError) as exc:
         evaluate_loss("ppo", LP, {"logprobs": LP}, dialect="tinker")

@@ -56,10 +56,15 @@ def did_you_mean_keys(unknown: Iterable[str], accepted: Iterable[str]) -> str:
 
 
 def _closest(name: Any, choices: Iterable[str]) -> str | None:
+    """The choice closest to ``name``, compared case-insensitively (``'PPO'`` -> ``'ppo'``):
+    names are lower case, and a user who typed the capitals meant the same name."""
     if not isinstance(name, str) or not name or len(name) > QUOTE_CHARS:
         return None
-    close = difflib.get_close_matches(name, sorted(set(choices)), n=1, cutoff=0.6)
-    return close[0] if close else None
+    by_folded: dict[str, str] = {}
+    for choice in sorted(set(choices)):
+        by_folded.setdefault(choice.casefold(), choice)
+    close = difflib.get_close_matches(name.casefold(), list(by_folded), n=1, cutoff=0.6)
+    return by_folded[close[0]] if close else None
 
 
 class SkyrlError(Exception):
