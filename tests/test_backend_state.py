@@ -184,6 +184,39 @@ def test_critic_value_loss_falls_and_forward_returns_values():
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_a_critic_forward_reads_the_values_without_value_inputs():
+    """``critic.forward([datum])`` with no ``values`` / ``returns``: the values (as a forward
+    with them gives), no loss, no state change; a policy's datums as they are work too.
+    ``forward_backward`` still requires them, and half of them is refused."""
+    data = _critic_data()
+    bare = [types.Datum(model_input=d.model_input, loss_fn_inputs={}) for d in data]
+    policy_like = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": np.ones(d.model_input.length, np.int64), "weights": np.ones(d.model_input.length, np.float32),
+        "logprobs": np.zeros(d.model_input.length, np.float32), "advantages": np.ones(d.model_input.length, np.float32)})
+        for d in data]
+    with skyrl_sdk.Backend(seed=0, role="critic") as critic:
+        critic.forward_backward(data)
+        critic.optim_step(types.AdamParams(learning_rate=1e-2))  # values no longer ~0
+        before = weights_of(critic)
+        with_inputs = critic.forward(data)
+        for datums in (bare, policy_like):
+            out = critic.forward(datums)
+            assert out.metrics == {"num_tokens:sum": float(sum(d.model_input.length for d in data))}
+            for got, expected in zip(out.loss_fn_outputs, with_inputs.loss_fn_outputs, strict=True):
+                assert set(got) == {"values"}
+                np.testing.assert_array_equal(got["values"].to_numpy(), expected["values"].to_numpy())
+        assert_tensors_close(weights_of(critic), before, atol=0.0)
+        assert not critic.engine.runner.has_pending_grads()
+        with pytest.raises(errors.DatumError, match=r"loss 'value' requires input 'values'"):
+            critic.forward_backward(bare)
+        half = [types.Datum(model_input=d.model_input, loss_fn_inputs={"returns": d.loss_fn_inputs["returns"]})
+                for d in data]
+        with pytest.raises(errors.DatumError, match=r"requires input 'values'"):
+            critic.forward(half)  # one of the two: the call computes the loss and needs both
+        with pytest.raises(errors.DatumError, match="differ from datum 0"):
+            critic.forward(bare[:1] + data[1:])
+
+
 
 def test_load_state_with_a_missing_optimizer_file_changes_nothing(tmp_path):
     with skyrl_sdk.Backend(seed=0) as a:

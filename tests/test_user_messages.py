@@ -167,3 +167,24 @@ def test_server_adam_params_suggest_the_close_key():
         parse_adam_params({"adam_params": {"learning_rat": 1e-4}})
     with pytest.raises(InputError, match=r"did you mean 'beta1' for 'bta1', 'beta2' for 'bta2'\?"):
         parse_adam_params({"adam_params": {"bta1": 0.9, "bta2": 0.99}})
+
+
+def test_a_missing_ref_logprobs_says_how_to_get_them():
+    """kl_coef > 0 without ref_logprobs: the message names the reference forward and
+    rl.with_ref_logprobs, and doing what it says makes the call go through."""
+    from skyrl_sdk import Backend, rl, types
+
+    data = [types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                        loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": [-1.0] * 3, "advantages": [1.0] * 3})]
+    with Backend(model="tiny", seed=0) as policy:
+        with pytest.raises(DatumError) as exc:
+            policy.forward_backward(data, "ppo", {"kl_coef": 0.05})
+        message = str(exc.value)
+        assert message.startswith("datum 0: loss 'ppo' (native 'regular') requires input 'ref_logprobs'"), message
+        for advice in ("reference.forward(data, 'cross_entropy')", "skyrl_sdk.rl.with_ref_logprobs(data, ref)",
+                       "kl_coef 0"):
+            assert advice in message, message
+        reference = policy  # untrained: the same weights (the advice's calls, as written)
+        ref = reference.forward(data, "cross_entropy")
+        out = policy.forward_backward(rl.with_ref_logprobs(data, ref), "ppo", {"kl_coef": 0.05})
+        assert out.metrics["kl_loss:sum"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy itself

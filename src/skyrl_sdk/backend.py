@@ -28,7 +28,7 @@ from .inputs.coerce import (
     sampling_params_from_any,
 )
 from .losses.metrics import MetricAccumulator
-from .losses.resolve import ResolvedLoss, resolve_loss
+from .losses.resolve import ResolvedLoss, reading_values, resolve_loss
 from .losses.run import add_prepared_inputs
 from .losses.validation import check_call, check_prompts, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
@@ -154,8 +154,10 @@ class Backend:
         if not backward:  # no gradient: take the inputs this loss reads, leave the other losses' alone
             known = {k for spec in get_registry().losses.values() for k in spec.required_inputs + spec.optional_inputs}
             datums = inputs_for_forward(datums, resolved.spec, known)
+            if datums:  # a critic's datums without values/returns: read the values
+                resolved = reading_values(resolved, set(datums[0].loss_fn_inputs))
         resolved = check_call(datums, resolved, self.vocab_size, self.engine.info.max_positions)  # before compute
-        if resolved.spec.prepare is not None:
+        if resolved.spec.prepare is not None and not resolved.scores_only:
             datums = add_prepared_inputs(datums, resolved, self.engine.run(datums, resolved, backward=False).outputs)
         return datums, resolved
 

@@ -153,6 +153,8 @@ def test_critic_with_default_batching():
             m_f, m_l = fsdp.optim_step(ADAM).metrics, local.optim_step(ADAM).metrics
             assert m_f["grad_norm"] == pytest.approx(m_l["grad_norm"], rel=1e-5)
         assert_outputs_close(fsdp.forward(data, "ppo"), local.forward(data, "ppo"), atol=1e-4)
+        bare = [types.Datum(model_input=d.model_input, loss_fn_inputs={}) for d in data]  # reads the values
+        assert_outputs_close(fsdp.forward(bare), local.forward(bare), atol=1e-4)
     finally:
         fsdp.close()
         local.close()
