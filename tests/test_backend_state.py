@@ -184,6 +184,40 @@ def test_critic_value_loss_falls_and_forward_returns_values():
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_a_critic_export_says_what_it_is_and_never_loads_as_a_policy(tmp_path):
+    """A critic's save_weights_for_sampler writes its backbone and value head (no lm_head),
+    warns how to load it, and leaves a README.md saying the same; skyrl-sdk refuses it as a
+    policy (a random lm_head otherwise) and loads it back as a critic. A policy's export:
+    no warning, no README."""
+    import warnings
+
+    from transformers import AutoModel
+
+    data = _critic_data()
+    with skyrl_sdk.Backend(seed=0, role="critic") as critic:
+        critic.forward_backward(data)
+        critic.optim_step(types.AdamParams(learning_rate=1e-2))
+        values = [o["values"].to_numpy() for o in critic.forward(data).loss_fn_outputs]
+        with pytest.warns(errors.CriticExportWarning) as caught:
+            critic.save_weights_for_sampler(tmp_path / "critic")
+    message = str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the caller's line
+    for part in (str(tmp_path / "critic"), "no lm_head", "role='critic'", "AutoModel", "random lm_head"):
+        assert part in message, message
+    card = (tmp_path / "critic" / "README.md").read_text()
+    assert "This directory is a critic (value model) export" in card and "role='critic'" in card
+    with pytest.raises(errors.ModelLoadError, match=r"is a critic export .*load it with role='critic'"):
+        skyrl_sdk.Backend(model=str(tmp_path / "critic"))
+    AutoModel.from_pretrained(str(tmp_path / "critic"))  # the backbone alone, as the note says
+    with skyrl_sdk.Backend(model=str(tmp_path / "critic"), role="critic") as again:
+        for got, expected in zip(again.forward(data).loss_fn_outputs, values, strict=True):
+            np.testing.assert_allclose(got["values"].to_numpy(), expected, atol=1e-6)
+    with warnings.catch_warnings(), skyrl_sdk.Backend(seed=0) as policy:
+        warnings.simplefilter("error")
+        policy.save_weights_for_sampler(tmp_path / "policy")
+    assert not (tmp_path / "policy" / "README.md").exists()
+
+
 def test_a_critic_forward_reads_the_values_without_value_inputs():
     """``critic.forward([datum])`` with no ``values`` / ``returns``: the values (as a forward
     with them gives), no loss, no state change; a policy's datums as they are work too.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import attrs
 import numpy as np
 
 from .engines import call_grads
-from .errors import CheckpointError, InputError
+from .errors import CheckpointError, CriticExportWarning, InputError
 from .inputs.coerce import (
     adam_params_from_any,
     data_from_any,
@@ -32,6 +33,7 @@ from .losses.resolve import ResolvedLoss, reading_values, resolve_loss
 from .losses.run import add_prepared_inputs
 from .losses.validation import check_call, check_prompts, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
+from .models.value_head import critic_export_note, write_critic_card
 from .plugins.manager import get_registry
 from .types import (
     AdamParams,
@@ -268,11 +270,18 @@ class Backend:
     def save_weights_for_sampler(
         self, path: str | Path, *, merge_lora: bool = True, overwrite: bool = False
     ) -> SaveWeightsForSamplerOutput:
-        """Write a Hugging Face model directory (LoRA merged unless ``merge_lora=False``)."""
+        """Write a Hugging Face model directory (LoRA merged unless ``merge_lora=False``).
+
+        A critic has no lm_head, so its export is no model to sample from: it is written
+        (backbone and value head, with a README.md saying so) and a warning says how to load it."""
         with self._lock:
             self._check_open()
             with atomic_directory(path, overwrite=overwrite) as tmp:
                 self.engine.export_weights(tmp, merge_lora=merge_lora)
+                if self.role == "critic":
+                    write_critic_card(tmp)
+            if self.role == "critic":
+                warnings.warn(critic_export_note(path), CriticExportWarning, stacklevel=2)
             return SaveWeightsForSamplerOutput(path=str(Path(path).expanduser().resolve()))
 
     def _identity(self) -> dict[str, Any]:

@@ -129,3 +129,8 @@ class EngineError(SkyrlError, RuntimeError):
 class NotFoundError(InputError):
     """An id (model, session, sampler, training run, request) that the server does not know, or
     that belongs to another owner; the HTTP server answers it with 404 on direct routes."""
+
+
+class CriticExportWarning(UserWarning):
+    """A critic's ``save_weights_for_sampler`` wrote its backbone and value head: no lm_head,
+    nothing to sample from (the message says how to load it)."""

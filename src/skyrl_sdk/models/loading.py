@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ModelLoadError, did_you_mean
 from ..types import LoraConfig
-from .value_head import VALUE_HEAD, ValueHeadModel, initial_value_head
+from .value_head import CONFIG_FIELD, VALUE_HEAD, ValueHeadModel, initial_value_head
 from .weight_files import read_rows, weight_files
 
 logger = logging.getLogger(__name__)
@@ -365,6 +365,9 @@ def load_model(
     if role not in ("policy", "critic"):
         raise ModelLoadError(f"role must be 'policy' or 'critic', got {role!r}")
     config, tok_dir = load_config(name)
+    if role == "policy" and getattr(config, CONFIG_FIELD, None):  # else: a random lm_head, silently
+        raise ModelLoadError(f"model {name!r} is a critic export (a backbone and value head, no lm_head): "
+                             f"load it with role='critic'; a policy needs a causal LM directory")
     config.use_cache = False  # packed rows must not be treated as one sequence (PLATFORM_NOTES)
     weights_dir = None if name == TINY_NAME else str(Path(name).expanduser())
     files = weight_files(weights_dir) if weights_dir else {}
