@@ -57,6 +57,20 @@ def merged_lora_state_dict(peft_module, state: dict[str, torch.Tensor] | None = 
     return {k: v for k, v in state.items() if "lora_" not in k}
 
 
+def save_peft_adapter(peft_module, directory: str | Path, adapter: str | None = None) -> None:
+    """peft's adapter files (``adapter`` alone, or every adapter), with ``save_embedding_layers``
+    decided here rather than by peft's ``"auto"``, which warns on every such save and otherwise
+    looks the base up for a resized vocabulary: the embedding layers' base weights go with the
+    adapter exactly when LoRA wraps one (``lm_head`` with ``train_unembed``), as "auto" decides;
+    skyrl-sdk never resizes a vocabulary."""
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
+    names = [adapter] if adapter is not None else list(peft_module.peft_config)
+    targets = {t for name in names for t in (peft_module.peft_config[name].target_modules or ())}
+    embedding_targeted = any(layer in targets for layer in EMBEDDING_LAYER_NAMES)
+    peft_module.save_pretrained(str(directory), selected_adapters=names, save_embedding_layers=embedding_targeted)
+
+
 def merge_lora_delta(layer, weight: torch.Tensor, lora_a: dict, lora_b: dict) -> torch.Tensor:
     """``weight`` plus every active adapter's ``transpose(B @ A, fan_in_fan_out) * scaling``."""
     with torch.no_grad():

@@ -19,7 +19,7 @@ from ..models.loading import LoadedModel, hf_model, load_model
 from ..types import AdamParams, Datum, LoraConfig, SampleOutput, SamplingParams
 from .base import Engine, EngineInfo, EngineResult, runner_options, scoring_model
 from .config import EngineConfig
-from .export import export_hf_directory, full_state_dict, merged_lora_state_dict
+from .export import export_hf_directory, full_state_dict, merged_lora_state_dict, save_peft_adapter
 from .runner import ModelRunner
 from .state import StateLayout, check_engine_metadata, check_state_files
 
@@ -81,7 +81,7 @@ class LocalEngine(Engine):
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         module = self.loaded.module
         if self.loaded.lora is not None and not merge_lora:
-            module.save_pretrained(str(directory))
+            save_peft_adapter(module, directory)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(str(directory))
             return

@@ -204,6 +204,10 @@ class AdapterPool:
             with self._lock:
                 self.adapters.pop(adapter.name, None)
             if not self.closed:
+                others = [name for name in self.module.peft_config if name != adapter.name]
+                if others and adapter.name in self.module.active_adapters:
+                    # peft would switch itself, warning once per layer ("was active which is now deleted")
+                    self.module.set_adapter(others[0])
                 self.module.delete_adapter(adapter.name)
                 self._rebuild_scoring()
         logger.info("shared base %s: adapter %s removed; %d adapters", self.model_name, adapter.label,
