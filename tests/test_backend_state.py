@@ -184,6 +184,48 @@ def test_critic_value_loss_falls_and_forward_returns_values():
     assert losses[-1] < 0.5 * losses[0]
 
 
+def _tied_model(directory) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                         eos_token_id=257, pad_token_id=258)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return str(directory)
+
+
+def test_lora_on_a_tied_head_warns_nothing_and_exports_it_untied(tmp_path):
+    """LoRA on the head of a model whose head is its input embedding: no warning (peft's about
+    the tie is handled), the merged export writes the adapted head beside the embedding with
+    ``tie_word_embeddings: false`` (a loader would tie the delta away), and reproduces the
+    trained logprobs; the shared base's export too. Without the head adapted, it stays tied."""
+    import warnings
+
+    from skyrl_sdk import SharedBase
+    from skyrl_sdk.models.checkpoint import load_tensors
+
+    model = _tied_model(tmp_path / "tied")
+    data = make_sft_data([6, 5], seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with skyrl_sdk.Backend(model=model, lora=types.LoraConfig(rank=2)) as solo, SharedBase(model) as base, \
+                base.backend(types.LoraConfig(rank=2)) as shared, \
+                skyrl_sdk.Backend(model=model, lora=types.LoraConfig(rank=2, train_unembed=False)) as no_head:
+            for name, backend in (("solo", solo), ("shared", shared), ("no_head", no_head)):
+                backend.forward_backward(data)
+                backend.optim_step(types.AdamParams(learning_rate=1e-2))
+                trained = [o["logprobs"].to_numpy() for o in backend.forward(data).loss_fn_outputs]
+                backend.save_weights_for_sampler(tmp_path / name)
+                config = json.loads((tmp_path / name / "config.json").read_text())
+                weights = load_tensors(tmp_path / name / "model.safetensors")
+                assert config["tie_word_embeddings"] is (name == "no_head"), name
+                assert ("lm_head.weight" in weights) is (name != "no_head"), name
+                with skyrl_sdk.Backend(model=str(tmp_path / name)) as again:
+                    for got, expected in zip(again.forward(data).loss_fn_outputs, trained, strict=True):
+                        np.testing.assert_allclose(got["logprobs"].to_numpy(), expected, atol=2e-5)
+
+
 def test_a_critic_export_says_what_it_is_and_never_loads_as_a_policy(tmp_path):
     """A critic's save_weights_for_sampler writes its backbone and value head (no lm_head),
     warns how to load it, and leaves a README.md saying the same; skyrl-sdk refuses it as a

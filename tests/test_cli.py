@@ -327,6 +327,7 @@ def test_a_closed_pipe_is_not_a_traceback():
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # like `| head` exiting before the command writes
     err = proc.stderr.read().decode()
+    proc.stderr.close()
     assert proc.wait(timeout=HANG_S) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
@@ -445,6 +446,7 @@ def test_serve_port_0_binds_a_free_port_and_prints_it(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=HANG_S)
+        proc.stderr.close()
 
 
 @pytest.mark.slow
@@ -469,3 +471,4 @@ def test_serve_banner_comes_after_the_bind(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=HANG_S)
+        proc.stderr.close()

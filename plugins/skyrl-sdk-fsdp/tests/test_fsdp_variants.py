@@ -193,6 +193,45 @@ def test_tied_embeddings(tmp_path):
         local.close()
 
 
+def test_lora_on_a_tied_head_exports_the_merged_head_untied(tmp_path):
+    """LoRA on the head of a tied model: the merged export writes the adapted head beside the
+    embedding and unties them in config.json, as the local engine does (it used to drop the
+    head's delta: the head was skipped as the embedding's alias)."""
+    import json
+
+    model = _tied_llama(tmp_path / "tied")
+    lora = types.LoraConfig(rank=2)
+    fsdp = skyrl_sdk.Backend(model=model, lora=lora, engine="fsdp", engine_config={"world_size": 2, **ONE_PER_MICRO_BATCH})
+    local = skyrl_sdk.Backend(model=model, lora=lora, engine_config=ONE_PER_MICRO_BATCH)
+    try:
+        data = make_sft_data(LENGTHS, seed=25)
+        for backend in (fsdp, local):
+            backend.forward_backward(data)
+            backend.optim_step(ADAM)
+            backend.save_weights_for_sampler(tmp_path / backend.engine_name)
+        got, expected = _files(tmp_path / "fsdp" / "model.safetensors"), _files(tmp_path / "local" / "model.safetensors")
+        assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(got)
+        assert not np.array_equal(got["lm_head.weight"], got["model.embed_tokens.weight"])  # the delta is in
+        assert_tensors_close(got, expected, atol=5e-5, what="merged export")
+        for engine in ("fsdp", "local"):
+            assert json.loads((tmp_path / engine / "config.json").read_text())["tie_word_embeddings"] is False
+    finally:
+        fsdp.close()
+        local.close()
+
+
+def _tied_llama(directory) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         eos_token_id=257, pad_token_id=258)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return str(directory)
+
+
 def test_which_modules_get_fsdp_units_of_their_own(tmp_path):
     """Untied embedding and plain head: units of their own (the root would keep them gathered
     for the whole step); a LoRA-wrapped head, a critic's value head or a tied pair: the root."""

@@ -24,7 +24,7 @@ from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, sav
 from ..models.loading import LoadedModel, hf_model
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
 from .base import EngineInfo, EngineResult
-from .export import export_hf_directory, save_peft_adapter
+from .export import export_hf_directory, lora_unties_head, save_peft_adapter
 from .local import LocalEngine
 from .pool import Adapter, AdapterPool, solo_name
 from .state import StateLayout, check_engine_metadata, check_state_files
@@ -121,6 +121,7 @@ class _OnSharedBase(LocalEngine):
             export_hf_directory(
                 plain.config, merged_state(plain, self._key(), self._names()), self.tokenizer,
                 directory, self.config.max_shard_bytes, architecture=self.shared.loaded.architecture,
+                untie_embeddings=lora_unties_head(plain, self._key()),
             )
 
 

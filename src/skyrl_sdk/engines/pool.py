@@ -36,7 +36,7 @@ import attrs
 import torch
 
 from ..errors import InputError, ModelLoadError
-from ..models.loading import load_model, lora_targets, peft_model
+from ..models.loading import load_model, lora_targets, peft_model, quiet_peft_wrap
 from ..models.scoring import ScoringModel, count_parameters
 from ..types import LoraConfig
 from . import offload
@@ -173,7 +173,8 @@ class AdapterPool:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(lora.seed if lora.seed is not None else seed)
                 if self._peft is not None:
-                    self._peft.add_adapter(name, config)
+                    with quiet_peft_wrap():
+                        self._peft.add_adapter(name, config)
                 else:
                     self._peft = peft_model(self.plain, config, adapter_name=name)
             self.module.to(self.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -269,18 +270,31 @@ def apply_lora(model, lora: LoraConfig, seed: int):
 
 def peft_model(model, config, adapter_name: str = "default"):
     """``peft.get_peft_model``: every LoRA wrap goes through here (``apply_lora``, the shared
-    base's first adapter).
-
-    peft's ``PeftModel.__init__`` (0.21.2, the newest release) reads
-    ``model.is_gradient_checkpointing``, which transformers 5 deprecated with a FutureWarning
-    on every read: a warning about peft's code, not the caller's, that nothing the caller
-    does can avoid. It is silenced for this one call and that one message only.
-    """
+    base's first adapter; later adapters through :func:`quiet_peft_wrap` too)."""
     import peft
 
+    with quiet_peft_wrap():
+        return peft.get_peft_model(model, config, adapter_name=adapter_name)
+
+
+@contextlib.contextmanager
+def quiet_peft_wrap() -> Iterator[None]:
+    """Two warnings of peft's while it wraps a model, silenced for the wrap and those messages only:
+
+    - peft's ``PeftModel.__init__`` (0.21.2) reads ``model.is_gradient_checkpointing``, which
+      transformers 5 deprecated with a FutureWarning on every read: about peft's code, and
+      nothing the caller does can avoid it.
+    - "Model has `tie_word_embeddings=True` and a tied layer is part of the adapter" (LoRA on
+      the head of a model whose head is its input embedding, ``train_unembed``): the head is
+      adapted alone, on purpose, and the complication peft warns of (a merged export) is
+      handled: a merged export writes the adapted head beside the embedding and unties them
+      in its config (``engines.export.lora_unties_head``).
+    """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return peft.get_peft_model(model, config, adapter_name=adapter_name)
+        warnings.filterwarnings("ignore", message=r"Model has `tie_word_embeddings=True` and a tied layer is part "
+                                r"of the adapter", category=UserWarning)
+        yield
 
 
 def _cpu_placeholders(model, targets: list[str]) -> list[tuple[torch.nn.Module, torch.nn.Parameter]]:
