@@ -184,17 +184,6 @@ def test_critic_value_loss_falls_and_forward_returns_values():
     assert losses[-1] < 0.5 * losses[0]
 
 
-def _tied_model(directory) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-                         eos_token_id=257, pad_token_id=258)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    return str(directory)
-
-
 def test_lora_on_a_tied_head_warns_nothing_and_exports_it_untied(tmp_path):
     """LoRA on the head of a model whose head is its input embedding: no warning (peft's about
     the tie is handled), the merged export writes the adapted head beside the embedding with
@@ -202,10 +191,11 @@ def test_lora_on_a_tied_head_warns_nothing_and_exports_it_untied(tmp_path):
     trained logprobs; the shared base's export too. Without the head adapted, it stays tied."""
     import warnings
 
+    from arch_models import make_family_dir
     from skyrl_sdk import SharedBase
     from skyrl_sdk.models.checkpoint import load_tensors
 
-    model = _tied_model(tmp_path / "tied")
+    model = str(make_family_dir("mistral", tmp_path / "tied", tie_word_embeddings=True))
     data = make_sft_data([6, 5], seed=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -160,8 +160,8 @@ def test_critic_with_default_batching():
         local.close()
 
 
-def test_tied_embeddings(tmp_path):
-    """Tied embedding / lm_head: one shared shard; files hold the tensor once, like local's."""
+def _tied_llama(directory) -> str:
+    """A small Llama whose lm_head is its input embedding (tie_word_embeddings), saved."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -169,8 +169,13 @@ def test_tied_embeddings(tmp_path):
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                          eos_token_id=257, pad_token_id=258)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied")
-    model = str(tmp_path / "tied")
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return str(directory)
+
+
+def test_tied_embeddings(tmp_path):
+    """Tied embedding / lm_head: one shared shard; files hold the tensor once, like local's."""
+    model = _tied_llama(tmp_path / "tied")
     fsdp = skyrl_sdk.Backend(model=model, engine="fsdp", engine_config={"world_size": 2, **ONE_PER_MICRO_BATCH})
     local = skyrl_sdk.Backend(model=model, engine_config=ONE_PER_MICRO_BATCH)
     try:
@@ -218,18 +223,6 @@ def test_lora_on_a_tied_head_exports_the_merged_head_untied(tmp_path):
     finally:
         fsdp.close()
         local.close()
-
-
-def _tied_llama(directory) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                         eos_token_id=257, pad_token_id=258)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    return str(directory)
 
 
 def test_which_modules_get_fsdp_units_of_their_own(tmp_path):
