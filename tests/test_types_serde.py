@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk import types
 from skyrl_sdk.errors import AdamParamsError, DatumError, InputError
 from skyrl_sdk.inputs import coerce
 from skyrl_sdk.inputs import tinker_json as serde
 from skyrl_sdk.inputs.coerce import data_from_any
 from skyrl_sdk.losses.validation import validate_data
-from skyrl_sdk.plugins import manager as plugins
 
 
 def _tinker():

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from .builtin_plugins import get_registry
 from .engines import call_grads
 from .errors import CheckpointError, InputError
 from .inputs.coerce import (
@@ -28,11 +29,10 @@ from .inputs.coerce import (
     sampling_params_from_any,
 )
 from .losses.metrics import MetricAccumulator
-from .losses.resolve import ResolvedLoss, resolve_loss
+from .losses.resolve import ResolvedLoss
 from .losses.run import add_prepared_inputs
 from .losses.validation import check_call, check_prompts, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
-from .plugins.manager import get_registry
 from .types import (
     AdamParams,
     Datum,
@@ -145,7 +145,7 @@ class Backend:
         ``None`` is the role's default loss: ``cross_entropy`` (policy) or ``value`` (critic)."""
         if loss_fn is None:
             loss_fn = "value" if self.role == "critic" else "cross_entropy"
-        return resolve_loss(get_registry(), loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
+        return get_registry().resolve(loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
 
     def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config,
                  backward: bool = True) -> tuple[list[Datum], ResolvedLoss]:

@@ -152,8 +152,8 @@ class AdapterEngine(_OnSharedBase):
         with self.shared.using(self.adapter):
             weights, aliases = dedupe_shared(self._solo_state())
             save_tensors(weights, directory / WEIGHTS_FILE)
-            save_tensors(self.runner.optimizer_tensors(), directory / OPTIMIZER_FILE)
-            return {"tied_aliases": aliases, "step": self.runner.step_count}
+            self.runner.optimizer.save(directory / OPTIMIZER_FILE)
+            return {"tied_aliases": aliases, "step": self.runner.optimizer.step_count}
 
     def state_layout(self) -> StateLayout:
         state = self._solo_state()
@@ -177,7 +177,8 @@ class AdapterEngine(_OnSharedBase):
             with torch.no_grad():
                 for key, p in mine.items():
                     p.copy_(checked.weights[key])
-            self.runner.restore_after_load(checked.moments if optimizer else None, step)
+            self.runner.zero_grad()
+            self.runner.optimizer.restore(checked.moments if optimizer else None, step)
 
     def _save_adapter(self, module, directory: Path) -> None:
         """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""

@@ -5,14 +5,16 @@ An engine owns a model and its optimizer. The Backend validates and converts eve
 *before* calling an engine, so an engine may assume well-formed input. To write one,
 subclass :class:`Engine`: set :attr:`~Engine.info` and :attr:`~Engine.tokenizer` in
 ``__init__`` and implement :meth:`~Engine.run`, :meth:`~Engine.optim_step` and
-:meth:`~Engine.zero_grad`; saving, exporting and sampling are optional (the defaults refuse
-with a message naming the engine). An engine that runs a model in its own process builds it
+:meth:`~Engine.zero_grad` (abstract: a subclass without them fails at construction);
+saving, exporting and sampling are optional (the defaults refuse with a message naming the
+engine). An engine that runs a model in its own process builds it
 with :func:`scoring_model`, :func:`runner_options` and :meth:`EngineInfo.of`, as the local,
 shared-base and FSDP rank engines do.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,8 +69,12 @@ class EngineInfo:
                    eos_token_id=loaded.eos_token_id, max_positions=max_positions(loaded.config))
 
 
-class Engine:
+class Engine(abc.ABC):
     """Base class of execution engines (see the module docstring).
+
+    An abstract base class: a subclass that lacks :meth:`run`, :meth:`optim_step` or
+    :meth:`zero_grad` cannot be instantiated (``TypeError`` naming the missing methods), so a
+    broken engine fails when the Backend builds it, not at its first call.
 
     Paths given to the save methods are fresh temporary directories that the Backend renames
     into place once the engine returns. Engines are registered by name through the
@@ -81,21 +87,21 @@ class Engine:
     info: EngineInfo
     tokenizer: Any = None
 
+    @abc.abstractmethod
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
         """Score ``data`` with ``loss``; with ``backward`` add the gradient of the summed loss.
 
         A backward call that raises leaves the pending gradients as they were (``ModelRunner``
         keeps them with :mod:`.call_grads`) or says it dropped them (``call_grads.DROPPED`` on the
         exception, so the Backend resets its call count)."""
-        raise NotImplementedError(f"engine {self.name!r} does not implement run")
 
+    @abc.abstractmethod
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         """Scale pending gradients, clip, AdamW-step, clear gradients; return metrics."""
-        raise NotImplementedError(f"engine {self.name!r} does not implement optim_step")
 
+    @abc.abstractmethod
     def zero_grad(self) -> None:
         """Drop pending gradients."""
-        raise NotImplementedError(f"engine {self.name!r} does not implement zero_grad")
 
     def save_state(self, directory: Path) -> dict[str, Any]:
         """Write weights + optimizer state into ``directory``; return metadata to record."""
@@ -117,7 +123,7 @@ class Engine:
         ``transformers`` sampler calls this; ``topk_prompt_logprobs=k`` adds Tinker's top-k prompt logprobs)."""
         raise self.unsupported("sample")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: nothing to free by default)
         """Free memory and processes; called once or more (must be idempotent)."""
 
     def unsupported(self, what: str) -> InputError:

@@ -54,7 +54,7 @@ class LocalEngine(Engine):
         return self.runner.run(data, loss, backward=backward)
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
-        return self.runner.optim_step(params, grad_scale)
+        return self.runner.optimizer.step(params, grad_scale)
 
     def zero_grad(self) -> None:
         self.runner.zero_grad()
@@ -63,8 +63,8 @@ class LocalEngine(Engine):
     def save_state(self, directory: Path) -> dict[str, Any]:
         weights, aliases = dedupe_shared(dict(self.loaded.module.state_dict()))
         save_tensors(weights, directory / WEIGHTS_FILE)
-        save_tensors(self.runner.optimizer_tensors(), directory / OPTIMIZER_FILE)
-        return {"tied_aliases": aliases, "step": self.runner.step_count}
+        self.runner.optimizer.save(directory / OPTIMIZER_FILE)
+        return {"tied_aliases": aliases, "step": self.runner.optimizer.step_count}
 
     def state_layout(self) -> StateLayout:
         state = self.loaded.module.state_dict()
@@ -76,7 +76,8 @@ class LocalEngine(Engine):
         step, _ = check_engine_metadata(metadata, str(directory))
         checked = check_state_files(directory, self.state_layout(), optimizer=optimizer, keep=True)
         self.loaded.module.load_state_dict(checked.weights, strict=False)
-        self.runner.restore_after_load(checked.moments if optimizer else None, step)
+        self.runner.zero_grad()
+        self.runner.optimizer.restore(checked.moments if optimizer else None, step)
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         module = self.loaded.module
@@ -111,7 +112,7 @@ class LocalEngine(Engine):
             )
 
     def close(self) -> None:
-        self.runner.optimizer = None
+        self.runner.optimizer.release()
         self.loaded.module = None
         self.runner.scoring = None
         if self.device.type == "cuda":

@@ -6,13 +6,14 @@ of torch objects or of plugin classes): the receiving side rebuilds the typed ob
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
 from ..errors import PluginError
+from ..losses.base import LossSpec
 from ..losses.resolve import ResolvedLoss
 from ..losses.terms import LossTerms
 from ..types import Datum, ModelInput, TensorData
@@ -25,11 +26,10 @@ def loss_to_plain(loss: ResolvedLoss) -> dict[str, Any]:
                 terms=attrs.asdict(loss.terms), plugin=loss.plugin)
 
 
-def loss_from_plain(plain: dict[str, Any], where: str = "this process") -> ResolvedLoss:
-    """Rebuild a :func:`loss_to_plain` loss from this process's plugin registry."""
-    from ..plugins.manager import get_registry
-
-    spec = get_registry().losses.get(plain["name"])
+def loss_from_plain(plain: dict[str, Any], losses: Mapping[str, LossSpec], where: str = "this process") -> ResolvedLoss:
+    """Rebuild a :func:`loss_to_plain` loss from ``losses``, this process's registered losses
+    (``skyrl_sdk.get_registry().losses``)."""
+    spec = losses.get(plain["name"])
     if spec is None:
         raise PluginError(
             f"loss {plain['name']!r} is not registered on {where}: install the plugin that provides it "

@@ -196,7 +196,7 @@ class AdapterPool:
             if adapter.closed:
                 return
             adapter.closed = True
-            adapter.runner.optimizer = None
+            adapter.runner.optimizer.release()
             adapter.runner.zero_grad()
             if adapter.offloaded is not None:
                 adapter.offloaded.unlink(missing_ok=True)
@@ -306,7 +306,7 @@ class AdapterPool:
         with self._lock:
             adapters = list(self.adapters.values())
         rows = [{
-            "label": a.label, "adapter": a.name, "rank": a.lora.rank, "step": a.runner.step_count,
+            "label": a.label, "adapter": a.name, "rank": a.lora.rank, "step": a.runner.optimizer.step_count,
             "offloaded": a.offloaded is not None,
             "bytes": 0 if a.offloaded is not None else a.resident_bytes,
         } for a in adapters]
@@ -331,7 +331,7 @@ class AdapterPool:
             self.closed = True
             for adapter in list(self.adapters.values()):
                 adapter.closed = True
-                adapter.runner.optimizer = None
+                adapter.runner.optimizer.release()
             self.adapters.clear()
             self.loaded.module = None
             self._peft = None

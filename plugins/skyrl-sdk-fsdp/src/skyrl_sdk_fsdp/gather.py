@@ -59,15 +59,7 @@ class StreamingGather:
 
     def save_optimizer(self, file: Path) -> None:
         """AdamW moments as ``<param>::exp_avg`` / ``::exp_avg_sq`` / ``::step`` (the local engine's names)."""
-        items: list[tuple[str, torch.Tensor]] = []
-        optimizer = self.runner.optimizer
-        for name, p in self.runner.named_trainable() if optimizer is not None else ():
-            state = optimizer.state.get(p)
-            if not state:
-                continue
-            step = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
-            items += [(f"{name}::exp_avg", state["exp_avg"]), (f"{name}::exp_avg_sq", state["exp_avg_sq"]),
-                      (f"{name}::step", step)]
+        items = self.runner.optimizer.state_items()
         tensors = (_full(t) for _, t in items)
         if self.rank == 0:
             write_tensor_stream(file, _plan(items), tensors)
