@@ -127,6 +127,11 @@ class Backend:
                 self.engine.close()
                 self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (its engine's memory is freed)."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise InputError("this Backend is closed")

@@ -66,7 +66,7 @@ class MemoryBudget:
 
     def _live_copies(self) -> dict[Any, int]:
         with self._lock:
-            return {b: n for b, n in self._copies.items() if not getattr(b, "_closed", False)}
+            return {b: n for b, n in self._copies.items() if not getattr(b, "closed", False)}
 
     def copies(self) -> list[dict[str, Any]]:
         return [{"model": getattr(b, "model_name", "?"), "lora": getattr(b, "lora", None) is not None,
