@@ -91,6 +91,7 @@ class _OnSharedBase(LocalEngine):
         self.config = shared.config
         self.device = shared.device
         self.tokenizer = shared.loaded.tokenizer
+        self.images = shared.images
         extra = adapter.num_parameters if adapter is not None else 0
         self.info = EngineInfo.of(shared.loaded, counts=(shared.base_parameters + extra, extra))
 

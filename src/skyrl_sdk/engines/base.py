@@ -24,7 +24,9 @@ import torch
 from ..errors import InputError
 from ..losses.base import scores_key  # noqa: F401  (part of the engine API)
 from ..losses.resolve import ResolvedLoss
+from ..models.images import ImageInputs, ImageLimits
 from ..models.loading import LoadedModel, max_positions
+from ..models.vlm import is_vision_language
 from ..models.scoring import ScoringModel, count_parameters
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
 from .config import EngineConfig
@@ -80,6 +82,9 @@ class Engine:
     name = "custom"
     info: EngineInfo
     tokenizer: Any = None
+    #: A vision-language model's image processor and image limits (:func:`image_inputs`); None:
+    #: the model reads no images, and the Backend refuses image chunks by name.
+    images: ImageInputs | None = None
 
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
         """Score ``data`` with ``loss``; with ``backward`` add the gradient of the summed loss.
@@ -132,6 +137,16 @@ def scoring_model(module: torch.nn.Module, role: str, config: EngineConfig,
     scoring = cls(module, role)
     scoring.chunk_elements = config.logprob_chunk_elements
     return scoring
+
+
+def image_inputs(loaded: LoadedModel, config: EngineConfig) -> ImageInputs | None:
+    """The image processor of a vision-language model, with ``config``'s image limits (None for a
+    text model)."""
+    if not is_vision_language(loaded.config):
+        return None
+    limits = ImageLimits(max_pixels=config.max_image_pixels, max_tokens_per_datum=config.max_image_tokens_per_datum,
+                         max_tokens_per_call=config.max_image_tokens_per_call)
+    return ImageInputs.load(loaded.weights_dir, loaded.config, limits)
 
 
 def runner_options(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> dict[str, Any]:

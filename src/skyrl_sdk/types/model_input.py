@@ -1,7 +1,16 @@
-"""``ModelInput``: the tokens of one sequence, as Tinker's list of chunks."""
+"""``ModelInput``: the tokens of one sequence, as Tinker's list of chunks.
+
+A chunk is a run of token ids (``EncodedTextChunk``) or an image (``ImageChunk``: the
+encoded bytes a client sends, as Tinker's). An image takes ``expected_tokens`` positions of
+the sequence, as Tinker counts them, so that ``loss_fn_inputs`` align with the sequence the
+model reads; a vision-language model's image processor turns it into a
+``PreparedImageChunk`` (its patches, and the placeholder token at each of its positions)
+before anything is computed (``skyrl_sdk.models.images``).
+"""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -34,13 +43,95 @@ class EncodedTextChunk:
         return int(self.tokens.shape[0])
 
 
-def _chunks(value: Any) -> tuple[EncodedTextChunk, ...]:
+#: The encodings Tinker's image chunks name.
+IMAGE_FORMATS = ("png", "jpeg")
+
+
+def _image_bytes(value: Any) -> bytes:
+    if isinstance(value, (bytearray, memoryview)):
+        value = bytes(value)
+    if not isinstance(value, bytes):
+        raise InputError(f"image chunk data: expected the encoded image as bytes, got {type(value).__name__}")
+    if not value:
+        raise InputError("image chunk data: empty")
+    return value
+
+
+def _image_format(instance, attribute, value) -> None:
+    if value not in IMAGE_FORMATS:
+        raise InputError(f"image chunk format: expected one of {list(IMAGE_FORMATS)}, got {value!r}")
+
+
+def _expected_tokens(instance, attribute, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InputError(f"image chunk expected_tokens: expected a positive integer or null, got {value!r}")
+
+
+@attrs.frozen(eq=False)
+class ImageChunk:
+    """An image as Tinker sends it: the encoded bytes and the positions it takes."""
+
+    #: The encoded image (PNG or JPEG bytes).
+    data: bytes = attrs.field(converter=_image_bytes, repr=lambda b: f"<{len(b)} bytes>")
+    #: ``"png"`` or ``"jpeg"``.
+    format: str = attrs.field(validator=_image_format)
+    #: How many positions the image takes in the sequence (Tinker's count; ``None``: the
+    #: model's image processor counts them before anything is computed, and a given count
+    #: that differs from its count is refused).
+    expected_tokens: int | None = attrs.field(default=None, validator=_expected_tokens)
+    #: Tinker's chunk type tag.
+    type: Literal["image"] = "image"
+
+    @property
+    def length(self) -> int:
+        if self.expected_tokens is None:
+            raise InputError("image chunk: expected_tokens is not set, so its length is known only once the "
+                             "model's image processor has read it")
+        return self.expected_tokens
+
+
+@attrs.frozen(eq=False)
+class PreparedImageChunk:
+    """An image as a vision-language model reads it: its patches, their grid, and the
+    placeholder token the model replaces by the image's features at each of its positions."""
+
+    #: The processor's patches, float32 (patches, channels x temporal x patch x patch).
+    pixel_values: np.ndarray
+    #: The patch grid (temporal, height, width).
+    grid_thw: tuple[int, int, int]
+    #: Patches merged into one position along each spatial axis.
+    merge_size: int
+    #: The model's image placeholder token (``<|image_pad|>``).
+    token_id: int
+    #: sha256 of the encoded image: equal images are the same input (sampling dedups prompts on it).
+    digest: str
+    type: Literal["prepared_image"] = "prepared_image"
+
+    @property
+    def length(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w // self.merge_size**2
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.full(self.length, self.token_id, dtype=np.int64)
+
+    @staticmethod
+    def digest_of(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+
+Chunk = EncodedTextChunk | ImageChunk | PreparedImageChunk
+
+
+def _chunks(value: Any) -> tuple[Chunk, ...]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise InputError(f"model_input.chunks: expected a list of chunks, got {type(value).__name__}")
     chunks = tuple(value)
     for j, chunk in enumerate(chunks):
-        if not isinstance(chunk, EncodedTextChunk):
-            raise InputError(f"model_input.chunks[{j}]: expected an EncodedTextChunk, got {type(chunk).__name__}")
+        if not isinstance(chunk, (EncodedTextChunk, ImageChunk, PreparedImageChunk)):
+            raise InputError(f"model_input.chunks[{j}]: expected an EncodedTextChunk or an ImageChunk, "
+                             f"got {type(chunk).__name__}")
     return chunks
 
 
@@ -48,8 +139,8 @@ def _chunks(value: Any) -> tuple[EncodedTextChunk, ...]:
 class ModelInput:
     """The tokens of one sequence, as a list of chunks that concatenate."""
 
-    #: The chunks, in order; their tokens concatenate into the sequence.
-    chunks: tuple[EncodedTextChunk, ...] = attrs.field(converter=_chunks)
+    #: The chunks, in order; their positions concatenate into the sequence.
+    chunks: tuple[Chunk, ...] = attrs.field(converter=_chunks)
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int] | np.ndarray) -> ModelInput:
@@ -59,14 +150,33 @@ class ModelInput:
     def empty(cls) -> ModelInput:
         return cls(())
 
+    def append(self, chunk: Chunk) -> ModelInput:
+        return ModelInput((*self.chunks, chunk))
+
     def append_int(self, token: int) -> ModelInput:
+        if self.has_images:
+            return self.append(EncodedTextChunk([token]))
         return ModelInput.from_ints(np.concatenate([self.to_numpy(), np.array([token], dtype=np.int64)]))
 
+    @property
+    def has_images(self) -> bool:
+        return any(not isinstance(c, EncodedTextChunk) for c in self.chunks)
+
+    @property
+    def images(self) -> tuple[ImageChunk | PreparedImageChunk, ...]:
+        return tuple(c for c in self.chunks if not isinstance(c, EncodedTextChunk))
+
     def to_numpy(self) -> np.ndarray:
-        if len(self.chunks) == 1:
+        """The token ids the model reads: a prepared image's positions hold its placeholder token.
+        An image no model has read yet has no token ids (an ``InputError``)."""
+        if len(self.chunks) == 1 and isinstance(self.chunks[0], EncodedTextChunk):
             return self.chunks[0].tokens
         if not self.chunks:
             return np.zeros(0, dtype=np.int64)
+        for j, chunk in enumerate(self.chunks):
+            if isinstance(chunk, ImageChunk):
+                raise InputError(f"model_input.chunks[{j}] is an image no model has read yet: its token ids are "
+                                 f"known only to a vision-language model's image processor")
         return np.concatenate([c.tokens for c in self.chunks])
 
     def to_ints(self) -> list[int]:
@@ -77,17 +187,28 @@ class ModelInput:
         return sum(c.length for c in self.chunks)
 
 
+def _chunk_from_any(chunk: Any, j: int) -> Chunk:
+    """One chunk of ours, or a duck-typed ``tinker.types`` chunk (text or image)."""
+    if isinstance(chunk, (EncodedTextChunk, ImageChunk, PreparedImageChunk)):
+        return chunk
+    kind = getattr(chunk, "type", None)
+    if kind == "image" or (kind is None and hasattr(chunk, "data") and hasattr(chunk, "format")):
+        return ImageChunk(chunk.data, chunk.format, getattr(chunk, "expected_tokens", None))
+    if kind == "image_asset_pointer":
+        raise InputError(f"model_input.chunks[{j}]: 'image_asset_pointer' chunks are not served (the server "
+                         f"reads no paths or URLs for a client): send the image's bytes as an 'image' chunk")
+    if hasattr(chunk, "tokens") and kind in (None, "encoded_text"):
+        return EncodedTextChunk(chunk.tokens)
+    raise InputError(f"model_input.chunks[{j}]: only 'encoded_text' and 'image' chunks are supported, "
+                     f"got {kind or type(chunk).__name__!r}")
+
+
 def model_input_from_any(value: Any) -> ModelInput:
     """Ours, a duck-typed ``tinker.types.ModelInput``, or a flat list/array of token ids."""
     if isinstance(value, ModelInput):
         return value
     if hasattr(value, "chunks"):  # tinker.types.ModelInput, duck-typed
-        chunks = []
-        for chunk in value.chunks:
-            if not hasattr(chunk, "tokens"):
-                raise InputError(f"model_input: only encoded-text chunks are supported, got {type(chunk).__name__}")
-            chunks.append(EncodedTextChunk(chunk.tokens))
-        return ModelInput(chunks)
+        return ModelInput([_chunk_from_any(chunk, j) for j, chunk in enumerate(value.chunks)])
     if isinstance(value, (str, bytes, dict)):
         raise InputError(f"model_input: expected a ModelInput or a list of token ids, got {type(value).__name__}")
     return ModelInput.from_ints(value)
