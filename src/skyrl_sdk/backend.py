@@ -153,7 +153,8 @@ class Backend:
         resolved = self.resolve(loss_fn, loss_fn_config)
         datums = data_from_any(data)
         inputs = self._read_images([d.model_input for d in datums], lambda i, msg: DatumError(msg, index=i))
-        datums = [d if mi is d.model_input else attrs.evolve(d, model_input=mi) for d, mi in zip(datums, inputs)]
+        datums = [d if mi is d.model_input else attrs.evolve(d, model_input=mi)
+                  for d, mi in zip(datums, inputs, strict=True)]
         if not backward:  # no gradient: take the inputs this loss reads, leave the other losses' alone
             known = {k for spec in get_registry().losses.values() for k in spec.required_inputs + spec.optional_inputs}
             datums = inputs_for_forward(datums, resolved.spec, known)

@@ -26,8 +26,8 @@ from ..losses.base import scores_key  # noqa: F401  (part of the engine API)
 from ..losses.resolve import ResolvedLoss
 from ..models.images import ImageInputs, ImageLimits
 from ..models.loading import LoadedModel, max_positions
-from ..models.vlm import is_vision_language
 from ..models.scoring import ScoringModel, count_parameters
+from ..models.vlm import is_vision_language
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
 from .config import EngineConfig
 

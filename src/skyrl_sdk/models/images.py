@@ -98,7 +98,8 @@ class ImageInputs:
                 datum_tokens += tokens
             if datum_tokens > self.limits.max_tokens_per_datum:
                 raise error(i, f"its images take {datum_tokens} positions, over the limit of "
-                               f"{self.limits.max_tokens_per_datum} image tokens per datum (max_image_tokens_per_datum)")
+                               f"{self.limits.max_tokens_per_datum} image tokens per datum "
+                               f"(max_image_tokens_per_datum)")
             call_tokens += datum_tokens
         if call_tokens > self.limits.max_tokens_per_call:
             raise InputError(f"the images of this call take {call_tokens} positions, over the limit of "

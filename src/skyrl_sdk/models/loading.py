@@ -19,8 +19,15 @@ import torch
 from ..errors import ModelLoadError, did_you_mean
 from ..types import LoraConfig
 from .value_head import VALUE_HEAD, ValueHeadModel, initial_value_head
-from .vlm import auto_class, check_supported, freeze_vision_tower, in_vision_tower, is_vision_language, text_config
-from .vlm import vision_tower_prefixes
+from .vlm import (
+    auto_class,
+    check_supported,
+    freeze_vision_tower,
+    in_vision_tower,
+    is_vision_language,
+    text_config,
+    vision_tower_prefixes,
+)
 from .weight_files import read_rows, weight_files
 
 logger = logging.getLogger(__name__)

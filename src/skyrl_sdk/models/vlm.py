@@ -112,3 +112,27 @@ def image_tensors(inputs: Sequence[ModelInput]) -> tuple[torch.Tensor, torch.Ten
     pixels = torch.from_numpy(np.concatenate([c.pixel_values for c in images]))
     grids = torch.tensor([list(c.grid_thw) for c in images], dtype=torch.long)
     return pixels, grids
+
+
+def padded_rows_inputs(inputs: Sequence[ModelInput], width: int, *, left_padded: bool) -> dict[str, torch.Tensor]:
+    """The backbone's vision keywords for rows of ``width`` holding ``inputs`` (padded on the left
+    or the right): (3, rows, width) M-RoPE ``position_ids`` (padding at 0) and the images'
+    ``pixel_values`` / ``image_grid_thw`` when there are any."""
+    positions = np.zeros((3, len(inputs), width), dtype=np.int64)
+    for row, model_input in enumerate(inputs):
+        rope = mrope_positions(model_input)
+        n = rope.shape[1]
+        if left_padded:
+            positions[:, row, width - n:] = rope
+        else:
+            positions[:, row, :n] = rope
+    out = {"position_ids": torch.from_numpy(positions)}
+    images = image_tensors(inputs)
+    if images is not None:
+        out["pixel_values"], out["image_grid_thw"] = images
+    return out
+
+
+def as_model_input(prompt: ModelInput | np.ndarray) -> ModelInput:
+    """A prompt as a ``ModelInput`` (token ids become one text chunk)."""
+    return prompt if isinstance(prompt, ModelInput) else ModelInput.from_ints(prompt)
