@@ -167,3 +167,17 @@ def test_adapter_on_a_shared_vlm_base_scores_as_its_own_backend(vlm_dir):
     for x, y in zip(got, want, strict=True):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
     assert len(sampled[0].sequences[0].tokens) == 3
+
+
+def test_merged_export_loads_back_as_the_same_vision_language_model(vlm_dir, tmp_path):
+    data = [sft_datum(p, IMAGE_PAD) for p in _prompts(vlm_dir)]
+    with skyrl_sdk.Backend(model=str(vlm_dir), lora={"rank": 4}) as b:
+        b.forward_backward(data, "cross_entropy")
+        b.optim_step({"learning_rate": 1e-2})
+        want = [o["logprobs"].to_numpy() for o in b.forward(data, "cross_entropy").loss_fn_outputs]
+        path = b.save_weights_for_sampler(tmp_path / "export").path
+    assert (tmp_path / "export" / "preprocessor_config.json").is_file()  # the same image token counts
+    with skyrl_sdk.Backend(model=path) as exported:
+        got = [o["logprobs"].to_numpy() for o in exported.forward(data, "cross_entropy").loss_fn_outputs]
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)

@@ -84,13 +84,15 @@ class LocalEngine(Engine):
         module = self.loaded.module
         if self.loaded.lora is not None and not merge_lora:
             module.save_pretrained(str(directory))
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(str(directory))
+            for files in (self.tokenizer, self.images and self.images.processor):
+                if files is not None:
+                    files.save_pretrained(str(directory))
             return
         state = merged_lora_state_dict(module) if self.loaded.lora is not None else full_state_dict(module)
         export_hf_directory(
             hf_model(module).config, state, self.tokenizer, directory, self.config.max_shard_bytes,
             architecture=self.loaded.architecture, dtype=self.config.torch_dtype,
+            image_processor=self.images and self.images.processor,
         )
 
     # ---- sampling ---------------------------------------------------------------------

@@ -105,6 +105,7 @@ class PreparedImageChunk:
     token_id: int
     #: sha256 of the encoded image: equal images are the same input (sampling dedups prompts on it).
     digest: str
+    #: The chunk type tag (ours: Tinker has no prepared images).
     type: Literal["prepared_image"] = "prepared_image"
 
     @property
