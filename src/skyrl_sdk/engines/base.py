@@ -25,7 +25,7 @@ from ..errors import InputError
 from ..losses.base import scores_key  # noqa: F401  (part of the engine API)
 from ..losses.resolve import ResolvedLoss
 from ..models.images import ImageInputs, ImageLimits
-from ..models.loading import LoadedModel, max_positions
+from ..models.loading import LoadedModel, load_config, max_positions
 from ..models.scoring import ScoringModel, count_parameters
 from ..models.vlm import is_vision_language
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
@@ -139,14 +139,16 @@ def scoring_model(module: torch.nn.Module, role: str, config: EngineConfig,
     return scoring
 
 
-def image_inputs(loaded: LoadedModel, config: EngineConfig) -> ImageInputs | None:
-    """The image processor of a vision-language model, with ``config``'s image limits (None for a
-    text model)."""
-    if not is_vision_language(loaded.config):
+def image_inputs(model: str, config: EngineConfig) -> ImageInputs | None:
+    """``model``'s image processor (from its directory; no weights are read) with ``config``'s
+    image limits, for a vision-language model; None for a text model. An engine sets its
+    :attr:`Engine.images` with it; the Backend then reads every call's images through it."""
+    hf_config, directory = load_config(model)
+    if not is_vision_language(hf_config):
         return None
     limits = ImageLimits(max_pixels=config.max_image_pixels, max_tokens_per_datum=config.max_image_tokens_per_datum,
                          max_tokens_per_call=config.max_image_tokens_per_call)
-    return ImageInputs.load(loaded.weights_dir, loaded.config, limits)
+    return ImageInputs.load(directory, hf_config, limits)
 
 
 def runner_options(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> dict[str, Any]:

@@ -49,7 +49,7 @@ class LocalEngine(Engine):
         self.runner = ModelRunner(scoring, **runner_options(self.config, self.loaded, self.device))
         self.info = EngineInfo.of(self.loaded)
         self.tokenizer = self.loaded.tokenizer
-        self.images = image_inputs(self.loaded, self.config)
+        self.images = image_inputs(model, self.config)
 
     # ---- compute ----------------------------------------------------------------------
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:

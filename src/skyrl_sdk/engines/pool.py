@@ -104,7 +104,7 @@ class AdapterPool:
         # fp32 masters under a narrower compute dtype, exactly as the local engine does
         self.loaded = load_model(model, role=role, lora=None, seed=seed, dtype=self.config.master_torch_dtype,
                                  device=self.device, train_vision_tower=self.config.train_vision_tower)
-        self.images = image_inputs(self.loaded, self.config)
+        self.images = image_inputs(model, self.config)
         self._runner_options = runner_options(self.config, self.loaded, self.device)
         base = self.loaded.module
         #: the transformers model itself: peft injects adapter layers into it in place, and it
