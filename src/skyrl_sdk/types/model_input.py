@@ -10,19 +10,27 @@ before anything is computed (``skyrl_sdk.models.images``).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, quoted, refuse_unknown_keys
 from .arrays import as_numpy
 
 
 def _token_vector(tokens: Any) -> np.ndarray:
-    """A 1-D int64 vector; a nested list is refused rather than flattened."""
+    """A 1-D int64 vector; a nested list is refused rather than flattened, and a list (what
+    JSON gives) must hold integers (``1.5``, ``true`` or ``"7"`` is not a token id, even
+    where numpy would convert it)."""
+    if tokens is None or isinstance(tokens, (str, bytes, Mapping)) or (isinstance(tokens, (list, tuple)) and any(
+            isinstance(t, bool) or not isinstance(t, (numbers.Integral, list, tuple)) for t in tokens)):
+        raise InputError(f"model_input tokens: expected a flat list of token ids (integers), got {quoted(tokens)}")
     array = as_numpy(tokens, "int64", "model_input tokens")
     if array.ndim != 1:
         raise InputError(f"model_input tokens: expected a flat list of token ids, got shape {list(array.shape)}")
@@ -35,7 +43,7 @@ class EncodedTextChunk:
 
     #: The token ids, a 1-D int64 array.
     tokens: np.ndarray = attrs.field(converter=_token_vector)
-    #: Tinker's chunk type tag; only encoded text is supported.
+    #: Tinker's chunk type tag.
     type: Literal["encoded_text"] = "encoded_text"
 
     @property
@@ -48,10 +56,17 @@ IMAGE_FORMATS = ("png", "jpeg")
 
 
 def _image_bytes(value: Any) -> bytes:
+    """The encoded image: bytes, or (Tinker's JSON) their base64 text."""
+    if isinstance(value, str):
+        try:
+            value = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise InputError(f"image chunk data: not valid base64 ({len(value)} characters)") from None
     if isinstance(value, (bytearray, memoryview)):
         value = bytes(value)
     if not isinstance(value, bytes):
-        raise InputError(f"image chunk data: expected the encoded image as bytes, got {type(value).__name__}")
+        raise InputError(f"image chunk data: expected the encoded image as bytes or base64 text, "
+                         f"got {type(value).__name__}")
     if not value:
         raise InputError("image chunk data: empty")
     return value
@@ -124,16 +139,58 @@ class PreparedImageChunk:
 
 Chunk = EncodedTextChunk | ImageChunk | PreparedImageChunk
 
+#: Chunk classes by Tinker's ``type`` tag. The one place a new kind of chunk is added: its
+#: class above (attrs, Tinker's field names, checking its own values) and its tag here; JSON,
+#: duck-typed ``tinker.types`` chunks and protobuf chunks are all read through this table
+#: (:func:`chunk_from_fields`; protobuf bytes are decoded to these fields in
+#: ``skyrl_sdk.inputs.tinker_proto``).
+CHUNK_TYPES: dict[str, type] = {"encoded_text": EncodedTextChunk, "image": ImageChunk}
+#: Tinker's chunk types refused by name, and why.
+REFUSED_CHUNK_TYPES = {
+    "image_asset_pointer": "nothing reads a path or a URL for a caller: send the image's bytes as an 'image' chunk",
+}
+#: The tag a chunk without one has (Tinker's default).
+DEFAULT_CHUNK_TYPE = "encoded_text"
 
-def _chunks(value: Any) -> tuple[Chunk, ...]:
+
+def _chunk_class(kind: Any, what: str) -> type:
+    cls = CHUNK_TYPES.get(kind) if isinstance(kind, str) else None
+    if isinstance(kind, str) and kind in REFUSED_CHUNK_TYPES:
+        raise InputError(f"{what}: {kind!r} chunks are not served ({REFUSED_CHUNK_TYPES[kind]})")
+    if cls is None:
+        raise InputError(f"{what}: chunks of type {quoted(kind)} are not supported; supported types: "
+                         f"{sorted(CHUNK_TYPES)}")
+    return cls
+
+
+def chunk_from_fields(fields: Mapping[str, Any], what: str = "model_input.chunks[0]") -> Any:
+    """A chunk from its fields (a JSON object, or the fields of a decoded protobuf chunk): its
+    ``type`` picks the class in :data:`CHUNK_TYPES`; unknown keys are refused by name."""
+    kind = fields.get("type", DEFAULT_CHUNK_TYPE)
+    cls = _chunk_class(kind, what)
+    refuse_unknown_keys(f"{what} ({kind})", fields, [f.name for f in attrs.fields(cls)])
+    missing = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.name not in fields]
+    if missing:
+        raise InputError(f"{what} ({kind}): missing {missing}")
+    try:
+        return cls(**fields)
+    except InputError as exc:
+        raise InputError(f"{what}: {exc}") from None
+
+
+def _chunk_of(chunk: Any, what: str) -> Any:
+    """Ours, or a duck-typed chunk (``tinker.types.EncodedTextChunk``...) read through its tag."""
+    if isinstance(chunk, (*CHUNK_TYPES.values(), PreparedImageChunk)):
+        return chunk
+    kind = getattr(chunk, "type", DEFAULT_CHUNK_TYPE if hasattr(chunk, "tokens") else type(chunk).__name__)
+    cls = _chunk_class(kind, what)
+    return cls(**{f.name: getattr(chunk, f.name) for f in attrs.fields(cls) if hasattr(chunk, f.name)})
+
+
+def _chunks(value: Any) -> tuple[Any, ...]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise InputError(f"model_input.chunks: expected a list of chunks, got {type(value).__name__}")
-    chunks = tuple(value)
-    for j, chunk in enumerate(chunks):
-        if not isinstance(chunk, (EncodedTextChunk, ImageChunk, PreparedImageChunk)):
-            raise InputError(f"model_input.chunks[{j}]: expected an EncodedTextChunk or an ImageChunk, "
-                             f"got {type(chunk).__name__}")
-    return chunks
+    return tuple(_chunk_of(chunk, f"model_input.chunks[{j}]") for j, chunk in enumerate(value))
 
 
 @attrs.frozen(eq=False)
@@ -188,28 +245,12 @@ class ModelInput:
         return sum(c.length for c in self.chunks)
 
 
-def _chunk_from_any(chunk: Any, j: int) -> Chunk:
-    """One chunk of ours, or a duck-typed ``tinker.types`` chunk (text or image)."""
-    if isinstance(chunk, (EncodedTextChunk, ImageChunk, PreparedImageChunk)):
-        return chunk
-    kind = getattr(chunk, "type", None)
-    if kind == "image" or (kind is None and hasattr(chunk, "data") and hasattr(chunk, "format")):
-        return ImageChunk(chunk.data, chunk.format, getattr(chunk, "expected_tokens", None))
-    if kind == "image_asset_pointer":
-        raise InputError(f"model_input.chunks[{j}]: 'image_asset_pointer' chunks are not served (the server "
-                         f"reads no paths or URLs for a client): send the image's bytes as an 'image' chunk")
-    if hasattr(chunk, "tokens") and kind in (None, "encoded_text"):
-        return EncodedTextChunk(chunk.tokens)
-    raise InputError(f"model_input.chunks[{j}]: only 'encoded_text' and 'image' chunks are supported, "
-                     f"got {kind or type(chunk).__name__!r}")
-
-
 def model_input_from_any(value: Any) -> ModelInput:
     """Ours, a duck-typed ``tinker.types.ModelInput``, or a flat list/array of token ids."""
     if isinstance(value, ModelInput):
         return value
     if hasattr(value, "chunks"):  # tinker.types.ModelInput, duck-typed
-        return ModelInput([_chunk_from_any(chunk, j) for j, chunk in enumerate(value.chunks)])
+        return ModelInput(value.chunks)
     if isinstance(value, (str, bytes, dict)):
         raise InputError(f"model_input: expected a ModelInput or a list of token ids, got {type(value).__name__}")
     return ModelInput.from_ints(value)
