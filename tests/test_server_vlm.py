@@ -56,9 +56,21 @@ def _prompt(model_input: types.ModelInput) -> tt.ModelInput:
     return _theirs(types.Datum(model_input=model_input)).model_input
 
 
-def test_served_vlm_scores_image_datums_as_transformers(srv, service, vlm_dir):
+def test_served_vlm_scores_image_datums_as_transformers(srv, service, vlm_dir, monkeypatch):
+    import threading
+
     from PIL import Image
     from tinker_cookbook.renderers.base import image_to_chunk
+
+    from skyrl_sdk.models.images import ImageInputs
+
+    decoded_on, decode = [], ImageInputs._decode
+
+    def recording(self, *args):
+        decoded_on.append(threading.current_thread().name)
+        return decode(self, *args)
+
+    monkeypatch.setattr(ImageInputs, "_decode", recording)
 
     proc = processor(vlm_dir)
     capabilities = tinker.RestClient(base_url=srv.url, api_key=API_KEY).get_server_capabilities().result()
@@ -87,6 +99,8 @@ def test_served_vlm_scores_image_datums_as_transformers(srv, service, vlm_dir):
                                                          loss_fn_inputs=d.loss_fn_inputs) for d in data])
     for got, want in zip(out.loss_fn_outputs, reference, strict=True):
         np.testing.assert_allclose(got["logprobs"].to_numpy(), want, atol=1e-4, rtol=0)
+    # each distinct image decoded once, on the compute thread, not on the event loop's
+    assert len(decoded_on) == 3 and srv.thread.name not in decoded_on
 
 
 @pytest.mark.slow
