@@ -76,6 +76,15 @@ def tiny_image_processor(config):
                                     size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
 
 
+def perturb_norms(model: torch.nn.Module, scale: float = 0.1) -> None:
+    """Norm weights start at exactly 1 (or 0): move them (seeded by the caller) so that a test
+    loading them checks they are really loaded."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(scale * torch.randn_like(p))
+
+
 def make_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
     """Write a tiny random ``family`` model directory at ``path`` (config, weights, tokenizer,
     image processor) and return it; the same seed gives the same weights."""
@@ -86,10 +95,7 @@ def make_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0) -> 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config)
-        with torch.no_grad():  # norms start at exactly 1 (or 0): perturb them so loading them is checked
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.add_(0.1 * torch.randn_like(p))
+        perturb_norms(model)
     model.save_pretrained(str(path))
     tiny_vlm_tokenizer().save_pretrained(str(path))
     tiny_image_processor(config).save_pretrained(str(path))
