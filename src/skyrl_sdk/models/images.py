@@ -46,6 +46,11 @@ class ImageLimits:
 def load_image_processor(directory: str | None, config: Any):
     """The model's image processor, PIL backend: from ``preprocessor_config.json`` when the
     directory has one, else the family's defaults sized to its vision tower."""
+    try:
+        import PIL  # noqa: F401
+    except ImportError:  # pragma: no cover - depends on the install
+        raise ModelLoadError("vision-language models read images with Pillow: pip install 'skyrl-sdk[vision]'") \
+            from None
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if directory is not None and (Path(directory) / "preprocessor_config.json").is_file():
