@@ -181,3 +181,19 @@ def test_merged_export_loads_back_as_the_same_vision_language_model(vlm_dir, tmp
         got = [o["logprobs"].to_numpy() for o in exported.forward(data, "cross_entropy").loss_fn_outputs]
     for x, y in zip(got, want, strict=True):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+
+
+def test_gradients_do_not_depend_on_the_micro_batching(vlm_dir):
+    from skyrl_sdk.testing import assert_tensors_close, grads_of
+
+    proc = processor(vlm_dir)
+    data = [sft_datum(p, IMAGE_PAD) for p in _prompts(vlm_dir)]
+    data.append(sft_datum(image_input(proc, [[1, 2, 3], png(84, 56, seed=4), [4], png(60, 40, seed=1), [5, 6]]),
+                          IMAGE_PAD))
+    grads = []
+    for config in ({}, {"micro_batch_tokens": 1}, {"batching": "pack"}):
+        with skyrl_sdk.Backend(model=str(vlm_dir), lora={"rank": 4}, engine_config=config) as b:
+            b.forward_backward(data, "cross_entropy")
+            grads.append(grads_of(b))
+    for other in grads[1:]:
+        assert_tensors_close(other, grads[0], atol=1e-5, rtol=1e-4, what="LoRA gradients")
