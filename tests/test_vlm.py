@@ -92,6 +92,9 @@ def test_image_chunk_takes_the_positions_tinker_cookbook_counts(qwen2_vl_dir):
             assert b.engine.images.count_tokens(*size) == chunk.expected_tokens
             prepared = b.engine.images.prepare([ours], lambda i, m: DatumError(m, index=i))[0]
         assert prepared.length == theirs.length and len(prepared.to_numpy()) == theirs.length
+    import sys
+
+    assert "torchvision" not in sys.modules  # the PIL processor: torchvision is never imported
 
 
 def test_tinker_datums_duck_typed_score_as_ours(qwen2_vl_dir):
