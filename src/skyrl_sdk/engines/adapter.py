@@ -91,6 +91,7 @@ class _OnSharedBase(LocalEngine):
         self.config = shared.config
         self.device = shared.device
         self.tokenizer = shared.loaded.tokenizer
+        self.images = shared.images
         extra = adapter.num_parameters if adapter is not None else 0
         self.info = EngineInfo.of(shared.loaded, counts=(shared.base_parameters + extra, extra))
 
@@ -121,6 +122,7 @@ class _OnSharedBase(LocalEngine):
             export_hf_directory(
                 plain.config, merged_state(plain, self._key(), self._names()), self.tokenizer,
                 directory, self.config.max_shard_bytes, architecture=self.shared.loaded.architecture,
+                image_processor=self.images and self.images.processor,
             )
 
 
@@ -188,8 +190,9 @@ class AdapterEngine(_OnSharedBase):
             items = [p for p in Path(tmp).iterdir() if p != sub] + (list(sub.iterdir()) if sub.is_dir() else [])
             for item in items:
                 shutil.move(str(item), directory / item.name)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(str(directory))
+        for files in (self.tokenizer, self.images and self.images.processor):
+            if files is not None:
+                files.save_pretrained(str(directory))
 
     def close(self) -> None:
         self.shared.remove_adapter(self.adapter)

@@ -26,8 +26,10 @@ import torch
 from ..errors import InputError
 from ..losses.base import scores_key  # noqa: F401  (part of the engine API)
 from ..losses.resolve import ResolvedLoss
-from ..models.loading import LoadedModel, max_positions
+from ..models.images import ImageInputs, ImageLimits
+from ..models.loading import LoadedModel, load_config, max_positions
 from ..models.scoring import ScoringModel, count_parameters
+from ..models.vlm import is_vision_language
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
 from .config import EngineConfig
 
@@ -86,6 +88,9 @@ class Engine(abc.ABC):
     name = "custom"
     info: EngineInfo
     tokenizer: Any = None
+    #: A vision-language model's image processor and image limits (:func:`image_inputs`); None:
+    #: the model reads no images, and the Backend refuses image chunks by name.
+    images: ImageInputs | None = None
 
     @abc.abstractmethod
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
@@ -138,6 +143,18 @@ def scoring_model(module: torch.nn.Module, role: str, config: EngineConfig,
     scoring = cls(module, role)
     scoring.chunk_elements = config.logprob_chunk_elements
     return scoring
+
+
+def image_inputs(model: str, config: EngineConfig) -> ImageInputs | None:
+    """``model``'s image processor (from its directory; no weights are read) with ``config``'s
+    image limits, for a vision-language model; None for a text model. An engine sets its
+    :attr:`Engine.images` with it; the Backend then reads every call's images through it."""
+    hf_config, directory = load_config(model)
+    if not is_vision_language(hf_config):
+        return None
+    limits = ImageLimits(max_pixels=config.max_image_pixels, max_tokens_per_datum=config.max_image_tokens_per_datum,
+                         max_tokens_per_call=config.max_image_tokens_per_call)
+    return ImageInputs.load(directory, hf_config, limits)
 
 
 def runner_options(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> dict[str, Any]:

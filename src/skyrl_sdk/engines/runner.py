@@ -105,11 +105,14 @@ class ModelRunner:
     def plan(self, data: Sequence[Datum]) -> list:
         """The micro-batches this runner will use for ``data``; the first call that would share
         a prefix (on any rank) runs prefix sharing's self-test first."""
-        batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id, self.prefix.min_tokens)
+        vision_language = self.scoring.vision_language
+        batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id, self.prefix.min_tokens,
+                                     vision_language=vision_language)
         if self.prefix.pending and self.any_rank(any(mb.prefix is not None for mb in batches)):
             self.prefix.check(self.device, self.any_rank)
             if self.prefix.min_tokens is None:  # failed: this call runs unshared
-                batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)
+                batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id,
+                                             vision_language=vision_language)
         return batches
 
     def run(
@@ -153,6 +156,7 @@ class ModelRunner:
                     mb.flat_index.to(dev),
                     targets,
                     prefix=None if mb.prefix is None else mb.prefix.to(dev),
+                    images=None if mb.images is None else tuple(t.to(dev) for t in mb.images),
                 )
             kwargs = dict(
                 inputs=inputs,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -104,9 +105,10 @@ class StreamingGather:
             yield weight
 
     def export_hf(self, directory: Path | None, tokenizer, max_shard_bytes: int,
-                  dtype: torch.dtype | None = None) -> None:
+                  dtype: torch.dtype | None = None, image_processor: Any = None) -> None:
         """An HF directory (LoRA merged) written by rank 0, one gathered tensor at a time;
-        ``dtype`` (the compute dtype of a mixed-precision run) casts the floating tensors."""
+        ``dtype`` (the compute dtype of a mixed-precision run) casts the floating tensors; a
+        vision-language model's ``image_processor`` is saved beside the tokenizer."""
         items = self._merged_items()
         tensors = self._merged_tensors(items)
         if self.rank != 0:
@@ -123,8 +125,10 @@ class StreamingGather:
         write_hf_config(hf_model(self.loaded.module).config, tokenizer, directory,
                         next(iter(dtypes)) if len(dtypes) == 1 else None, self.loaded.architecture)
         write_hf_weights_stream(directory, plan, tensors, max_shard_bytes)
+        if image_processor is not None:
+            image_processor.save_pretrained(str(directory))
 
-    def save_adapter(self, directory: Path) -> None:
+    def save_adapter(self, directory: Path, image_processor: Any = None) -> None:
         """peft's adapter directory: only what peft saves is gathered (the adapters, and the
         output embedding when LoRA trains it), never the whole base model."""
         from peft import get_peft_model_state_dict
@@ -136,5 +140,6 @@ class StreamingGather:
         state = {n: _full(t) for n, t in sharded.items() if id(t) in wanted}
         if self.rank == 0:
             module.save_pretrained(str(directory), state_dict=state)
-            if self.loaded.tokenizer is not None:
-                self.loaded.tokenizer.save_pretrained(str(directory))
+            for files in (self.loaded.tokenizer, image_processor):
+                if files is not None:
+                    files.save_pretrained(str(directory))

@@ -21,11 +21,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from skyrl_sdk import errors, get_registry
-from skyrl_sdk.engines import EngineConfig, EngineInfo, runner_options, scoring_model
-from skyrl_sdk.engines.plain import datums_from_plain, loss_from_plain
+from skyrl_sdk.engines import EngineConfig, EngineInfo, image_inputs, runner_options, scoring_model
+from skyrl_sdk.engines.plain import datums_from_plain, loss_from_plain, model_input_from_plain
 from skyrl_sdk.engines.state import StateLayout
 from skyrl_sdk.models import hf_model
 from skyrl_sdk.models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, load_tensors
+from skyrl_sdk.models.vlm import auto_class
 from skyrl_sdk.sampling import generate
 from skyrl_sdk.types import AdamParams, LoraConfig, SamplingParams
 
@@ -66,7 +67,10 @@ class RankEngine:
         # the sharded parameters are the masters (float32 unless master_dtype says otherwise)
         self.loaded, source = load_rank_model(model=model, role=role, lora=lora_cfg, seed=seed,
                                               dtype=self.config.master_torch_dtype, rank=self.rank,
-                                              group=self.mesh.get_group())
+                                              group=self.mesh.get_group(),
+                                              train_vision_tower=self.config.train_vision_tower)
+        #: a vision-language model's image processor: exports carry it
+        self.images = image_inputs(model, self.config)
         module = self.loaded.module
         info = EngineInfo.of(self.loaded)  # counted before sharding: full sizes
         # names that alias an earlier tensor (tied embeddings), found before sharding
@@ -222,9 +226,10 @@ class RankEngine:
         self._collectives()
         directory = Path(directory)
         if self.loaded.lora is not None and not merge_lora:
-            self.gather.save_adapter(directory)
+            self.gather.save_adapter(directory, image_processor=self.images and self.images.processor)
             return None
         self.gather.export_hf(directory, self.loaded.tokenizer, self.config.max_shard_bytes,
+                              image_processor=self.images and self.images.processor,
                               dtype=self.config.torch_dtype)
         return None
 
@@ -239,9 +244,8 @@ class RankEngine:
                                   dtype=self.config.torch_dtype)
             if self.rank != 0:
                 return None
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=self.config.torch_dtype)
+            config = hf_model(self.loaded.module).config
+            model = auto_class(config, "policy").from_pretrained(str(tmp), dtype=self.config.torch_dtype)
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -256,7 +260,8 @@ class RankEngine:
         if self.rank != 0:
             return None
         return generate(
-            model, self.loaded.tokenizer, [np.asarray(p, dtype=np.int64) for p in prompts],
+            model, self.loaded.tokenizer, [model_input_from_plain(p) if len(p) > 1 else np.asarray(p[0], np.int64)
+                                           for p in prompts],
             SamplingParams(**params), num_samples, device=self.device,
             eos_token_id=self.engine_info["eos_token_id"], pad_token_id=self.runner.pad_id,
             prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
