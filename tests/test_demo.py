@@ -60,8 +60,8 @@ def test_readme_tour_runs_twice_in_the_same_directory(tmp_path, monkeypatch):
     assert (tmp_path / "exported" / "model.safetensors").is_file()
 
 
-#: the import names of what the extras (``[lora]``, ``[server]``, ``[test]``, ``[bench]``) add
-EXTRAS_MODULES = ("peft", "fastapi", "uvicorn", "tinker", "google.protobuf", "httpx", "pytest", "hypothesis",
+#: the import names of what the extras (``[lora]``, ``[vision]``, ``[server]``, ``[test]``, ``[bench]``) add
+EXTRAS_MODULES = ("peft", "PIL", "fastapi", "uvicorn", "tinker", "google.protobuf", "httpx", "pytest", "hypothesis",
                   "matplotlib", "psutil", "trl", "datasets", "pandas", "pyarrow")
 WITHOUT_EXTRAS = """
 import sys
