@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -58,15 +59,22 @@ def _chunk_class(kind: Any, what: str) -> type:
     return cls
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(every field, the required ones) of an attrs class."""
+    fields = attrs.fields(cls)
+    return tuple(f.name for f in fields), frozenset(f.name for f in fields if f.default is attrs.NOTHING)
+
+
 def chunk_from_fields(fields: Mapping[str, Any], what: str = "model_input.chunks[0]") -> Any:
     """A chunk from its fields (a JSON object, or the fields of a decoded protobuf chunk): its
     ``type`` picks the class in :data:`CHUNK_TYPES`; unknown keys are refused by name."""
     kind = fields.get("type", DEFAULT_CHUNK_TYPE)
     cls = _chunk_class(kind, what)
-    refuse_unknown_keys(f"{what} ({kind})", fields, [f.name for f in attrs.fields(cls)])
-    missing = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.name not in fields]
-    if missing:
-        raise InputError(f"{what} ({kind}): missing {missing}")
+    names, required = _field_names(cls)
+    refuse_unknown_keys(f"{what} ({kind})", fields, names)
+    if not required <= fields.keys():
+        raise InputError(f"{what} ({kind}): missing {sorted(required - fields.keys())}")
     try:
         return cls(**fields)
     except InputError as exc:
@@ -79,7 +87,7 @@ def _chunk_of(chunk: Any, what: str) -> Any:
         return chunk
     kind = getattr(chunk, "type", DEFAULT_CHUNK_TYPE if hasattr(chunk, "tokens") else type(chunk).__name__)
     cls = _chunk_class(kind, what)
-    return cls(**{f.name: getattr(chunk, f.name) for f in attrs.fields(cls) if hasattr(chunk, f.name)})
+    return cls(**{name: getattr(chunk, name) for name in _field_names(cls)[0] if hasattr(chunk, name)})
 
 
 def _chunks(value: Any) -> tuple[Any, ...]:
