@@ -14,12 +14,21 @@ from ..errors import InputError, quoted, refuse_unknown_keys
 from .arrays import as_numpy
 
 
+def _integer_items(items: Sequence[Any]) -> bool:
+    """Whether every item is an integer (not a bool) or a list (left to the shape check). By
+    the items' types (one C-level pass, then a check per distinct type: 131k tokens in ~3 ms,
+    against ~60 ms for ``isinstance(t, numbers.Integral)`` item by item)."""
+    kinds = set(map(type, items))
+    return kinds <= {int} or (bool not in kinds and all(issubclass(k, (numbers.Integral, list, tuple))
+                                                        for k in kinds))
+
+
 def _token_vector(tokens: Any) -> np.ndarray:
     """A 1-D int64 vector; a nested list is refused rather than flattened, and a list (what
     JSON gives) must hold integers (``1.5``, ``true`` or ``"7"`` is not a token id, even
     where numpy would convert it)."""
-    if tokens is None or isinstance(tokens, (str, bytes, Mapping)) or (isinstance(tokens, (list, tuple)) and any(
-            isinstance(t, bool) or not isinstance(t, (numbers.Integral, list, tuple)) for t in tokens)):
+    if tokens is None or isinstance(tokens, (str, bytes, Mapping)) or (
+            isinstance(tokens, (list, tuple)) and not _integer_items(tokens)):
         raise InputError(f"model_input tokens: expected a flat list of token ids (integers), got {quoted(tokens)}")
     array = as_numpy(tokens, "int64", "model_input tokens")
     if array.ndim != 1:
