@@ -2,8 +2,10 @@
 
 The input path is what ``forward_backward`` does before the model runs: ``coerce_data`` +
 ``validate_data`` + ``make_micro_batches`` + ``pack_inputs`` of every micro-batch. It is
-timed from typed ``Datum`` objects (numpy-backed, the in-process path) and from Tinker JSON
-dicts with Python lists (what a server request decodes to), and divided by the median
+timed from typed ``Datum`` objects (numpy-backed, the in-process path), from Tinker JSON
+dicts with Python lists (mappings given in process), and from the wire: the protobuf
+``ForwardBackwardRequest`` the tinker client sends to ``skyrl-sdk serve``, decoded as the
+server decodes it (``inputs.tinker_proto``); each divided by the median
 ``forward_backward + optim_step`` time of the same batch on the same model.
 """
 
@@ -32,6 +34,27 @@ def input_path(backend, data) -> int:
     return len(batches)
 
 
+def proto_body(rows) -> bytes | None:
+    """The batch as the tinker client sends it to ``skyrl-sdk serve`` (None without tinker)."""
+    try:
+        from tinker import types as tt
+        from tinker.proto.request_conv import forward_backward_request_to_proto
+    except ImportError:
+        return None
+    from .server import rows_to_tinker
+
+    request = tt.ForwardBackwardRequest(model_id="bench", forward_backward_input=tt.ForwardBackwardInput(
+        data=rows_to_tinker(rows), loss_fn="cross_entropy"))
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def input_path_from_wire(backend, body: bytes) -> int:
+    """The server's decoding of the body, then the same input path."""
+    from skyrl_sdk.inputs.tinker_proto import forward_backward_from_proto
+
+    return input_path(backend, forward_backward_from_proto(body, lambda model_id: None).data)
+
+
 def _time(fn, reps: int) -> list[float]:
     out = []
     for _ in range(reps):
@@ -54,10 +77,15 @@ def run(ctx) -> dict:
         input_reps = 3 if ctx.smoke else 20
         # warm-up: a short batch (allocator, threads), then interleave the measurements
         sdk.step(datums[:2])
-        typed, from_json, steps = [], [], []
+        body = proto_body(rows)
+        if body is not None:
+            input_path_from_wire(backend, body)  # its first call imports the decoder
+        typed, from_json, from_wire, steps = [], [], [], []
         for _ in range(ctx.input_step_reps):
             typed += _time(lambda: input_path(backend, datums), input_reps)
             from_json += _time(lambda: input_path(backend, dicts), max(1, input_reps // 4))
+            if body is not None:
+                from_wire += _time(lambda: input_path_from_wire(backend, body), input_reps)
             steps += _time(lambda: sdk.step(datums), 1)
         n_mb = input_path(backend, datums)
     finally:
@@ -65,6 +93,7 @@ def run(ctx) -> dict:
     step = summary(steps)
     frac = summary([t / step["median"] for t in typed])
     frac_json = summary([t / step["median"] for t in from_json])
+    frac_wire = summary([t / step["median"] for t in from_wire]) if from_wire else None
     ctx.log(f"{NAME}: {frac['median'] * 100:.2f}% of the step (from JSON lists: {frac_json['median'] * 100:.2f}%)")
     return {
         "datums": n,
@@ -75,19 +104,28 @@ def run(ctx) -> dict:
         "step_s": step,
         "fraction_of_step": frac,
         "fraction_of_step_from_json": frac_json,
+        "input_path_from_wire_s": summary(from_wire) if from_wire else "not available (no tinker package)",
+        "fraction_of_step_from_wire": frac_wire or "not available (no tinker package)",
         "target": TARGET,
         "verdict": check_verdict(frac["median"], TARGET),
     }
 
 
 def table(result: dict) -> list[str]:
-    f, fj = result["fraction_of_step"], result["fraction_of_step_from_json"]
+    f, fj, fw = result["fraction_of_step"], result["fraction_of_step_from_json"], result["fraction_of_step_from_wire"]
+
+    def pct(x: dict | str) -> str:
+        return f"{x['median'] * 100:.4f}% ({x['min'] * 100:.4f}-{x['max'] * 100:.4f}%)" if isinstance(x, dict) else x
+
+    def ms(x: dict | str) -> str:
+        return f"{x['median'] * 1e3:.1f}" if isinstance(x, dict) else "-"
+
     return [
-        "| batch | input path ms (typed Datum) | from JSON lists ms | step s | fraction (typed) | fraction (JSON) | target |",
-        "|---|---|---|---|---|---|---|",
-        f"| {result['datums']} x {result['tokens_per_datum']} | {result['input_path_s']['median'] * 1e3:.1f} | "
-        f"{result['input_path_from_json_s']['median'] * 1e3:.1f} | {result['step_s']['median']:.2f} | "
-        f"{f['median'] * 100:.2f}% ({f['min'] * 100:.2f}-{f['max'] * 100:.2f}) | "
-        f"{fj['median'] * 100:.2f}% ({fj['min'] * 100:.2f}-{fj['max'] * 100:.2f}) | "
+        "| batch | input path ms (typed Datum) | from JSON lists ms | from the wire (protobuf) ms | step s | "
+        "fraction (typed) | fraction (JSON) | fraction (wire) | target |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {result['datums']} x {result['tokens_per_datum']} | {ms(result['input_path_s'])} | "
+        f"{ms(result['input_path_from_json_s'])} | {ms(result['input_path_from_wire_s'])} | "
+        f"{result['step_s']['median']:.2f} | {pct(f)} | {pct(fj)} | {pct(fw)} | "
         f"<= {result['target'] * 100:.0f}% ({result['verdict']}) |",
     ]

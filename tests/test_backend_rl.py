@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import skyrl_sdk
-from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data
+from skyrl_sdk.testing import assert_tensors_close, count_micro_batches, grads_of, make_rl_data
 
 
 @pytest.mark.parametrize("loss_fn,config,dialect", [
@@ -21,8 +21,12 @@ def test_rl_loss_gradients_do_not_depend_on_micro_batching(loss_fn, config, dial
     data = make_rl_data([9, 14, 5, 21, 11], seed=2)
     with skyrl_sdk.Backend(seed=0, dialect=dialect, engine_config={"micro_batch_tokens": 100000}) as whole, \
             skyrl_sdk.Backend(seed=0, dialect=dialect, engine_config={"micro_batch_tokens": 22, "batching": "pack"}) as split:
-        a = whole.forward_backward(data, loss_fn, config)
-        b = split.forward_backward(data, loss_fn, config)
+        with count_micro_batches() as boundaries:
+            a = whole.forward_backward(data, loss_fn, config)
+        assert boundaries == [0]
+        with count_micro_batches() as boundaries:
+            b = split.forward_backward(data, loss_fn, config)
+        assert boundaries[0] >= 2  # 60 tokens in micro-batches of at most 22: at least 3
         assert a.metrics.keys() == b.metrics.keys()
         for key in a.metrics:
             assert b.metrics[key] == pytest.approx(a.metrics[key], rel=1e-4, abs=1e-5), key

@@ -9,7 +9,7 @@ import torch
 import skyrl_sdk
 from skyrl_sdk import errors, types
 from skyrl_sdk.models.loading import load_model
-from skyrl_sdk.testing import assert_tensors_close, grads_of, weights_of
+from skyrl_sdk.testing import assert_tensors_close, count_micro_batches, grads_of, weights_of
 
 
 def hf_reference_logprobs(data, seed=0):
@@ -49,16 +49,20 @@ def test_successive_calls_add_up_to_one_call(sft_data):
         assert_tensors_close(weights_of(a), weights_of(b), atol=1e-6)
 
 
-@pytest.mark.parametrize("config", [
-    {"micro_batch_tokens": 16},
-    {"micro_batch_tokens": 24, "batching": "pack"},
-    {"micro_batch_tokens": 100000, "batching": "pack"},
+@pytest.mark.parametrize("config, split", [
+    ({"micro_batch_tokens": 16}, True),
+    ({"micro_batch_tokens": 24, "batching": "pack"}, True),
+    ({"micro_batch_tokens": 100000, "batching": "pack"}, False),  # packing alone
 ])
-def test_invariant_to_micro_batching_and_packing(sft_data, config):
+def test_invariant_to_micro_batching_and_packing(sft_data, config, split):
     with skyrl_sdk.Backend(seed=0, engine_config={"micro_batch_tokens": 100000}) as ref, \
             skyrl_sdk.Backend(seed=0, engine_config=config) as other:
-        out_ref = ref.forward_backward(sft_data)
-        out = other.forward_backward(sft_data)
+        with count_micro_batches() as boundaries:
+            out_ref = ref.forward_backward(sft_data)
+        assert boundaries == [0]  # the reference is one micro-batch
+        with count_micro_batches() as boundaries:
+            out = other.forward_backward(sft_data)
+        assert (boundaries[0] > 0) == split  # more than one micro-batch ran where the test says so
         assert out.metrics["loss:sum"] == pytest.approx(out_ref.metrics["loss:sum"], rel=1e-5)
         for x, y in zip(out.loss_fn_outputs, out_ref.loss_fn_outputs, strict=True):
             np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=2e-5)
@@ -180,10 +184,29 @@ def test_target_tokens_topk_distillation():
     assert out.metrics["loss:sum"] == pytest.approx(float(-(torch.from_numpy(weights) * ref).sum()), rel=1e-5)
 
 
-def test_chunked_logprobs_equal_unchunked(sft_data):
+def _record_logprob_chunks(monkeypatch) -> list[tuple[int, int]]:
+    """``(tokens, chunk)`` of every call of the fused log-prob head (the path ``tiny`` takes)."""
+    from skyrl_sdk.models import logprobs
+
+    calls, real = [], logprobs.linear_target_logprobs
+
+    def recording(weight, bias, hidden, targets, chunk, want_entropy):
+        calls.append((int(hidden.shape[0]), int(chunk)))
+        return real(weight, bias, hidden, targets, chunk, want_entropy)
+
+    monkeypatch.setattr(logprobs, "linear_target_logprobs", recording)
+    return calls
+
+
+def test_chunked_logprobs_equal_unchunked(sft_data, monkeypatch):
+    calls = _record_logprob_chunks(monkeypatch)
     with skyrl_sdk.Backend(seed=0) as full, skyrl_sdk.Backend(seed=0, engine_config={"logprob_chunk_elements": 320 * 5}) as chunked:
         a = full.forward_backward(sft_data)
+        assert calls and all(tokens <= chunk for tokens, chunk in calls)  # one chunk per call
+        calls.clear()
         b = chunked.forward_backward(sft_data)
+        assert calls and all(chunk == 5 for _, chunk in calls)  # 320 * 5 elements: 5 tokens of vocab 320
+        assert sum(-(-tokens // chunk) for tokens, chunk in calls) > len(calls)  # scored in more chunks than calls
         for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs, strict=True):
             np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-6)
         assert a.metrics["entropy_loss:sum"] == pytest.approx(b.metrics["entropy_loss:sum"], rel=1e-6)

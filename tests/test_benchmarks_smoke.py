@@ -48,6 +48,7 @@ def test_smoke_mode_emits_valid_json(tmp_path):
     mem = doc["benchmarks"]["peak_memory"]
     assert mem["sdk_peak_mib"]["median"] >= 0 and mem["hand_peak_mib"]["median"] > 0
     assert 0 <= doc["benchmarks"]["input_path"]["fraction_of_step"]["median"] < 1
+    assert 0 <= doc["benchmarks"]["input_path"]["fraction_of_step_from_wire"]["median"] < 1
     for mode in ("full", "lora"):
         c = doc["benchmarks"]["optim_step"]["cases"][mode]
         assert c["ratio"]["median"] > 0 and c["tensors"] > 0 and c["verdict"] in ("met", "NOT met")

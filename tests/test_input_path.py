@@ -257,3 +257,14 @@ def test_outputs_go_to_the_wire_as_the_engine_made_them():
 def test_errors_module_policy_is_the_one_used():
     assert "did you mean 'beta1' for 'bta1'" in _message(errors.refuse_unknown_keys, "x", ["bta1", "zzz"],
                                                          ["beta1", "beta2"])
+
+
+@pytest.mark.parametrize("tokens", [[1, True], [1, 2.0], [1.5], ["7"], [1, None]])
+def test_a_token_list_holds_integers_only_from_python_and_from_json(tokens):
+    for read in (lambda: types.ModelInput.from_ints(tokens), lambda: tinker_json.model_input_from_json(
+            {"chunks": [{"type": "encoded_text", "tokens": tokens}]})):
+        assert "expected a flat list of token ids (integers)" in _message(read)
+
+
+def test_numpy_integers_in_a_token_list_are_integers():
+    assert types.ModelInput.from_ints([np.int64(3), 4, np.int32(5)]).to_ints() == [3, 4, 5]

@@ -14,7 +14,7 @@ from skyrl_sdk.evaluate import evaluate_loss
 from skyrl_sdk.losses.terms import kl_estimate
 from skyrl_sdk.models.loading import load_model
 from skyrl_sdk.models.logprobs import target_logprobs
-from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data
+from skyrl_sdk.testing import assert_tensors_close, count_micro_batches, grads_of, make_rl_data
 
 LP = np.array([-0.3, -2.0, -0.01, -5.0, -1.0, -30.0, -0.5], dtype=np.float64)
 REF = np.array([-0.5, -1.0, -0.02, -1.0, -1.0, -0.1, -28.0], dtype=np.float64)
@@ -147,9 +147,10 @@ def test_kl_and_entropy_terms_match_autograd_on_the_hf_model():
     ref, ref_grads = hf_reference(data, kl_coef=0.2, entropy_coef=0.05)
     no_bonus, _ = hf_reference(data, kl_coef=0.2, entropy_coef=0.0)
     assert abs(ref["loss"] - no_bonus["loss"]) > 1e-3  # the entropy bonus is visible in the loss
-    for engine_config in ({"micro_batch_tokens": 100000}, {"micro_batch_tokens": 1}):
-        with skyrl_sdk.Backend(seed=0, engine_config=engine_config) as backend:
+    for engine_config, split in (({"micro_batch_tokens": 100000}, False), ({"micro_batch_tokens": 1}, True)):
+        with skyrl_sdk.Backend(seed=0, engine_config=engine_config) as backend, count_micro_batches() as boundaries:
             out = backend.forward_backward(data, "ppo", cfg)
+            assert (boundaries[0] > 0) == split  # one datum per micro-batch, or all in one
             assert out.metrics["loss:sum"] == pytest.approx(ref["loss"], rel=2e-5)
             assert out.metrics["pg_loss:sum"] == pytest.approx(ref["pg"], rel=2e-5)
             assert out.metrics["kl_loss:sum"] == pytest.approx(ref["kl"], rel=2e-5)

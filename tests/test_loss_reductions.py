@@ -10,7 +10,7 @@ import torch
 import skyrl_sdk
 from skyrl_sdk import errors, types
 from skyrl_sdk.models.loading import load_model
-from skyrl_sdk.testing import assert_tensors_close, grads_of, make_rl_data, make_sft_data
+from skyrl_sdk.testing import assert_tensors_close, count_micro_batches, grads_of, make_rl_data, make_sft_data
 
 REDUCTIONS = ["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 MAX_SEQ_LEN = 32
@@ -100,7 +100,9 @@ def test_reduction_matches_formula_for_every_micro_batching(backends, loss_fn, r
     ref_loss, ref_grads = reference(data, fn, reduction)
     for name, backend in backends.items():
         backend.zero_grad()
-        out = backend.forward_backward(data, loss_fn, config_for(reduction))
+        with count_micro_batches() as boundaries:
+            out = backend.forward_backward(data, loss_fn, config_for(reduction))
+        assert (boundaries[0] == 0) == (name == "whole"), name  # the other layouts cut the call
         assert out.metrics["loss:sum"] == pytest.approx(ref_loss, rel=2e-5, abs=1e-6), name
         assert out.metrics["total_loss:sum"] == pytest.approx(ref_loss, rel=2e-5, abs=1e-6), name
         if loss_fn == "ppo":  # the policy part is the whole loss here

@@ -328,3 +328,45 @@ def test_the_page_needs_no_key_and_carries_no_data(world):
             assert world["run"] not in r.text
         assert world["run"] not in page.text and "alice" not in page.text
         assert http.get("/console/api/me").status_code == 401 and http.get("/console/other.js").status_code == 401
+
+
+# ---- the catalog service (routes and console) ------------------------------------------------------
+def test_deleting_a_checkpoint_removes_its_files_off_the_event_loop(tmp_path):
+    """The directory is removed on a thread: a removal that waits for the event loop (to answer
+    another request) finishes; run on the loop it would wait for itself until HANG_S."""
+    import asyncio
+    import threading
+
+    from _limits import HANG_S
+    from skyrl_sdk.errors import NotFoundError
+    from skyrl_sdk.server.catalog import Catalog
+    from skyrl_sdk.server.store import Store, TinkerPath
+
+    store = Store(tmp_path / "state")
+    store.add_run("sess-1:train:0", "alice", "sess-1", "tiny", None, None)
+    tp = TinkerPath("sess-1:train:0", "training", "ckpt")
+    store.checkpoint_dir(tp).mkdir(parents=True)
+    (store.checkpoint_dir(tp) / "weights.bin").write_bytes(b"x" * 10)
+    store.add_checkpoint(tp)
+    catalog = Catalog(store, History(tmp_path / "h.sqlite3"), {}, list)
+    loop_answered = threading.Event()
+    real_delete = store.delete_checkpoint
+
+    def delete_when_the_loop_answers(path):
+        assert loop_answered.wait(HANG_S), "the removal blocked the event loop"
+        return real_delete(path)
+
+    store.delete_checkpoint = delete_when_the_loop_answers
+
+    async def main():
+        deleting = asyncio.ensure_future(catalog.delete_checkpoint("alice", tp.run_id, tp.checkpoint_id))
+        await asyncio.sleep(0)  # the deletion has started; the loop still answers
+        loop_answered.set()
+        await deleting
+        with pytest.raises(NotFoundError):  # another owner's checkpoint reads as unknown
+            await catalog.delete_checkpoint("bob", tp.run_id, tp.checkpoint_id)
+
+    asyncio.run(main())
+    assert not store.checkpoint_dir(tp).exists() and store.checkpoint(tp, "alice") is None
+    catalog.history.close()
+    store.close()

@@ -283,6 +283,21 @@ def test_round_robin_order_is_fair_and_keeps_each_clients_order():
     assert rr.next() is None
 
 
+def test_round_robin_rotates_owners_then_their_queues_as_the_server_executor_serves_them():
+    """The same RoundRobin, members kept (a queue with more work) instead of consumed: owners
+    take turns, then each owner's queues; a member the caller skips keeps its place."""
+    rr = RoundRobin()
+    for owner, queue in (("alice", "a1"), ("alice", "a2"), ("bob", "b1"), ("carol", "c1")):
+        rr.add(owner, queue)
+    order = [rr.pick()[1] for _ in range(6)]
+    assert order == ["a1", "b1", "c1", "a2", "b1", "c1"]
+    assert rr.pick(accept=lambda q: q != "a1") == ("alice", "a2")  # alice's turn; a1 is skipped, keeps its place
+    rr.discard("carol", "c1")
+    assert rr.members() == ["b1", "a1", "a2"] and rr.waiting() == 3
+    assert rr.pick(accept=lambda q: q.startswith("a")) == ("alice", "a1")
+    assert rr.pick(accept=lambda q: False) is None
+
+
 def test_fair_gate_threads_follow_the_round_robin_order():
     gate = FairGate()
     release = {k: threading.Event() for k in ("a1", "a2", "a3", "b1", "c1")}

@@ -60,10 +60,10 @@ def refuse_unknown_keys(what: str, keys: Iterable[Any], accepted: Iterable[str],
     """The one policy for keys a caller sends that a request object does not have: refused,
     naming each unknown key, the accepted ones and the nearest to each (a typo such as
     ``temprature`` is never ignored). ``error`` defaults to :class:`InputError`."""
-    accepted = list(accepted)
-    known = set(accepted)
-    unknown = sorted(str(k) for k in keys if k not in known)
+    accepted = accepted if isinstance(accepted, (tuple, list)) else list(accepted)
+    unknown = sorted(str(k) for k in keys if k not in accepted)
     if unknown:
+        accepted = list(accepted)
         raise (error or InputError)(f"{what}: unknown keys {unknown}; accepted keys: {accepted}"
                                     f"{did_you_mean_keys(unknown, accepted)}")
 

@@ -134,6 +134,25 @@ def assert_metrics_close(
 
 
 @contextlib.contextmanager
+def count_micro_batches() -> Iterator[list[int]]:
+    """Count the micro-batch boundaries of the in-process calls this thread makes inside the
+    block: a call cut into k micro-batches adds k - 1 (the list holds the running total).
+
+    A test that claims a result does not depend on micro-batching checks with it that more
+    than one micro-batch ran (engines computing in other processes, such as ``fsdp``, add none).
+    """
+    from .engines.turns import on_micro_batch
+
+    seen = [0]
+
+    def count() -> None:
+        seen[0] += 1
+
+    with on_micro_batch(count):
+        yield seen
+
+
+@contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """Run with ``n`` intra-op threads: CPU kernels round differently with another thread
     count (~3e-6 on gradients), which an engine comparison should not measure."""

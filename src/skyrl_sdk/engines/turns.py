@@ -1,4 +1,6 @@
-"""Round-robin turns on one shared resource (a base model that several clients compute on).
+"""Round-robin turns: :class:`RoundRobin`, the one turn order (the server's compute executor
+uses it too), and :class:`FairGate`, turns on one shared resource (a base model that several
+clients compute on).
 
 A plain lock lets whichever thread the OS wakes first win, so a client that queues calls
 back to back can starve the others. :class:`FairGate` instead hands the resource to the
@@ -18,7 +20,10 @@ import collections
 import contextlib
 import threading
 from collections.abc import Callable, Hashable, Iterator
+from typing import Generic, TypeVar
 
+K = TypeVar("K", bound=Hashable)
+M = TypeVar("M", bound=Hashable)
 _local = threading.local()
 
 
@@ -42,32 +47,58 @@ def on_micro_batch(hook: Callable[[], None]) -> Iterator[None]:
         _local.hook = previous
 
 
-class RoundRobin:
-    """The pure turn order (no threads): keys queue tickets; :meth:`next` picks the next one.
-
-    The key at the front of the line is served one ticket, then moves to the back if it has
-    more (a new key joins at the back)."""
+class RoundRobin(Generic[K, M]):
+    """The one round-robin turn order (no threads, no lock: its user holds one): keys in a
+    line, each with its members in order. :meth:`pick` serves the first member, in line
+    order, that the caller accepts; its key then goes to the back of the line, and the member
+    either leaves (``consume``: a ticket, as :class:`FairGate`'s) or goes to the back of its
+    key's members (a client's queue with more work, as the server's executor: owners are the
+    keys, their queues the members). A new key joins at the back; a member added again keeps
+    its place."""
 
     def __init__(self) -> None:
-        self._line: collections.OrderedDict[Hashable, collections.deque] = collections.OrderedDict()
+        self._line: collections.OrderedDict[K, collections.OrderedDict[M, None]] = collections.OrderedDict()
 
-    def add(self, key: Hashable, ticket: object) -> None:
-        self._line.setdefault(key, collections.deque()).append(ticket)
+    def add(self, key: K, member: M) -> None:
+        self._line.setdefault(key, collections.OrderedDict())[member] = None
 
-    def next(self) -> tuple[Hashable, object] | None:
-        """The next ``(key, ticket)`` to serve, or None when nobody waits."""
-        if not self._line:
-            return None
-        key, tickets = next(iter(self._line.items()))
-        ticket = tickets.popleft()
-        if tickets:
-            self._line.move_to_end(key)
-        else:
-            del self._line[key]
-        return key, ticket
+    def discard(self, key: K, member: M) -> None:
+        members = self._line.get(key)
+        if members is not None:
+            members.pop(member, None)
+            if not members:
+                del self._line[key]
+
+    def pick(self, accept: Callable[[M], bool] | None = None, consume: bool = False) -> tuple[K, M] | None:
+        """The next ``(key, member)`` in turn that ``accept`` takes (all, when None), or None."""
+        for key, members in self._line.items():
+            for member in members:
+                if accept is not None and not accept(member):
+                    continue
+                if consume:
+                    del members[member]
+                else:
+                    members.move_to_end(member)
+                if members:
+                    self._line.move_to_end(key)
+                else:
+                    del self._line[key]
+                return key, member
+        return None
+
+    def next(self) -> tuple[K, M] | None:
+        """The next ``(key, ticket)`` to serve, the ticket taken out; None when nobody waits."""
+        return self.pick(consume=True)
+
+    def members(self) -> list[M]:
+        """Every member, in line order."""
+        return [m for members in self._line.values() for m in members]
+
+    def clear(self) -> None:
+        self._line.clear()
 
     def waiting(self) -> int:
-        return sum(len(t) for t in self._line.values())
+        return sum(len(m) for m in self._line.values())
 
 
 class FairGate:

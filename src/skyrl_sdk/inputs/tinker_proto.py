@@ -131,8 +131,12 @@ def _chunk_from_proto(msg: Any, what: str) -> Any:
     return chunk_from_fields({"type": kind, **fields}, what)
 
 
+#: the fields of our Datum (a protobuf datum with any other field set is refused by name)
+_DATUM_FIELDS = tuple(f.name for f in attrs.fields(Datum))
+
+
 def _datum_from_proto(msg: Any, index: int, limit: int | None) -> Datum:
-    refuse_unknown_keys(f"datum {index}", [f.name for f, _ in msg.ListFields()], [f.name for f in attrs.fields(Datum)])
+    refuse_unknown_keys(f"datum {index}", [f.name for f, _ in msg.ListFields()], _DATUM_FIELDS)
     length = _declared_tokens(msg)
     problem = sequence_length_problem(length, limit, source=SERVER_LIMIT)
     if problem:
@@ -178,7 +182,7 @@ def tensor_from_proto(msg: Any, max_elements: int | None = None) -> np.ndarray:
         return densify_csr(values, crow, cols, shape, dtype)
     array = _frombuffer(msg.dense if encoding == "dense" else b"", np_dtype, "tensor data")
     if shape:
-        if int(np.prod(shape)) != array.size:
+        if math.prod(shape) != array.size:
             raise InputError(f"tensor shape {shape} does not match its {array.size} values")
         array = array.reshape(shape)
     return array

@@ -3,15 +3,18 @@ tinker-cookbook recipes train against skyrl-sdk Backends unchanged.
 
 Modules, one job each: ``config`` (settings), ``guard`` (API key -> owner, body limits,
 zstd), ``bodies`` (decompression and parsing off the event loop, the in-flight budget),
-``edge`` (uvicorn with a header timeout and a connection cap, shutdown order),
-``executor`` (the compute thread, fair turns), ``futures`` (jobs, seq_id ordering, long-poll
-results), ``store`` (SQLite records and checkpoint paths), ``wire`` (JSON requests and
-answers), ``proto`` (protobuf messages), ``served`` (served models and their limits),
-``memory`` (the memory budget), ``sessions`` (client sessions and their expiry),
-``sampling`` (sampling sessions, sampler cache), ``snapshots`` (pinned weights), ``history``
-(metrics per step, for the console), ``runtime`` (models, request ordering; the one entry for
-routes), ``routes`` (HTTP endpoints), ``console`` (the browser console: its page and JSON),
-``app`` (``create_app``). See docs/server.md.
+``edge`` (uvicorn with a header timeout and a connection cap, shutdown order), ``executor``
+(the compute thread, fair turns in ``engines.turns.RoundRobin`` order), ``futures`` (jobs,
+seq_id ordering, long-poll results), ``store`` (SQLite records and checkpoint paths),
+``wire`` (JSON requests and answers), ``proto`` (protobuf answers), ``served`` (served
+models and their limits), ``memory`` (the memory budget), ``sessions`` (client sessions and
+their expiry), ``sampling`` (sampling sessions, sampler cache), ``snapshots`` (pinned
+weights), ``history`` (metrics per step, for the console), ``catalog`` (an owner's runs,
+checkpoints and curves, for the catalog routes and the console), ``runtime`` (models,
+request ordering; the one entry for routes, holding the sessions and the catalog),
+``routes`` (HTTP endpoints), ``console`` (the browser console: its page and JSON), ``app``
+(``create_app``). Request values are read by :mod:`skyrl_sdk.inputs` (the protobuf request
+by ``inputs.tinker_proto``). See docs/server.md.
 """
 
 from .config import ServerConfig

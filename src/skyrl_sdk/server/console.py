@@ -10,7 +10,6 @@ Endpoints, fields and limits: docs/server.md ("Console").
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import importlib.resources
 from typing import Any
@@ -18,19 +17,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import InputError, NotFoundError
+from ..errors import InputError
 from ..version import __version__
 from .edge import default_max_connections
 from .guard import CONSOLE_STATIC
 from .history import MAX_POINTS
 from .routes import owner, runtime
 from .runtime import Runtime
-from .store import iso
 
 router = APIRouter()
 
-#: a model whose worker had work within this many seconds is "live", else "idle"
-LIVE_S = 30.0
 #: most runs one page of the run list holds
 MAX_RUNS_PAGE = 200
 _MEDIA = {"html": "text/html; charset=utf-8", "js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
@@ -70,42 +66,7 @@ def _in_range(name: str, value: int, low: int, high: int | None = None) -> int:
     return value
 
 
-# ---- runs -----------------------------------------------------------------------------------------
-def _status(rt: Runtime, run_id: str) -> str:
-    """live (in memory, work within LIVE_S), idle (in memory, none since), freed (not in memory:
-    released, its session ended, creation failed, or the server restarted)."""
-    model = rt.models.get(run_id)
-    if model is None or model.closed or model.error is not None:
-        return "freed"
-    return "live" if model.worker.idle_for() < LIVE_S else "idle"
-
-
-def _sampling_sessions(rt: Runtime) -> dict[str, list[str]]:
-    """Run id -> ids of this process's sampling sessions on it (its live weights or its checkpoints)."""
-    out: dict[str, list[str]] = collections.defaultdict(list)
-    for sid, s in list(rt.sampling.sessions.items()):
-        if s.model is not None:
-            out[s.model.model_id].append(sid)
-        elif s.model_path and s.model_path.startswith("tinker://"):
-            out[s.model_path[len("tinker://"):].split("/", 1)[0]].append(sid)
-    return out
-
-
-def _run_json(rt: Runtime, run: dict[str, Any], summary: dict[str, Any], sessions: list[str]) -> dict[str, Any]:
-    lora = run["lora"]
-    return {"model_id": run["run_id"], "base_model": run["base_model"], "lora_rank": lora["rank"] if lora else None,
-            "session_id": run["session_id"], "created": iso(run["created_at"]),
-            "last_request": iso(run["last_request_time"]), "status": _status(rt, run["run_id"]),
-            "steps": summary["steps"], "last": summary["last"], "sampling_sessions": len(sessions)}
-
-
-def _owned_run(rt: Runtime, who: str, run_id: str) -> dict[str, Any]:
-    run = rt.store.run(run_id, who)
-    if run is None:
-        raise NotFoundError(f"unknown training run {run_id!r}")
-    return run
-
-
+# ---- runs ---------------------------------------------------------------------------------------
 @router.get("/console/api/me")
 async def me(request: Request) -> dict:
     rt, who = runtime(request), owner(request)
@@ -115,31 +76,19 @@ async def me(request: Request) -> dict:
 
 @router.get("/console/api/runs")
 async def runs(request: Request, limit: int = 50, offset: int = 0) -> dict:
-    rt, who = runtime(request), owner(request)
     limit, offset = _in_range("limit", limit, 1, MAX_RUNS_PAGE), _in_range("offset", offset, 0)
-    rows, total = rt.store.list_runs(who, limit, offset)
-    summaries = await asyncio.to_thread(rt.history.summaries, [r["run_id"] for r in rows])
-    sessions = _sampling_sessions(rt)
-    return {"runs": [_run_json(rt, r, summaries[r["run_id"]], sessions.get(r["run_id"], [])) for r in rows],
-            "total": total, "limit": limit, "offset": offset}
+    return await runtime(request).catalog.console_runs(owner(request), limit, offset)
 
 
 @router.get("/console/api/runs/{run_id}")
 async def run_detail(run_id: str, request: Request) -> dict:
-    rt, who = runtime(request), owner(request)
-    run = _owned_run(rt, who, run_id)
-    summary = (await asyncio.to_thread(rt.history.summaries, [run_id]))[run_id]
-    sessions = _sampling_sessions(rt).get(run_id, [])
-    return {**_run_json(rt, run, summary, sessions), "sampling_session_ids": sorted(sessions)[-50:],
-            "checkpoints": rt.store.list_checkpoints(who, run_id)[0]}
+    return await runtime(request).catalog.console_run(owner(request), run_id)
 
 
 @router.get("/console/api/runs/{run_id}/curves")
 async def curves(run_id: str, request: Request, points: int = 1000) -> dict:
-    rt, who = runtime(request), owner(request)
     points = _in_range("points", points, 2, MAX_POINTS)
-    _owned_run(rt, who, run_id)
-    return await asyncio.to_thread(rt.history.curves, run_id, points)
+    return await runtime(request).catalog.curves(owner(request), run_id, points)
 
 
 # ---- the server (operators) -----------------------------------------------------------------------
@@ -192,4 +141,4 @@ async def server(request: Request):
     loaded = rt.served.loaded()
     return {"bases": _bases(rt, loaded), "own_copies": loaded["own_copies"], "memory": loaded["memory"],
             "snapshots": rt.sampling.snapshots.stats(), "work": _work(rt), "limits": _limits(rt),
-            "history_dropped": rt.history.dropped}
+            "history_dropped": rt.catalog.history_dropped()}

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 
-from ..engines.turns import on_micro_batch
+from ..engines.turns import RoundRobin, on_micro_batch
 from .futures import Job, Result
 
 logger = logging.getLogger(__name__)
@@ -39,62 +39,36 @@ class Stopped(Exception):
 
 
 class Queue:
-    """One client's jobs on an :class:`Executor`, run one at a time in the order they were put."""
+    """One client's jobs on an :class:`Executor`, run one at a time in the order they were put.
+
+    A handle: its state (``jobs``, ``running``, ``closed``, ``last_active``) is read and
+    changed only by its executor, under the executor's lock; its methods ask the executor."""
 
     def __init__(self, executor: Executor, name: str, owner: str, max_batch: int, batch_wait_s: float) -> None:
         self.executor, self.name, self.owner = executor, name, owner
         self.max_batch, self.batch_wait_s = max_batch, batch_wait_s
-        self._jobs: collections.deque[Job] = collections.deque()
-        self._closed: str | None = None
-        self._running = False
+        self.jobs: collections.deque[Job] = collections.deque()
+        #: why it stopped taking jobs (None while open)
+        self.closed: str | None = None
+        self.running = False
         self.last_active = time.monotonic()
 
     def put(self, job: Job) -> None:
-        with self.executor._cv:
-            if self._closed is None and not self.executor._stopping:
-                self._jobs.append(job)
-                self.executor._ready(self)
-                return
-            why = self._closed or "the server is shutting down"
-        job.done(Result.error(f"{self.name}: {why}; retry the request", "server"))
+        self.executor.put(self, job)
 
     def close(self, wait: bool = True, timeout: float | None = None,
               why: str = "was shut down (server stopping, model released or sampler evicted)") -> None:
         """Stop taking jobs; queued ones fail; the running one finishes (waited for unless
         ``wait`` is false or this is the executor's own thread)."""
-        ex = self.executor
-        with ex._cv:
-            self._closed = self._closed or why
-            dropped = list(self._jobs)
-            self._jobs.clear()
-            ex._unready(self)
-        for job in dropped:
-            job.done(Result.error(f"{self.name}: {why}", "server"))
-        if ex.dedicated:
-            ex.stop()
-        if wait and threading.current_thread() is not ex._thread:
-            end = None if timeout is None else time.monotonic() + timeout
-            with ex._cv:
-                while self._running:
-                    left = None if end is None else end - time.monotonic()
-                    if left is not None and left <= 0:
-                        break
-                    ex._cv.wait(left)
+        self.executor.close_queue(self, wait, timeout, why)
 
     def idle_for(self) -> float:
         """Seconds since this queue last had anything to do (0 while a job is queued or running)."""
-        with self.executor._cv:
-            if self._running or self._jobs:
-                return 0.0
-            return time.monotonic() - self.last_active
+        return self.executor.idle_for(self)
 
     def pending(self) -> int:
         """Jobs queued or running."""
-        with self.executor._cv:
-            return len(self._jobs) + self._running
-
-    def _small_head(self, turn_tokens: int) -> bool:
-        return bool(self._jobs) and self._jobs[0].cost is not None and self._jobs[0].cost <= turn_tokens
+        return self.executor.pending(self)
 
 
 class Executor:
@@ -106,8 +80,8 @@ class Executor:
     def __init__(self, name: str, turn_tokens: int = 8192, dedicated: bool = False) -> None:
         self.name, self.turn_tokens, self.dedicated = name, turn_tokens, dedicated
         self._cv = threading.Condition()
-        #: owner -> its queues that have jobs, both in turn order
-        self._line: collections.OrderedDict[str, collections.OrderedDict[Queue, None]] = collections.OrderedDict()
+        #: the queues that have jobs, by owner, in turn order (the one round-robin of engines.turns)
+        self._line: RoundRobin[str, Queue] = RoundRobin()
         self._stopping = False
         self._nested = False
         self._current: Queue | None = None
@@ -119,56 +93,88 @@ class Executor:
     def queue(self, name: str, owner: str, max_batch: int = 64, batch_wait_s: float = 0.0) -> Queue:
         return Queue(self, name, owner, max_batch, batch_wait_s)
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- what a Queue asks ----------------------------------------------------------------------
+    def put(self, q: Queue, job: Job) -> None:
+        with self._cv:
+            if q.closed is None and not self._stopping:
+                q.jobs.append(job)
+                self._line.add(q.owner, q)
+                self._cv.notify_all()
+                return
+            why = q.closed or "the server is shutting down"
+        job.done(Result.error(f"{q.name}: {why}; retry the request", "server"))
+
+    def close_queue(self, q: Queue, wait: bool, timeout: float | None, why: str) -> None:
+        with self._cv:
+            q.closed = q.closed or why
+            dropped = list(q.jobs)
+            q.jobs.clear()
+            self._line.discard(q.owner, q)
+        for job in dropped:
+            job.done(Result.error(f"{q.name}: {why}", "server"))
+        if self.dedicated:
+            self.stop()
+        if wait and threading.current_thread() is not self._thread:
+            end = None if timeout is None else time.monotonic() + timeout
+            with self._cv:
+                while q.running:
+                    left = None if end is None else end - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._cv.wait(left)
+
+    def idle_for(self, q: Queue) -> float:
+        with self._cv:
+            if q.running or q.jobs:
+                return 0.0
+            return time.monotonic() - q.last_active
+
+    def pending(self, q: Queue) -> int:
+        with self._cv:
+            return len(q.jobs) + q.running
+
     # ---- the line (holding the condition) -----------------------------------------------------
-    def _ready(self, q: Queue) -> None:
-        self._line.setdefault(q.owner, collections.OrderedDict())[q] = None
-        self._cv.notify_all()
-
-    def _unready(self, q: Queue) -> None:
-        queues = self._line.get(q.owner)
-        if queues is not None:
-            queues.pop(q, None)
-            if not queues:
-                del self._line[q.owner]
-
     def _pick(self, exclude: set, small: bool) -> Queue | None:
         """The next queue in turn (moved to the back of its owner's line, and the owner to the
         back of the line), skipping running and ``exclude``d ones; ``small``: only a queue whose
         next job costs at most ``turn_tokens``."""
-        for owner, queues in self._line.items():
-            for q in queues:
-                if q._running or q in exclude or (small and not q._small_head(self.turn_tokens)):
-                    continue
-                queues.move_to_end(q)
-                self._line.move_to_end(owner)
-                return q
-        return None
+        def accept(q: Queue) -> bool:
+            return not q.running and q not in exclude and (not small or self._small_head(q))
+
+        picked = self._line.pick(accept)
+        return None if picked is None else picked[1]
+
+    def _small_head(self, q: Queue) -> bool:
+        return bool(q.jobs) and q.jobs[0].cost is not None and q.jobs[0].cost <= self.turn_tokens
 
     def _others_ready(self, q: Queue) -> bool:
-        return any(other is not q for queues in self._line.values() for other in queues)
+        return any(other is not q for other in self._line.members())
 
     def _take(self, q: Queue, wait: bool) -> list[Job]:
         """Pop ``q``'s next job, with the compatible sample jobs behind it; with ``wait``, wait
         up to ``batch_wait_s`` for each next one while no other queue has work."""
-        first = q._jobs.popleft()
-        q._running = True
+        first = q.jobs.popleft()
+        q.running = True
         batch = [first]
         if first.batch_key is not None and first.run_batch is not None:
             waits = self.BATCH_WAIT_ROUNDS if wait and q.batch_wait_s > 0 else 0
             while len(batch) < q.max_batch:
-                if q._jobs:
-                    if q._jobs[0].batch_key != first.batch_key:
+                if q.jobs:
+                    if q.jobs[0].batch_key != first.batch_key:
                         break
-                    batch.append(q._jobs.popleft())
+                    batch.append(q.jobs.popleft())
                     continue
-                if waits <= 0 or self._stopping or q._closed or self._others_ready(q):
+                if waits <= 0 or self._stopping or q.closed or self._others_ready(q):
                     break
                 waits -= 1
                 self._cv.wait(q.batch_wait_s)
-                if not q._jobs:
+                if not q.jobs:
                     break
-        if not q._jobs:
-            self._unready(q)
+        if not q.jobs:
+            self._line.discard(q.owner, q)
         return batch
 
     # ---- running --------------------------------------------------------------------------------
@@ -229,7 +235,7 @@ class Executor:
             except Exception:  # pragma: no cover - a callback bug must not kill the executor
                 logger.exception("result callback of %s failed", job.what)
         with self._cv:
-            q._running = False
+            q.running = False
             q.last_active = time.monotonic()
             self._cv.notify_all()
 
@@ -238,12 +244,11 @@ class Executor:
         """Fail every queued job, close every queue; the running job stops at its next micro-batch."""
         with self._cv:
             self._stopping = True
-            queues = [q for queues in self._line.values() for q in queues]
             dropped = []
-            for q in queues:
-                dropped += q._jobs
-                q._jobs.clear()
-                q._closed = q._closed or "the server is shutting down"
+            for q in self._line.members():
+                dropped += q.jobs
+                q.jobs.clear()
+                q.closed = q.closed or "the server is shutting down"
             self._line.clear()
             self._cv.notify_all()
         for job in dropped:
@@ -279,7 +284,7 @@ class Executors:
         ex = self.shared
         if ex is None:
             ex = Executor(name, self.turn_tokens, dedicated=True)
-            self._dedicated = [e for e in self._dedicated if e._thread.is_alive()] + [ex]
+            self._dedicated = [e for e in self._dedicated if e.alive()] + [ex]
         return ex.queue(name, owner, max_batch, batch_wait_s)
 
     def all(self) -> list[Executor]:

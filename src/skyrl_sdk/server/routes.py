@@ -14,11 +14,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import NotFoundError, quoted
 from . import wire
 from .guard import BODY_SCOPE_KEY, OWNER_SCOPE_KEY
 from .runtime import Runtime
-from .store import Store, TinkerPath
 
 router = APIRouter(prefix="/api/v1")
 
@@ -183,61 +181,33 @@ async def cancel_future(request: Request) -> dict:
 
 
 # ---- catalog: training runs and checkpoints ------------------------------------------------------
-def _run(store: Store, owner: str, run_id: Any) -> dict:
-    run = store.run(run_id, owner) if isinstance(run_id, str) else None
-    if run is None:
-        raise NotFoundError(f"unknown training run {quoted(run_id)}")
-    return run
-
-
-def _run_json(store: Store, owner: str, run_id: str) -> dict:
-    run = _run(store, owner, run_id)
-    return wire.run_json(run, store.last_checkpoint(run["run_id"], "training"),
-                         store.last_checkpoint(run["run_id"], "sampler"))
-
-
-def _checkpoints(store: Store, owner: str, run_id: str | None, limit: int = 10**9, offset: int = 0) -> dict:
-    if run_id is not None:
-        _run(store, owner, run_id)
-        return {"checkpoints": store.list_checkpoints(owner, run_id)[0], "cursor": None}
-    checkpoints, total = store.list_checkpoints(owner, None, max(0, limit), max(0, offset))
-    return {"checkpoints": checkpoints, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
-
-
 @router.get("/training_runs")
 async def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
-    store, who = runtime(request).store, owner(request)
-    runs, total = store.list_runs(who, max(0, limit), max(0, offset))
-    return {"training_runs": [_run_json(store, who, r["run_id"]) for r in runs],
-            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+    return runtime(request).catalog.training_runs(owner(request), limit, offset)
 
 
 @router.get("/training_runs/{run_id}")
 async def get_training_run(run_id: str, request: Request) -> dict:
-    return _run_json(runtime(request).store, owner(request), run_id)
+    return runtime(request).catalog.training_run(owner(request), run_id)
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
 async def list_checkpoints(run_id: str, request: Request) -> dict:
-    return _checkpoints(runtime(request).store, owner(request), run_id)
+    return runtime(request).catalog.checkpoints(owner(request), run_id)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
 async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict:
-    store, who = runtime(request).store, owner(request)
-    tp = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}")
-    if store.run(tp.run_id, who) is None or not store.delete_checkpoint(tp):
-        raise NotFoundError(f"no checkpoint {tp} on this server")
+    await runtime(request).catalog.delete_checkpoint(owner(request), run_id, checkpoint_id)
     return {}
 
 
 @router.get("/checkpoints")
 async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
-    return _checkpoints(runtime(request).store, owner(request), None, limit, offset)
+    return runtime(request).catalog.checkpoints(owner(request), None, limit, offset)
 
 
 @router.post("/weights_info")
 async def weights_info(request: Request) -> dict:
-    store, who = runtime(request).store, owner(request)
-    tp, _ = store.resolve_checkpoint((await json_body(request, "weights_info")).get("tinker_path"), who)
-    return wire.weights_info_json(_run(store, who, tp.run_id))
+    body = await json_body(request, "weights_info")
+    return runtime(request).catalog.weights_info(owner(request), body.get("tinker_path"))

@@ -1,5 +1,7 @@
 """The live server state: sessions, training models (one Backend + queue each) and the jobs
-that run Tinker's requests on them, in ``seq_id`` order. Routes call only this class.
+that run Tinker's requests on them, in ``seq_id`` order. Routes and the console call only this
+class and the two services it holds for them: ``sessions`` (client sessions, :mod:`.sessions`)
+and ``catalog`` (runs, checkpoints, curves, :mod:`.catalog`).
 
 Route handlers (event loop) call into :class:`Runtime`; every Backend call happens on the
 compute executor (:mod:`.executor`) through the owning model's queue, in fair turns, so the
@@ -24,6 +26,7 @@ from ..inputs import tinker_proto
 from ..inputs.coerce import lora_config_from_any
 from . import proto, wire
 from .bodies import Bodies
+from .catalog import Catalog
 from .config import ServerConfig
 from .executor import SHUTDOWN_MESSAGE, Executors
 from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
@@ -54,6 +57,7 @@ class Runtime:
         self.sampling = Sampling(config, self.store, self.served, self.executors)
         self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
         self.models: dict[str, TrainingModel] = {}
+        self.catalog = Catalog(self.store, self.history, self.models, self.sampling.runs_sampled)
         self.started_at = time.time()
         #: monotonic time of the first shutdown signal (None while serving)
         self.stopping: float | None = None

@@ -120,6 +120,17 @@ class Sampling:
                                 f"when the server restarts)")
         return s
 
+    def runs_sampled(self) -> list[tuple[str, str]]:
+        """``(sampling session id, training run id)`` of this process's sessions on a run (its live
+        weights or one of its checkpoints)."""
+        out = []
+        for sid, s in list(self.sessions.items()):
+            if s.model is not None:
+                out.append((sid, s.model.model_id))
+            elif s.model_path and s.model_path.startswith("tinker://"):
+                out.append((sid, s.model_path[len("tinker://"):].split("/", 1)[0]))
+        return out
+
     def drop_snapshots(self, model: TrainingModel) -> None:
         """(the model's worker, on release) Drop its snapshots and their samplers; its sessions then fail."""
         while model.snapshots:

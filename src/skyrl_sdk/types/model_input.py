@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import numbers
 from collections.abc import Mapping, Sequence
@@ -24,12 +25,21 @@ from ..errors import InputError, quoted, refuse_unknown_keys
 from .arrays import as_numpy
 
 
+def _integer_items(items: Sequence[Any]) -> bool:
+    """Whether every item is an integer (not a bool) or a list (left to the shape check). By
+    the items' types (one C-level pass, then a check per distinct type: 131k tokens in ~3 ms,
+    against ~60 ms for ``isinstance(t, numbers.Integral)`` item by item)."""
+    kinds = set(map(type, items))
+    return kinds <= {int} or (bool not in kinds and all(issubclass(k, (numbers.Integral, list, tuple))
+                                                        for k in kinds))
+
+
 def _token_vector(tokens: Any) -> np.ndarray:
     """A 1-D int64 vector; a nested list is refused rather than flattened, and a list (what
     JSON gives) must hold integers (``1.5``, ``true`` or ``"7"`` is not a token id, even
     where numpy would convert it)."""
-    if tokens is None or isinstance(tokens, (str, bytes, Mapping)) or (isinstance(tokens, (list, tuple)) and any(
-            isinstance(t, bool) or not isinstance(t, (numbers.Integral, list, tuple)) for t in tokens)):
+    if tokens is None or isinstance(tokens, (str, bytes, Mapping)) or (
+            isinstance(tokens, (list, tuple)) and not _integer_items(tokens)):
         raise InputError(f"model_input tokens: expected a flat list of token ids (integers), got {quoted(tokens)}")
     array = as_numpy(tokens, "int64", "model_input tokens")
     if array.ndim != 1:
@@ -163,15 +173,22 @@ def _chunk_class(kind: Any, what: str) -> type:
     return cls
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(every field, the required ones) of an attrs class."""
+    fields = attrs.fields(cls)
+    return tuple(f.name for f in fields), frozenset(f.name for f in fields if f.default is attrs.NOTHING)
+
+
 def chunk_from_fields(fields: Mapping[str, Any], what: str = "model_input.chunks[0]") -> Any:
     """A chunk from its fields (a JSON object, or the fields of a decoded protobuf chunk): its
     ``type`` picks the class in :data:`CHUNK_TYPES`; unknown keys are refused by name."""
     kind = fields.get("type", DEFAULT_CHUNK_TYPE)
     cls = _chunk_class(kind, what)
-    refuse_unknown_keys(f"{what} ({kind})", fields, [f.name for f in attrs.fields(cls)])
-    missing = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.name not in fields]
-    if missing:
-        raise InputError(f"{what} ({kind}): missing {missing}")
+    names, required = _field_names(cls)
+    refuse_unknown_keys(f"{what} ({kind})", fields, names)
+    if not required <= fields.keys():
+        raise InputError(f"{what} ({kind}): missing {sorted(required - fields.keys())}")
     try:
         return cls(**fields)
     except InputError as exc:
@@ -184,7 +201,7 @@ def _chunk_of(chunk: Any, what: str) -> Any:
         return chunk
     kind = getattr(chunk, "type", DEFAULT_CHUNK_TYPE if hasattr(chunk, "tokens") else type(chunk).__name__)
     cls = _chunk_class(kind, what)
-    return cls(**{f.name: getattr(chunk, f.name) for f in attrs.fields(cls) if hasattr(chunk, f.name)})
+    return cls(**{name: getattr(chunk, name) for name in _field_names(cls)[0] if hasattr(chunk, name)})
 
 
 def _chunks(value: Any) -> tuple[Any, ...]:

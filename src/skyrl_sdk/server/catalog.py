@@ -1,0 +1,118 @@
+"""The catalog: an owner's training runs, checkpoints and metric curves, read by the catalog
+routes (Tinker's ``RestClient``, tinker-cookbook's resume and rolling saves) and by the
+console, through this one service.
+
+Another owner's run reads as unknown (404). File work (deleting a checkpoint's directory) and
+the metric history's reads run off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import NotFoundError, quoted
+from . import wire
+from .history import History
+from .sessions import TrainingModel
+from .store import Store, TinkerPath, iso
+
+#: a model whose worker had work within this many seconds is "live", else "idle"
+LIVE_S = 30.0
+
+
+class Catalog:
+    """Runs and checkpoints of each owner (see the module docstring). ``models`` is the
+    runtime's live training models by id; ``sampling_sessions`` lists the sampling sessions
+    of this process as ``(session id, run id)`` pairs."""
+
+    def __init__(self, store: Store, history: History, models: Mapping[str, TrainingModel],
+                 sampling_sessions: Callable[[], list[tuple[str, str]]]) -> None:
+        self.store = store
+        self.history = history
+        self.models = models
+        self.sampling_sessions = sampling_sessions
+
+    # ---- Tinker's catalog routes ------------------------------------------------------------------
+    def run(self, owner: str, run_id: Any) -> dict[str, Any]:
+        """``owner``'s training run record, or NotFoundError."""
+        run = self.store.run(run_id, owner) if isinstance(run_id, str) else None
+        if run is None:
+            raise NotFoundError(f"unknown training run {quoted(run_id)}")
+        return run
+
+    def training_run(self, owner: str, run_id: Any) -> dict[str, Any]:
+        """Tinker's ``TrainingRun`` JSON."""
+        run = self.run(owner, run_id)
+        return wire.run_json(run, self.store.last_checkpoint(run["run_id"], "training"),
+                             self.store.last_checkpoint(run["run_id"], "sampler"))
+
+    def training_runs(self, owner: str, limit: int, offset: int) -> dict[str, Any]:
+        runs, total = self.store.list_runs(owner, max(0, limit), max(0, offset))
+        return {"training_runs": [self.training_run(owner, r["run_id"]) for r in runs],
+                "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    def checkpoints(self, owner: str, run_id: str | None, limit: int = 10**9, offset: int = 0) -> dict[str, Any]:
+        """One run's checkpoints (all of them), or a page of all the owner's."""
+        if run_id is not None:
+            self.run(owner, run_id)
+            return {"checkpoints": self.store.list_checkpoints(owner, run_id)[0], "cursor": None}
+        checkpoints, total = self.store.list_checkpoints(owner, None, max(0, limit), max(0, offset))
+        return {"checkpoints": checkpoints, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    async def delete_checkpoint(self, owner: str, run_id: str, checkpoint_id: str) -> None:
+        """Delete an owned checkpoint's record and files; its directory is removed on a thread."""
+        tp = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}")
+        if self.store.run(tp.run_id, owner) is None or not await asyncio.to_thread(self.store.delete_checkpoint, tp):
+            raise NotFoundError(f"no checkpoint {tp} on this server")
+
+    def weights_info(self, owner: str, tinker_path: Any) -> dict[str, Any]:
+        tp, _ = self.store.resolve_checkpoint(tinker_path, owner)
+        return wire.weights_info_json(self.run(owner, tp.run_id))
+
+    # ---- the console ------------------------------------------------------------------------------
+    def status(self, run_id: str) -> str:
+        """live (in memory, work within LIVE_S), idle (in memory, none since), freed (not in memory:
+        released, its session ended, creation failed, or the server restarted)."""
+        model = self.models.get(run_id)
+        if model is None or model.closed or model.error is not None:
+            return "freed"
+        return "live" if model.worker.idle_for() < LIVE_S else "idle"
+
+    def _sessions_by_run(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = collections.defaultdict(list)
+        for sid, run_id in self.sampling_sessions():
+            out[run_id].append(sid)
+        return out
+
+    def _console_run(self, run: dict[str, Any], summary: dict[str, Any], sessions: list[str]) -> dict[str, Any]:
+        lora = run["lora"]
+        return {"model_id": run["run_id"], "base_model": run["base_model"],
+                "lora_rank": lora["rank"] if lora else None, "session_id": run["session_id"],
+                "created": iso(run["created_at"]), "last_request": iso(run["last_request_time"]),
+                "status": self.status(run["run_id"]), "steps": summary["steps"], "last": summary["last"],
+                "sampling_sessions": len(sessions)}
+
+    async def console_runs(self, owner: str, limit: int, offset: int) -> dict[str, Any]:
+        rows, total = self.store.list_runs(owner, limit, offset)
+        summaries = await asyncio.to_thread(self.history.summaries, [r["run_id"] for r in rows])
+        sessions = self._sessions_by_run()
+        return {"runs": [self._console_run(r, summaries[r["run_id"]], sessions.get(r["run_id"], [])) for r in rows],
+                "total": total, "limit": limit, "offset": offset}
+
+    async def console_run(self, owner: str, run_id: str) -> dict[str, Any]:
+        run = self.run(owner, run_id)
+        summary = (await asyncio.to_thread(self.history.summaries, [run_id]))[run_id]
+        sessions = self._sessions_by_run().get(run_id, [])
+        return {**self._console_run(run, summary, sessions), "sampling_session_ids": sorted(sessions)[-50:],
+                "checkpoints": self.store.list_checkpoints(owner, run_id)[0]}
+
+    def history_dropped(self) -> int:
+        """Metric points the history dropped (its writer fell behind): the operators' view shows it."""
+        return self.history.dropped
+
+    async def curves(self, owner: str, run_id: str, points: int) -> dict[str, Any]:
+        self.run(owner, run_id)
+        return await asyncio.to_thread(self.history.curves, run_id, points)
