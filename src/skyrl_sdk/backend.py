@@ -30,6 +30,7 @@ from .inputs.coerce import (
 from .losses.metrics import MetricAccumulator
 from .losses.resolve import ResolvedLoss, resolve_loss
 from .losses.run import add_prepared_inputs
+from .losses.stability import SequenceRecords, resolve_provenance
 from .losses.validation import check_call, check_prompts, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
 from .plugins.manager import get_registry
@@ -103,6 +104,9 @@ class Backend:
         self.grad_accumulation = grad_accumulation
         self.engine_name = engine if factory is None else str(getattr(factory, "engine_name", "custom"))
         self._lock = threading.RLock()
+        #: sequences sampled with ``record_stability_info=True``, which provenance names
+        #: (``stable_reinforce``); replaceable by a store shared with other samplers (the server's session)
+        self.sequences = SequenceRecords()
         self._calls_since_step = 0
         self._closed = False
         t0 = time.perf_counter()
@@ -151,6 +155,8 @@ class Backend:
                  backward: bool = True) -> tuple[list[Datum], ResolvedLoss]:
         resolved = self.resolve(loss_fn, loss_fn_config)
         datums = data_from_any(data)
+        if resolved.spec.needs_provenance:  # the recorded sampler logprobs, named by each datum's provenance
+            datums = resolve_provenance(datums, self.sequences)
         if not backward:  # no gradient: take the inputs this loss reads, leave the other losses' alone
             known = {k for spec in get_registry().losses.values() for k in spec.required_inputs + spec.optional_inputs}
             datums = inputs_for_forward(datums, resolved.spec, known)
@@ -242,16 +248,20 @@ class Backend:
         num_samples: int = 1,
         prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        record_stability_info: bool = False,
     ) -> list[SampleOutput]:
         """Sample continuations of each prompt (token lists or ModelInputs) from the current weights.
 
         ``topk_prompt_logprobs=k`` also returns, per prompt position, the k most likely tokens
-        and their logprobs (Tinker's field). Served by this Backend's sampler (``sampler=``).
+        and their logprobs (Tinker's field). ``record_stability_info=True`` records every
+        sampled sequence in :attr:`sequences` and gives it a ``sequence_id`` that a datum's
+        provenance names (``stable_reinforce``). Served by this Backend's sampler (``sampler=``).
         """
         params = sampling_params_from_any(sampling_params)
         num_samples, topk_prompt_logprobs = check_sample_counts(num_samples, topk_prompt_logprobs)
-        if not isinstance(prompt_logprobs, bool):
-            raise InputError(f"prompt_logprobs: expected true or false, got {prompt_logprobs!r}")
+        for name, flag in (("prompt_logprobs", prompt_logprobs), ("record_stability_info", record_stability_info)):
+            if not isinstance(flag, bool):
+                raise InputError(f"{name}: expected true or false, got {flag!r}")
         arrays = prompts_from_any(prompts)
         check_prompts(arrays, self.vocab_size, self.engine.info.max_positions, params.max_tokens)
         with self._lock:
@@ -259,8 +269,18 @@ class Backend:
             if self._sampler is None:
                 factory = get_registry().sampler_spec(self.sampler_name).factory
                 self._sampler = factory(engine=self.engine, config=dict(self._sampler_config))
-            return self._sampler.sample(arrays, params, num_samples, prompt_logprobs=prompt_logprobs,
+            outs = self._sampler.sample(arrays, params, num_samples, prompt_logprobs=prompt_logprobs,
                                         topk_prompt_logprobs=topk_prompt_logprobs)
+        if record_stability_info:
+            outs = [self._recorded(prompt, out) for prompt, out in zip(arrays, outs, strict=True)]
+        return outs
+
+    def _recorded(self, prompt: np.ndarray, out: SampleOutput) -> SampleOutput:
+        """Record the samples of ``prompt`` in :attr:`sequences`; they carry their ``sequence_id``."""
+        ids = self.sequences.new_ids(len(out.sequences))
+        self.sequences.record(prompt, out.sequences, ids)
+        return attrs.evolve(out, sequences=[attrs.evolve(s, sequence_id=i)
+                                            for s, i in zip(out.sequences, ids, strict=True)])
 
     # ---- saving -----------------------------------------------------------------------
     def save_weights_for_sampler(

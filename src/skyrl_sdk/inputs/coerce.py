@@ -80,7 +80,9 @@ def datum_from_any(obj: Any) -> Datum:
     if isinstance(obj, Mapping):
         return datum_from_json(obj)
     if hasattr(obj, "model_input") and hasattr(obj, "loss_fn_inputs"):
-        return Datum(model_input=obj.model_input, loss_fn_inputs=dict(obj.loss_fn_inputs))
+        return Datum(model_input=obj.model_input, loss_fn_inputs=dict(obj.loss_fn_inputs),
+                     model_input_spans=getattr(obj, "model_input_spans", None),
+                     loss_fn_input_spans=getattr(obj, "loss_fn_input_spans", None))
     raise TypeError(f"expected a Datum, a mapping or a tinker Datum, got {type(obj).__name__}")
 
 

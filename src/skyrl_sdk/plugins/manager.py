@@ -34,6 +34,7 @@ BUILTIN_PLUGINS = (
     "skyrl_sdk.losses.sft",
     "skyrl_sdk.losses.policy",
     "skyrl_sdk.losses.critic",
+    "skyrl_sdk.losses.stable",
     "skyrl_sdk.losses.dialects",
     "skyrl_sdk.engines.local",
     "skyrl_sdk.sampling",

@@ -77,6 +77,7 @@ class Registry:
         role: str = "policy",
         prepare: Callable | None = None,
         accepts_topk_targets: bool = False,
+        needs_provenance: bool = False,
     ) -> LossSpec:
         where = f"plugin {plugin!r}, loss {name!r}"
         if not callable(fn):
@@ -123,6 +124,7 @@ class Registry:
             role=role,  # type: ignore[arg-type]
             prepare=prepare,
             accepts_topk_targets=bool(accepts_topk_targets),
+            needs_provenance=bool(needs_provenance),
         )
         self._claim("loss", name, plugin)
         self.losses[name] = spec

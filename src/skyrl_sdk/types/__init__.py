@@ -21,6 +21,7 @@ from .outputs import (
     SaveWeightsForSamplerOutput,
 )
 from .params import MIN_ADAM_EPS, AdamParams, LoraConfig, SamplingParams
+from .provenance import PromptProvenanceSpan, ProvenanceSpan, SampledProvenanceSpan
 from .tensor import INTEGER_KEYS, TensorData, dtype_for_key, to_tensor_data
 
 __all__ = [
@@ -35,7 +36,10 @@ __all__ = [
     "ModelInfo",
     "ModelInput",
     "OptimStepOutput",
+    "PromptProvenanceSpan",
+    "ProvenanceSpan",
     "SampleOutput",
+    "SampledProvenanceSpan",
     "SampledSequence",
     "SamplingParams",
     "SaveStateOutput",

@@ -19,6 +19,9 @@ class SampledSequence:
     logprobs: list[float]
     #: ``"stop"`` (a stop token or string ended it) or ``"length"`` (max_tokens reached).
     stop_reason: Literal["stop", "length"]
+    #: Names this sequence in a training datum's provenance, when it was sampled with
+    #: ``record_stability_info=True`` (None otherwise).
+    sequence_id: str | None = None
 
 
 @attrs.frozen(eq=False)
