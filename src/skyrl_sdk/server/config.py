@@ -145,8 +145,10 @@ class ServerConfig:
     ``models``: the base models clients may name in ``create_model`` / sampling (``tiny`` or
     local Hugging Face directories). ``long_poll_s``: how long ``retrieve_future`` holds an
     unfinished request before answering ``try_again``. ``gap_timeout_s``: how long a
-    model's worker must sit idle, with later requests waiting on a missing ``seq_id``,
-    before those run anyway.
+    model's worker must sit idle, with later chunks of a parallel ``forward_backward``
+    waiting on a missing ``seq_id``, before those run anyway (only when ``client_config``
+    turns ``parallel_fwdbwd_chunks`` on: otherwise a later request proves the missing one
+    will not come, and it is skipped at once; see ``futures.Sequencer``).
 
     ``api_key`` (one owner) and ``api_keys`` (key -> owner): who may call, and whose models,
     sessions, runs, checkpoints and futures each request sees; with neither, no key is needed
@@ -225,6 +227,12 @@ class ServerConfig:
     #: extra flags merged into the answer to the client's ``/client/config`` (e.g.
     #: ``{"fwdbwd_max_chunk_len": 256}``; see ``tinker.types.ClientConfigResponse``)
     client_config: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def parallel_chunks(self) -> bool:
+        """Whether clients send the chunks of one ``forward_backward`` in parallel (off unless
+        ``client_config`` turns ``parallel_fwdbwd_chunks`` on)."""
+        return bool(self.client_config.get("parallel_fwdbwd_chunks", False))
 
     @classmethod
     def from_args(cls, args: Any) -> ServerConfig:

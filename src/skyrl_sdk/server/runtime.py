@@ -275,8 +275,10 @@ class Runtime:
                 raise exc
         rec = self.futures.create(owner, model.model_id, dedup)
         self.store.touch_run(model.model_id)
+        # a boundary: the client submitted every earlier seq_id before this one (see Sequencer)
+        boundary = what not in ("forward", "forward_backward") or not self.config.parallel_chunks
         model.sequencer.submit(seq, Job(run=run, done=self.futures.completer(rec), what=f"{what}({model.model_id})",
-                                        cost=cost))
+                                        cost=cost), boundary=boundary)
         return rec
 
     def _seq_limit(self, model_id: str) -> int | None:
