@@ -78,7 +78,7 @@ def assert_outputs_close(got, want, atol=1e-5):
 # ---- training ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_cross_entropy_train_steps_match_in_process(service):
-    """5 datums -> 3 parallel chunks whose gradients add up; AdamW honoured; weights match."""
+    """5 datums -> 3 chunks whose gradients add up; AdamW honoured; weights match."""
     data = make_sft_data([7, 12, 3, 20, 9], seed=1)
     adam = dict(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.01, grad_clip_norm=5.0)
     tc = new_trainer(service)

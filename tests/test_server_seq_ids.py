@@ -12,9 +12,9 @@ import asyncio
 import time
 
 import pytest
+
 from _limits import HANG_S
 from _server_harness import ServerThread, next_token_datum
-
 from skyrl_sdk.server.executor import Executor
 from skyrl_sdk.server.futures import Job, Result, Sequencer
 

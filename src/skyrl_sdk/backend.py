@@ -31,9 +31,10 @@ from .losses.metrics import MetricAccumulator
 from .losses.resolve import ResolvedLoss, resolve_loss
 from .losses.run import add_prepared_inputs
 from .losses.stability import SequenceRecords, resolve_provenance
-from .losses.validation import check_call, check_prompts, inputs_for_forward
+from .losses.validation import check_call, check_prompts, check_sample_scores, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
 from .plugins.manager import get_registry
+from .sampling import unsupported_options
 from .types import (
     AdamParams,
     Datum,
@@ -249,13 +250,23 @@ class Backend:
         prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
         record_stability_info: bool = False,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: Sequence[Any] | None = None,
+        prompt_alt_tokens_k: int = 0,
     ) -> list[SampleOutput]:
         """Sample continuations of each prompt (token lists or ModelInputs) from the current weights.
 
         ``topk_prompt_logprobs=k`` also returns, per prompt position, the k most likely tokens
         and their logprobs (Tinker's field). ``record_stability_info=True`` records every
         sampled sequence in :attr:`sequences` and gives it a ``sequence_id`` that a datum's
-        provenance names (``stable_reinforce``). Served by this Backend's sampler (``sampler=``).
+        provenance names (``stable_reinforce``). Tinker's other scores, from the same pass:
+        ``topk_sample_logprobs=k`` (per sampled position, the k most likely tokens: each
+        sequence's ``topk_logprobs``), ``target_prompt_logprobs`` (per prompt, an int64
+        ``[len(prompt) - 1, K]`` array of token ids to score at positions 1.., -1 for none, or
+        None: the output's ``target_prompt_logprobs``) and ``prompt_alt_tokens_k=k`` (k draws
+        at every prompt position after the first, at the request's temperature: the output's
+        ``prompt_alt_tokens``). Served by this Backend's sampler (``sampler=``); a score the
+        sampler does not serve is refused by name.
         """
         params = sampling_params_from_any(sampling_params)
         num_samples, topk_prompt_logprobs = check_sample_counts(num_samples, topk_prompt_logprobs)
@@ -264,13 +275,18 @@ class Backend:
                 raise InputError(f"{name}: expected true or false, got {flag!r}")
         arrays = prompts_from_any(prompts)
         check_prompts(arrays, self.vocab_size, self.engine.info.max_positions, params.max_tokens)
+        scores = check_sample_scores(arrays, self.vocab_size, topk_sample_logprobs, target_prompt_logprobs,
+                                     prompt_alt_tokens_k)
         with self._lock:
             self._check_open()
             if self._sampler is None:
                 factory = get_registry().sampler_spec(self.sampler_name).factory
                 self._sampler = factory(engine=self.engine, config=dict(self._sampler_config))
+            missing = unsupported_options(self._sampler.sample, scores)
+            if missing:
+                raise InputError(f"{missing[0]}: sampler {self.sampler_name!r} does not support it")
             outs = self._sampler.sample(arrays, params, num_samples, prompt_logprobs=prompt_logprobs,
-                                        topk_prompt_logprobs=topk_prompt_logprobs)
+                                        topk_prompt_logprobs=topk_prompt_logprobs, **scores)
         if record_stability_info:
             outs = [self._recorded(prompt, out) for prompt, out in zip(arrays, outs, strict=True)]
         return outs
