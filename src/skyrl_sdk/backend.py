@@ -20,18 +20,13 @@ import numpy as np
 
 from .engines import call_grads
 from .errors import CheckpointError, InputError
-from .inputs.coerce import (
-    adam_params_from_any,
-    data_from_any,
-    lora_config_from_any,
-    prompts_from_any,
-    sampling_params_from_any,
-)
+from .inputs.coerce import adam_params_from_any, data_from_any, lora_config_from_any
+from .inputs.sample import sample_request
 from .losses.metrics import MetricAccumulator
 from .losses.resolve import ResolvedLoss, resolve_loss
 from .losses.run import add_prepared_inputs
 from .losses.stability import SequenceRecords, resolve_provenance
-from .losses.validation import check_call, check_prompts, check_sample_scores, inputs_for_forward
+from .losses.validation import check_call, check_prompts, check_target_ids, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
 from .plugins.manager import get_registry
 from .sampling import unsupported_options
@@ -48,7 +43,6 @@ from .types import (
     SaveWeightsForSamplerOutput,
     TensorData,
 )
-from .types.numbers import check_sample_counts
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -268,15 +262,12 @@ class Backend:
         ``prompt_alt_tokens``). Served by this Backend's sampler (``sampler=``); a score the
         sampler does not serve is refused by name.
         """
-        params = sampling_params_from_any(sampling_params)
-        num_samples, topk_prompt_logprobs = check_sample_counts(num_samples, topk_prompt_logprobs)
-        for name, flag in (("prompt_logprobs", prompt_logprobs), ("record_stability_info", record_stability_info)):
-            if not isinstance(flag, bool):
-                raise InputError(f"{name}: expected true or false, got {flag!r}")
-        arrays = prompts_from_any(prompts)
-        check_prompts(arrays, self.vocab_size, self.engine.info.max_positions, params.max_tokens)
-        scores = check_sample_scores(arrays, self.vocab_size, topk_sample_logprobs, target_prompt_logprobs,
-                                     prompt_alt_tokens_k)
+        call = sample_request(prompts, sampling_params, num_samples, prompt_logprobs, topk_prompt_logprobs,
+                              record_stability_info, topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k)
+        params = call.sampling_params
+        check_prompts(call.prompts, self.vocab_size, self.engine.info.max_positions, params.max_tokens)
+        check_target_ids(call.target_prompt_logprobs, self.vocab_size)
+        scores = call.scores()
         with self._lock:
             self._check_open()
             if self._sampler is None:
@@ -285,11 +276,12 @@ class Backend:
             missing = unsupported_options(self._sampler.sample, scores)
             if missing:
                 raise InputError(f"{missing[0]}: sampler {self.sampler_name!r} does not support it")
-            outs = self._sampler.sample(arrays, params, num_samples, prompt_logprobs=prompt_logprobs,
-                                        topk_prompt_logprobs=topk_prompt_logprobs, **scores)
-        if record_stability_info:
-            outs = [self._recorded(prompt, out) for prompt, out in zip(arrays, outs, strict=True)]
-        return outs
+            outs = self._sampler.sample(list(call.prompts), params, call.num_samples,
+                                        prompt_logprobs=call.prompt_logprobs,
+                                        topk_prompt_logprobs=call.topk_prompt_logprobs, **scores)
+        if not call.record_stability_info:
+            return outs
+        return [self._recorded(p, out) for p, out in zip(call.prompts, outs, strict=True)]
 
     def _recorded(self, prompt: np.ndarray, out: SampleOutput) -> SampleOutput:
         """Record the samples of ``prompt`` in :attr:`sequences`; they carry their ``sequence_id``."""

@@ -14,9 +14,9 @@ import attrs
 import numpy as np
 
 from ..errors import DatumError, InputError, LossConfigError, did_you_mean
+from ..inputs.limits import prompt_length_problem, sequence_length_problem
 from ..types import Datum
-from ..types.arrays import as_numpy
-from ..types.numbers import check_number, check_representable
+from ..types.numbers import check_representable
 from .base import LossSpec
 from .reduction import PER_TOKEN_REDUCTIONS
 from .resolve import ResolvedLoss
@@ -71,69 +71,26 @@ def _numbers_of(config: Any) -> Iterator[tuple[str, Any]]:
             yield str(key), value
 
 
-def sequence_length_problem(length: int, max_positions: int | None, what: str = "model_input") -> str | None:
-    """Why a sequence of ``length`` tokens does not fit the model's positions, or None."""
-    if max_positions is None or length <= max_positions:
-        return None
-    return (f"{what} has {length} tokens; this model accepts at most {max_positions} "
-            f"(max_position_embeddings)")
-
-
 def check_prompts(prompts: Sequence[np.ndarray], vocab_size: int, max_positions: int | None,
                   max_tokens: int) -> None:
     """A sample call's prompts: valid token ids, and each prompt plus ``max_tokens`` within the
-    model's positions (as the server checks it)."""
+    model's positions (the server checks its own limit in the same words)."""
     for i, tokens in enumerate(prompts):
-        problem = token_range_problem(tokens, vocab_size) or sequence_length_problem(
-            int(tokens.size) + max_tokens, max_positions, f"the prompt ({tokens.size} tokens) plus max_tokens "
-            f"({max_tokens})")
+        problem = token_range_problem(tokens, vocab_size) or prompt_length_problem(
+            int(tokens.size), max_tokens, max_positions)
         if problem:
             raise InputError(f"prompt {i}: {problem}")
 
 
-#: most token ids a ``target_prompt_logprobs`` row may name (its K)
-MAX_TARGET_PROMPT_IDS = 1024
-
-
-def check_sample_scores(prompts: Sequence[np.ndarray], vocab_size: int, topk_sample_logprobs: Any = 0,
-                        target_prompt_logprobs: Any = None, prompt_alt_tokens_k: Any = 0,
-                        max_width: int | None = None) -> dict[str, Any]:
-    """Tinker's other scores of a sample call, checked alike by ``Backend.sample`` and the
-    server (which bounds the widths by ``max_width``); returns the ones asked for, normalized
-    (``target_prompt_logprobs``: per prompt an int64 ``[len - 1, K]`` array or None)."""
-    out: dict[str, Any] = {}
-    for name, value in (("topk_sample_logprobs", topk_sample_logprobs), ("prompt_alt_tokens_k", prompt_alt_tokens_k)):
-        width = check_number(name, value, low=0, high=max_width, integer=True)
-        if width:
-            out[name] = width
-    if target_prompt_logprobs is None:
-        return out
-    if isinstance(target_prompt_logprobs, np.ndarray) or not isinstance(target_prompt_logprobs, Sequence) \
-            or len(target_prompt_logprobs) != len(prompts):
-        raise InputError(f"target_prompt_logprobs: expected one entry per prompt ({len(prompts)}): an int64 "
-                         f"[len(prompt) - 1, K] array of token ids (-1: none), or None")
-    arrays = []
-    for i, (prompt, ids) in enumerate(zip(prompts, target_prompt_logprobs, strict=True)):
-        if ids is None:
-            arrays.append(None)
-            continue
-        where = f"target_prompt_logprobs[{i}]" if len(prompts) > 1 else "target_prompt_logprobs"
-        ids = as_numpy(ids, "int64", where)
-        rows = int(prompt.size) - 1
-        if ids.ndim != 2 or ids.shape[0] != rows or not 1 <= ids.shape[1] <= MAX_TARGET_PROMPT_IDS:
-            raise InputError(f"{where}: expected shape [len(prompt) - 1, K] = [{rows}, K] with 1 <= K <= "
-                             f"{MAX_TARGET_PROMPT_IDS}, got {list(ids.shape)}")
-        bad = (ids < -1) | (ids >= vocab_size)
-        if bad.any():
-            r, c = (int(x) for x in np.argwhere(bad)[0])
+def check_target_ids(targets: Sequence[np.ndarray | None] | None, vocab_size: int) -> None:
+    """A sample call's ``target_prompt_logprobs`` (shapes checked by ``inputs.sample``): every
+    token id named lies in the model's vocabulary."""
+    for i, ids in enumerate(targets or ()):
+        if ids is not None and (ids >= vocab_size).any():
+            r, c = (int(x) for x in np.argwhere(ids >= vocab_size)[0])
+            where = f"target_prompt_logprobs[{i}]" if len(targets) > 1 else "target_prompt_logprobs"
             raise InputError(f"{where}[{r}, {c}]: token id {int(ids[r, c])} is outside the vocabulary "
                              f"(0..{vocab_size - 1}; -1 asks for nothing)")
-        if not (ids >= 0).any():
-            raise InputError(f"{where}: names no token id (every cell is -1)")
-        arrays.append(ids)
-    if any(a is not None for a in arrays):
-        out["target_prompt_logprobs"] = arrays
-    return out
 
 
 def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None, label: str | None = None,
