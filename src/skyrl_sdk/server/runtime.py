@@ -22,6 +22,7 @@ import attrs
 from ..errors import InputError, NotFoundError, quoted
 from ..inputs import tinker_proto
 from ..inputs.coerce import lora_config_from_any
+from ..losses.stability import SequenceRecords
 from . import proto, wire
 from .bodies import Bodies
 from .config import ServerConfig
@@ -54,6 +55,8 @@ class Runtime:
         self.sampling = Sampling(config, self.store, self.served, self.executors)
         self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
         self.models: dict[str, TrainingModel] = {}
+        #: per client session, the sequences sampled with record_stability_info (stable_reinforce)
+        self.sequence_records: dict[str, SequenceRecords] = {}
         self.started_at = time.time()
         #: monotonic time of the first shutdown signal (None while serving)
         self.stopping: float | None = None
@@ -142,8 +145,16 @@ class Runtime:
         return any(m.session_id == session_id and not m.closed and m.worker.idle_for() == 0.0
                    for m in self.models.values())
 
+    def records(self, session_id: str) -> SequenceRecords:
+        """The recorded sequences of a client session (Tinker: provenance names sequences of its own session)."""
+        records = self.sequence_records.get(session_id)
+        if records is None:
+            records = self.sequence_records[session_id] = SequenceRecords()
+        return records
+
     def _end_session(self, session_id: str, why: str) -> None:
-        """(a session finished or expired) Release its models."""
+        """(a session finished or expired) Release its models and forget its recorded sequences."""
+        self.sequence_records.pop(session_id, None)
         for model in list(self.models.values()):
             if model.session_id == session_id and not model.closed:
                 self._release(model, why)
@@ -217,6 +228,7 @@ class Runtime:
         self.store.add_run(req.model_id, owner, req.session_id, base, attrs.asdict(lora) if lora else None, metadata)
         rec = self.futures.create(owner, req.model_id, dedup)
         complete = self.futures.completer(rec)
+        records = self.records(req.session_id)
 
         def create() -> Result:
             try:
@@ -227,6 +239,7 @@ class Runtime:
                     except BaseException:
                         backend.close()
                         raise
+                backend.sequences = records  # provenance names the sequences its session sampled
                 model.backend = backend
             except BaseException as exc:
                 model.error = str(exc)
@@ -389,7 +402,17 @@ class Runtime:
             return old
         rec = self.futures.create(owner, None, dedup, prefix="sample")
         try:
-            self.sampling.submit(session, spec, self.futures.completer(rec))
+            record = None
+            if spec.request.record_stability_info:
+                if session.session_id is None:
+                    raise InputError("record_stability_info: recorded sequences belong to a session; sample "
+                                     "through a sampling client (a sampling_session_id), not an ad-hoc request")
+                records, prompt = self.records(session.session_id), spec.prompt
+                ids = [f"{rec.request_id}:{i}" for i in range(spec.request.num_samples)]
+
+                def record(out):
+                    records.record(prompt, out.sequences, ids)
+            self.sampling.submit(session, spec, self.futures.completer(rec), record)
         except InputError as exc:
             self.futures.finish(rec, Result.from_exception(exc))
         rec.extra["num_samples"] = spec.request.num_samples
