@@ -136,6 +136,7 @@ async def telemetry(request: Request) -> dict:
 #: Routes answered with a future: the runtime accepts the body (forward_backward's is protobuf)
 #: and answers with a request id; the client then long-polls ``/retrieve_future``.
 FUTURE_ROUTES = ("create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
+                 "save_weights_external",
                  "load_weights", "asample")
 
 
@@ -242,5 +243,6 @@ async def list_user_checkpoints(request: Request, limit: int = 100, offset: int 
 @router.post("/weights_info")
 async def weights_info(request: Request) -> dict:
     store, who = runtime(request).store, owner(request)
-    tp, _ = store.resolve_checkpoint((await json_body(request, "weights_info")).get("tinker_path"), who)
-    return wire.weights_info_json(_run(store, who, tp.run_id))
+    tp, _ = store.resolve_checkpoint((await json_body(request, "weights_info")).get("tinker_path"), who,
+                                     readable=True)
+    return wire.weights_info_json(store.run(tp.run_id, None))  # the caller's, or a published checkpoint's

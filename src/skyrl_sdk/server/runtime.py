@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from . import proto, wire
 from .bodies import Bodies
 from .config import ServerConfig
 from .executor import SHUTDOWN_MESSAGE, Executors
+from .exports import DownloadLinks, age_recipients, export_external
 from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
 from .history import History
 from .sampling import Sampling
@@ -35,6 +37,9 @@ from .sessions import Sessions, TrainingModel
 from .store import Store, TinkerPath
 
 logger = logging.getLogger(__name__)
+
+#: how often expired checkpoints are deleted (an expired one is gone from every answer at once)
+EXPIRY_SWEEP_S = 60.0
 
 
 class _ShuttingDown(Exception):
@@ -57,6 +62,8 @@ class Runtime:
         self.models: dict[str, TrainingModel] = {}
         #: per client session, the sequences sampled with record_stability_info (stable_reinforce)
         self.sequence_records: dict[str, SequenceRecords] = {}
+        self.downloads = DownloadLinks()  # signed links to external weights' files
+        self._expiry_sweep = loop.call_later(EXPIRY_SWEEP_S, self._sweep_expired)
         self.started_at = time.time()
         #: monotonic time of the first shutdown signal (None while serving)
         self.stopping: float | None = None
@@ -76,6 +83,7 @@ class Runtime:
         handlers: dict[str, Callable[[str, dict], FutureRecord]] = {
             "create_model": self.create_model, "load_weights": self.load_weights, "optim_step": self.optim_step,
             "save_weights": self.save_weights, "save_weights_for_sampler": self.save_weights_for_sampler,
+            "save_weights_external": self.save_weights_external,
             "asample": self.sample,
         }
         try:
@@ -188,8 +196,8 @@ class Runtime:
             req = wire.parse_new_model(body, from_state=True)
 
             def plan():
-                tp, directory = self.store.resolve_checkpoint(req.path, owner, kind="training")
-                run = self.store.run(tp.run_id, owner)
+                tp, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
+                run = self.store.run(tp.run_id, None)  # the caller's, or another owner's published checkpoint
                 base = self.served.resolve(req.base_model or run["base_model"])
                 return base, lora_config_from_any(run["lora"]), req.user_metadata or run["user_metadata"], directory
 
@@ -197,7 +205,7 @@ class Runtime:
 
         def make(model: TrainingModel):
             req = wire.parse_load(body)
-            _, directory = self.store.resolve_checkpoint(req.path, owner, kind="training")
+            _, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
 
             def load() -> Result:
                 backend = model.require_backend()
@@ -351,6 +359,31 @@ class Runtime:
 
         return self._sequenced(owner, body, "save_weights", make, cost=None)
 
+    def save_weights_external(self, owner: str, body: dict) -> FutureRecord:
+        """Export the weights for download (:mod:`.exports`): an external_weights checkpoint."""
+        def make(model: TrainingModel):
+            save, raw_recipients = wire.parse_external_save(body)
+            recipients = age_recipients(raw_recipients)
+            tp = TinkerPath(model.model_id, "external", save.name)
+            directory = self.store.checkpoint_dir(tp)
+
+            def run() -> Result:
+                self.store.delete_expired()
+                scratch = self.store.scratch_dir("exports", uuid.uuid4().hex)
+                export_external(model.require_backend(), model.lora is not None, directory, scratch, recipients)
+                self.store.add_checkpoint(tp, save.ttl_seconds)
+                return Result.json({"path": str(tp), "type": "save_weights_external"})
+
+            return run
+
+        return self._sequenced(owner, body, "save_weights_external", make, cost=None)
+
+    def _sweep_expired(self) -> None:
+        """(event loop, every EXPIRY_SWEEP_S) Delete expired checkpoints' records and files, off the loop."""
+        self._expiry_sweep = self.loop.call_later(EXPIRY_SWEEP_S, self._sweep_expired)
+        if self.stopping is None:
+            self.loop.run_in_executor(None, self.store.delete_expired)
+
     def save_weights_for_sampler(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
             req = wire.parse_sampler_save(body)
@@ -439,6 +472,7 @@ class Runtime:
         if self.stopping is not None:
             return
         self.stopping = time.monotonic()
+        self._expiry_sweep.cancel()
         for m in self.models.values():
             m.sequencer.fail_pending(SHUTDOWN_MESSAGE)
         self.executors.stop()

@@ -111,8 +111,11 @@ class Sampling:
 
     def session_from(self, owner: str, model_path: Any, base_model: Any, sid: str) -> SamplingSession:
         if model_path:
-            tp, _ = self.store.resolve_checkpoint(model_path, owner)
-            run = self.store.run(tp.run_id, owner)
+            tp, _ = self.store.resolve_checkpoint(model_path, owner, readable=True)
+            if tp.kind == "external":
+                raise InputError(f"{model_path}: external weights are for download (RestClient."
+                                 f"get_external_weights_urls); sample from a weights or sampler_weights path")
+            run = self.store.run(tp.run_id, None)  # the caller's, or another owner's published checkpoint
             return SamplingSession(sid, owner, run["base_model"], str(tp), "path")
         if base_model:
             return SamplingSession(sid, owner, self.served.resolve(base_model), None, "base")
@@ -268,10 +271,10 @@ class Sampling:
         if session.kind == "base":  # the shared base itself (no copy): one per owner, so owners take turns
             return self._target(("base", session.base_model, owner), self._state_loader(session.base_model), owner)
         tp = TinkerPath.parse(session.model_path)
-        _, directory = self.store.resolve_checkpoint(session.model_path, owner)
+        _, directory = self.store.resolve_checkpoint(session.model_path, owner, readable=True)
         if tp.kind == "sampler":
             return self._target(("dir", str(directory)), self._state_loader(str(directory)), owner)
-        run = self.store.run(tp.run_id, owner)
+        run = self.store.run(tp.run_id, None)
         lora = lora_config_from_any(run["lora"]) if run else None
         return self._target(("state", str(directory)), self._state_loader(session.base_model, directory, lora), owner)
 

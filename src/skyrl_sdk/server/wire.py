@@ -49,6 +49,7 @@ REQUEST_KEYS: dict[str, tuple[str, ...]] = {
     "load_weights": ("model_id", "seq_id", "session_id", "model_seq_id", "base_model", "user_metadata", "path",
                      "optimizer", "optimizer_config", "weights_access_token", "type"),
     "save_weights": ("model_id", "path", "seq_id", "ttl_seconds", "overwrite", "user_metadata", "type"),
+    "save_weights_external": ("model_id", "path", "seq_id", "ttl_seconds", "age_encryption_recipients", "type"),
     "save_weights_for_sampler": ("model_id", "path", "sampling_session_seq_id", "kind", "seq_id", "ttl_seconds",
                                  "user_metadata", "type"),
     "optim_step": ("adam_params", "optim_params", "optimizer_params", "model_id", "seq_id", "type"),
@@ -173,6 +174,11 @@ class Save:
 
 def parse_save(body: Mapping[str, Any]) -> Save:
     return Save(check_name(body.get("path")), flag(body, "overwrite"), _ttl(body), _object(body, "user_metadata"))
+
+
+def parse_external_save(body: Mapping[str, Any]) -> tuple[Save, Any]:
+    """save_weights_external: the export's name and ttl, and its ``age_encryption_recipients`` (raw)."""
+    return Save(check_name(body.get("path")), True, _ttl(body), None), body.get("age_encryption_recipients")
 
 
 @attrs.frozen
