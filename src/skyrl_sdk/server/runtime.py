@@ -273,7 +273,9 @@ class Runtime:
     async def get_info(self, owner: str, body: dict) -> dict:
         model = self.model(owner, body.get("model_id"))
         await asyncio.wait_for(model.ready.wait(), timeout=3600)
-        return wire.model_info_json(model.model_id, model.base_model, model.require_backend().get_info())
+        # the client names its samplers' base model by model_name, and loads their tokenizer by it
+        return wire.model_info_json(model.model_id, self.served.client_name(model.base_model),
+                                    model.require_backend().get_info())
 
     # ---- training requests (sequenced per model) -----------------------------------------------
     def _sequenced(self, owner: str, body: dict | None, what: str, make_run: Callable[[TrainingModel], Callable],
@@ -420,7 +422,8 @@ class Runtime:
 
     def get_sampler(self, owner: str, sampler_id: str) -> dict:
         s = self.sampling.session(owner, sampler_id)
-        return {"sampler_id": s.sid, "base_model": s.base_model, "model_path": s.model_path}
+        # the client loads a sampler's tokenizer by this name: give one that resolves offline
+        return {"sampler_id": s.sid, "base_model": self.served.client_name(s.base_model), "model_path": s.model_path}
 
     def sample(self, owner: str, body: dict) -> FutureRecord:
         spec = wire.parse_sample_request(body, self.config.max_num_samples)
