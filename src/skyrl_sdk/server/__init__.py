@@ -10,8 +10,12 @@ answers), ``proto`` (protobuf messages), ``served`` (served models and their lim
 ``memory`` (the memory budget), ``sessions`` (client sessions and their expiry),
 ``sampling`` (sampling sessions, sampler cache), ``snapshots`` (pinned weights), ``history``
 (metrics per step, for the console), ``runtime`` (models, request ordering; the one entry for
-routes), ``routes`` (HTTP endpoints), ``console`` (the browser console: its page and JSON),
-``app`` (``create_app``). See docs/server.md.
+routes), ``weights`` (the requests that save weights, the expiry sweep), ``exports``
+(external weights and their signed download links), ``catalog`` (publishing, time to live,
+session search), ``routes`` (HTTP endpoints), ``rest`` (the RestClient's routes beyond
+listing, and the declined ones' 404), ``compat`` (the compatibility matrix, from the client's
+routes), ``console`` (the browser console: its page and JSON), ``app`` (``create_app``). See
+docs/server.md.
 """
 
 from .config import ServerConfig

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -28,25 +27,23 @@ from . import proto, wire
 from .bodies import Bodies
 from .config import ServerConfig
 from .executor import SHUTDOWN_MESSAGE, Executors
-from .exports import DownloadLinks, age_recipients, export_external
+from .exports import DownloadLinks
 from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
 from .history import History
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
-from .store import Store, TinkerPath
+from .store import Store
+from .weights import EXPIRY_SWEEP_S, WeightRequests
 
 logger = logging.getLogger(__name__)
-
-#: how often expired checkpoints are deleted (an expired one is gone from every answer at once)
-EXPIRY_SWEEP_S = 60.0
 
 
 class _ShuttingDown(Exception):
     """A request that arrived after the shutdown began."""
 
 
-class Runtime:
+class Runtime(WeightRequests):
     def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, bodies: Bodies | None = None) -> None:
         self.config = config
         self.loop = loop
@@ -344,71 +341,6 @@ class Runtime:
             return run
 
         return self._sequenced(owner, body, "optim_step", make)
-
-    def save_weights(self, owner: str, body: dict) -> FutureRecord:
-        def make(model: TrainingModel):
-            save = wire.parse_save(body)
-            tp = TinkerPath(model.model_id, "training", save.name)
-            directory = self.store.checkpoint_dir(tp)
-
-            def run() -> Result:
-                self.store.delete_expired()
-                model.require_backend().save_state(directory, overwrite=save.overwrite)
-                self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
-                return Result.json({"path": str(tp), "type": "save_weights"})
-
-            return run
-
-        return self._sequenced(owner, body, "save_weights", make, cost=None)
-
-    def save_weights_external(self, owner: str, body: dict) -> FutureRecord:
-        """Export the weights for download (:mod:`.exports`): an external_weights checkpoint."""
-        def make(model: TrainingModel):
-            save, raw_recipients = wire.parse_external_save(body)
-            recipients = age_recipients(raw_recipients)
-            tp = TinkerPath(model.model_id, "external", save.name)
-            directory = self.store.checkpoint_dir(tp)
-
-            def run() -> Result:
-                self.store.delete_expired()
-                scratch = self.store.scratch_dir("exports", uuid.uuid4().hex)
-                export_external(model.require_backend(), model.lora is not None, directory, scratch, recipients)
-                self.store.add_checkpoint(tp, save.ttl_seconds)
-                return Result.json({"path": str(tp), "type": "save_weights_external"})
-
-            return run
-
-        return self._sequenced(owner, body, "save_weights_external", make, cost=None)
-
-    def _sweep_expired(self) -> None:
-        """(event loop, every EXPIRY_SWEEP_S) Delete expired checkpoints' records and files, off the loop."""
-        self._expiry_sweep = self.loop.call_later(EXPIRY_SWEEP_S, self._sweep_expired)
-        if self.stopping is None:
-            self.loop.run_in_executor(None, self.store.delete_expired)
-
-    def save_weights_for_sampler(self, owner: str, body: dict) -> FutureRecord:
-        def make(model: TrainingModel):
-            req = wire.parse_sampler_save(body)
-            if (save := req.save) is not None:
-                tp = TinkerPath(model.model_id, "sampler", save.name)
-                directory = self.store.checkpoint_dir(tp)
-
-                def run_named() -> Result:
-                    model.require_backend().save_weights_for_sampler(directory, overwrite=True)
-                    self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
-                    return Result.json({"path": str(tp), "type": "save_weights_for_sampler"})
-
-                return run_named
-            sid = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
-
-            def run_ephemeral() -> Result:
-                self.sampling.add_ephemeral(model, sid, req.kind)
-                return Result.json({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
-
-            return run_ephemeral
-
-        named = body.get("path") is not None  # a named export writes to disk; a snapshot only pins
-        return self._sequenced(owner, body, "save_weights_for_sampler", make, cost=None if named else 0)
 
     # ---- sampling ------------------------------------------------------------------------------
     def create_sampling_session(self, owner: str, body: dict) -> str:
