@@ -11,10 +11,10 @@ import types as pytypes
 import pytest
 
 from _limits import HANG_S
+from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk.cli import commands as cli
 from skyrl_sdk.losses.base import LossSpec
 from skyrl_sdk.losses.dialects import convert_tinker
-from skyrl_sdk.plugins import manager as plugins
 from skyrl_sdk.plugins.registry import DialectSpec
 
 
@@ -45,7 +45,7 @@ def test_plugins_json_lists_builtins_and_reinforce():
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     by_name = {r["name"]: r for r in rows}
-    for name in plugins.BUILTIN_PLUGINS:
+    for name in plugins.builtin_plugin_names():
         assert by_name[name]["builtin"] is True and by_name[name]["package"] == "skyrl-sdk"
         assert by_name[name]["error"] is None
     assert "loss:cross_entropy" in by_name["skyrl_sdk.losses.sft"]["registered"]
@@ -73,13 +73,13 @@ def test_losses_json_lists_inputs_config_and_dialect_names():
 
 
 def test_human_output_is_an_aligned_table_and_env_restricts():
-    proc = run_cli("plugins", env={plugins.ENV_VAR: ""})
+    proc = run_cli("plugins", env={"SKYRL_SDK_PLUGINS": ""})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["NAME", "PACKAGE", "VERSION", "BUILTIN", "REGISTERED"]
     column = lines[0].index("PACKAGE")
     assert all(line[column - 2:column] == "  " and line[column] != " " for line in lines[1:])
-    assert "reinforce" not in [line.split()[0] for line in lines] and len(lines) == 1 + len(plugins.BUILTIN_PLUGINS)
+    assert "reinforce" not in [line.split()[0] for line in lines] and len(lines) == 1 + len(plugins.builtin_plugin_names())
 
 
 # ---- in-process ------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ from tinker.proto import tinker_public_pb2 as pb
 from _probes import Probes
 from _server_harness import ServerThread, raw_client, wait_result
 from skyrl_sdk.errors import InputError
-from skyrl_sdk.server.config import ServerConfig, read_api_keys
 from skyrl_sdk.server.compat import NOT_SERVED_PREFIX, ROWS
+from skyrl_sdk.server.config import ServerConfig, read_api_keys
 from skyrl_sdk.server.guard import OPEN_PATHS, OPEN_PREFIXES
 
 ALICE, BOB = "tml-alice", "tml-bob"

@@ -107,7 +107,7 @@ def _engine_config(cfg):
 
 
 def _engine(name):
-    from skyrl_sdk.plugins.manager import get_registry
+    from skyrl_sdk import get_registry
 
     return get_registry().engine_spec(name)  # what `skyrl-sdk serve --engine` asks
 

@@ -18,17 +18,17 @@ from typing import Any
 import attrs
 import numpy as np
 
+from .builtin_plugins import get_registry
 from .engines import call_grads
-from .errors import CheckpointError, InputError
+from .errors import CheckpointError, DatumError, InputError
 from .inputs.coerce import adam_params_from_any, data_from_any, lora_config_from_any
 from .inputs.sample import sample_request
 from .losses.metrics import MetricAccumulator
-from .losses.resolve import ResolvedLoss, resolve_loss
+from .losses.resolve import ResolvedLoss
 from .losses.run import add_prepared_inputs
 from .losses.stability import SequenceRecords, resolve_provenance
 from .losses.validation import check_call, check_prompts, check_target_ids, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
-from .plugins.manager import get_registry
 from .sampling import unsupported_options
 from .types import (
     AdamParams,
@@ -36,6 +36,7 @@ from .types import (
     ForwardBackwardOutput,
     LoadStateOutput,
     ModelInfo,
+    ModelInput,
     OptimStepOutput,
     SampleOutput,
     SamplingParams,
@@ -126,6 +127,11 @@ class Backend:
                 self.engine.close()
                 self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (its engine's memory is freed)."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise InputError("this Backend is closed")
@@ -144,12 +150,15 @@ class Backend:
         ``None`` is the role's default loss: ``cross_entropy`` (policy) or ``value`` (critic)."""
         if loss_fn is None:
             loss_fn = "value" if self.role == "critic" else "cross_entropy"
-        return resolve_loss(get_registry(), loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
+        return get_registry().resolve(loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
 
     def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config,
                  backward: bool = True) -> tuple[list[Datum], ResolvedLoss]:
         resolved = self.resolve(loss_fn, loss_fn_config)
         datums = data_from_any(data)
+        inputs = self._read_images([d.model_input for d in datums], lambda i, msg: DatumError(msg, index=i))
+        datums = [d if mi is d.model_input else attrs.evolve(d, model_input=mi)
+                  for d, mi in zip(datums, inputs, strict=True)]
         if resolved.spec.needs_provenance:  # the recorded sampler logprobs, named by each datum's provenance
             datums = resolve_provenance(datums, self.sequences)
         if not backward:  # no gradient: take the inputs this loss reads, leave the other losses' alone
@@ -159,6 +168,18 @@ class Backend:
         if resolved.spec.prepare is not None:
             datums = add_prepared_inputs(datums, resolved, self.engine.run(datums, resolved, backward=False).outputs)
         return datums, resolved
+
+    def _read_images(self, inputs: list[ModelInput], error) -> list[ModelInput]:
+        """``inputs`` with their images read by the model's image processor (checked against the
+        image limits first, then decoded), or refused by name when the model reads no images."""
+        if not any(mi.has_images for mi in inputs):
+            return inputs
+        images = getattr(self.engine, "images", None)
+        if images is None:
+            i = next(i for i, mi in enumerate(inputs) if mi.has_images)
+            raise error(i, f"model_input holds an image, but model {self.model_name!r} reads no images (it is not "
+                           f"a vision-language model: Qwen2-VL, Qwen2.5-VL or Qwen3-VL)")
+        return images.prepare(inputs, error)
 
     @staticmethod
     def _outputs(result) -> ForwardBackwardOutput:
@@ -265,7 +286,15 @@ class Backend:
         call = sample_request(prompts, sampling_params, num_samples, prompt_logprobs, topk_prompt_logprobs,
                               record_stability_info, topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k)
         params = call.sampling_params
-        check_prompts(call.prompts, self.vocab_size, self.engine.info.max_positions, params.max_tokens)
+        prompts = list(call.prompts)
+        where = [i for i, p in enumerate(prompts) if isinstance(p, ModelInput)]
+        if where:  # decoded here, in the caller's thread (the server's compute thread)
+            read = self._read_images([prompts[i] for i in where],
+                                     lambda k, msg: InputError(f"prompt {where[k]}: {msg}"))
+            for i, model_input in zip(where, read, strict=True):
+                prompts[i] = model_input
+        check_prompts([p.to_numpy() if isinstance(p, ModelInput) else p for p in prompts], self.vocab_size,
+                      self.engine.info.max_positions, params.max_tokens)
         check_target_ids(call.target_prompt_logprobs, self.vocab_size)
         scores = call.scores()
         with self._lock:
@@ -276,7 +305,7 @@ class Backend:
             missing = unsupported_options(self._sampler.sample, scores)
             if missing:
                 raise InputError(f"{missing[0]}: sampler {self.sampler_name!r} does not support it")
-            outs = self._sampler.sample(list(call.prompts), params, call.num_samples,
+            outs = self._sampler.sample(prompts, params, call.num_samples,
                                         prompt_logprobs=call.prompt_logprobs,
                                         topk_prompt_logprobs=call.topk_prompt_logprobs, **scores)
         if not call.record_stability_info:

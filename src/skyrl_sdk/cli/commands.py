@@ -51,7 +51,7 @@ def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 
 def plugin_rows() -> list[dict[str, Any]]:
     """One dict per plugin, loaded or failed, in load order."""
-    from ..plugins.manager import get_plugins
+    from ..builtin_plugins import get_plugins
 
     return [info.to_dict() for info in get_plugins().plugins]
 
@@ -110,7 +110,7 @@ def config_defaults(spec: Any) -> dict[str, Any]:
 
 def loss_rows(dialect: str | None = None) -> list[dict[str, Any]]:
     """One dict per registered loss, sorted by name."""
-    from ..plugins.manager import get_registry
+    from ..builtin_plugins import get_registry
 
     registry = get_registry()
     dialects = registry.dialects if dialect is None else {dialect: registry.dialect_spec(dialect)}
@@ -157,8 +157,8 @@ def _print_loss_records(rows: Sequence[dict[str, Any]], width: int) -> None:
 
 
 def cmd_losses(args: argparse.Namespace) -> int:
+    from ..builtin_plugins import get_registry
     from ..errors import UnknownNameError
-    from ..plugins.manager import get_registry
 
     if args.dialect is not None:
         try:

@@ -33,7 +33,7 @@ _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin
 
 def check_engine(engine: str) -> None:
     """The engine is registered (a plugin engine needs its package installed)."""
-    from ..plugins.manager import get_registry
+    from ..builtin_plugins import get_registry
 
     try:
         get_registry().engine_spec(engine)

@@ -11,6 +11,7 @@ import json
 import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -169,10 +170,12 @@ def write_hf_config(config, tokenizer, directory: Path, dtype: torch.dtype | Non
 
 def export_hf_directory(
     config, state: dict[str, torch.Tensor], tokenizer, directory: Path, max_shard_bytes: int,
-    architecture: str | None = None, dtype: torch.dtype | None = None,
+    architecture: str | None = None, dtype: torch.dtype | None = None, image_processor: Any = None,
 ) -> None:
     """Write ``state`` as a model directory; ``dtype`` (the engine's compute dtype) casts
-    every floating tensor, so a bf16-mixed run exports bf16 weights, not its fp32 masters."""
+    every floating tensor, so a bf16-mixed run exports bf16 weights, not its fp32 masters. A
+    vision-language model's ``image_processor`` is saved too (its pixel bounds decide how many
+    positions an image takes)."""
     state, _ = dedupe_shared(state)  # tied embeddings: keep the first name only
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
@@ -181,3 +184,5 @@ def export_hf_directory(
     write_hf_weights(state, directory, max_shard_bytes)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
+    if image_processor is not None:
+        image_processor.save_pretrained(str(directory))

@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 
 from ..errors import InputError, quoted, refuse_unknown_keys
-from ..types import SamplingParams
+from ..types import ImageChunk, ModelInput, SamplingParams
 from ..types.arrays import as_numpy
 from ..types.numbers import check_number, check_sample_counts
 from .coerce import prompts_from_any, sampling_params_from_any
@@ -34,8 +34,9 @@ MAX_TARGET_PROMPT_IDS = 1024
 class SampleRequest:
     """One sample call's checked values."""
 
-    #: each prompt's token ids (1-D int64, at least one token)
-    prompts: tuple[np.ndarray, ...]
+    #: each prompt's token ids (1-D int64, at least one token), or its ``ModelInput`` when it
+    #: holds images (the model's image processor reads them before compute)
+    prompts: tuple[np.ndarray | ModelInput, ...]
     sampling_params: SamplingParams
     #: continuations per prompt (>= 1)
     num_samples: int = 1
@@ -76,6 +77,10 @@ def sample_request(prompts: Any, sampling_params: Any = None, num_samples: Any =
     widths = [check_number(name, value, low=0, high=max_topk, integer=True) for name, value in
               (("topk_sample_logprobs", topk_sample_logprobs), ("prompt_alt_tokens_k", prompt_alt_tokens_k))]
     targets = _target_ids(arrays, target_prompt_logprobs)
+    images = any(not isinstance(p, np.ndarray) for p in arrays)
+    for name, asked in (("record_stability_info", record_stability_info), ("prompt_alt_tokens_k", widths[1])):
+        if asked and images:
+            raise InputError(f"{name}: not available for a prompt with images")
     return SampleRequest(tuple(arrays), params, num_samples, prompt_logprobs, topk, record_stability_info,
                          widths[0], targets, widths[1])
 
@@ -96,6 +101,9 @@ def _target_ids(prompts: list[np.ndarray], value: Any) -> tuple[np.ndarray | Non
         if ids is None:
             out.append(None)
             continue
+        if not isinstance(prompt, np.ndarray):
+            raise InputError(f"{where}: not available for a prompt with images (its positions are known only "
+                             f"once the image processor has read them)")
         ids = as_numpy(ids, "int64", where)
         rows = int(prompt.size) - 1
         if ids.ndim != 2 or ids.shape[0] != rows or not 1 <= ids.shape[1] <= MAX_TARGET_PROMPT_IDS:
@@ -108,6 +116,14 @@ def _target_ids(prompts: list[np.ndarray], value: Any) -> tuple[np.ndarray | Non
             raise InputError(f"{where}: names no token id (every cell is -1)")
         out.append(ids)
     return tuple(out) if any(a is not None for a in out) else None
+
+
+def declared_length(prompt: np.ndarray | ModelInput) -> int:
+    """The positions a prompt declares before any image is read: its tokens, and its images'
+    ``expected_tokens`` (an image without one counts 0 until the image processor counts it)."""
+    if isinstance(prompt, np.ndarray):
+        return int(prompt.size)
+    return sum(c.length if not isinstance(c, ImageChunk) else c.expected_tokens or 0 for c in prompt.chunks)
 
 
 def sample_request_from_json(body: Mapping[str, Any], *, max_num_samples: int | None = None,

@@ -27,7 +27,7 @@ class ValueHeadModel(nn.Module):
         self.config = backbone.config
         setattr(self.config, CONFIG_FIELD, VALUE_HEAD)  # an export says where its head is
         self._no_split_modules = list(getattr(backbone, "_no_split_modules", None) or [])
-        self.value_head = nn.Linear(int(self.config.hidden_size), 1, bias=True)
+        self.value_head = nn.Linear(int(self.config.get_text_config().hidden_size), 1, bias=True)
 
     @property
     def backbone(self) -> nn.Module:

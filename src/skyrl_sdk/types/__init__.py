@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .arrays import TensorDtype, densify_csr
 from .datum import Datum
-from .model_input import EncodedTextChunk, ModelInput
+from .model_input import EncodedTextChunk, ImageChunk, ModelInput, PreparedImageChunk
 from .outputs import (
     ForwardBackwardOutput,
     LoadStateOutput,
@@ -32,11 +32,13 @@ __all__ = [
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
+    "ImageChunk",
     "LoadStateOutput",
     "LoraConfig",
     "ModelInfo",
     "ModelInput",
     "OptimStepOutput",
+    "PreparedImageChunk",
     "PromptAltTokens",
     "PromptProvenanceSpan",
     "ProvenanceSpan",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -59,15 +60,7 @@ class StreamingGather:
 
     def save_optimizer(self, file: Path) -> None:
         """AdamW moments as ``<param>::exp_avg`` / ``::exp_avg_sq`` / ``::step`` (the local engine's names)."""
-        items: list[tuple[str, torch.Tensor]] = []
-        optimizer = self.runner.optimizer
-        for name, p in self.runner.named_trainable() if optimizer is not None else ():
-            state = optimizer.state.get(p)
-            if not state:
-                continue
-            step = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
-            items += [(f"{name}::exp_avg", state["exp_avg"]), (f"{name}::exp_avg_sq", state["exp_avg_sq"]),
-                      (f"{name}::step", step)]
+        items = self.runner.optimizer.state_items()
         tensors = (_full(t) for _, t in items)
         if self.rank == 0:
             write_tensor_stream(file, _plan(items), tensors)
@@ -112,9 +105,10 @@ class StreamingGather:
             yield weight
 
     def export_hf(self, directory: Path | None, tokenizer, max_shard_bytes: int,
-                  dtype: torch.dtype | None = None) -> None:
+                  dtype: torch.dtype | None = None, image_processor: Any = None) -> None:
         """An HF directory (LoRA merged) written by rank 0, one gathered tensor at a time;
-        ``dtype`` (the compute dtype of a mixed-precision run) casts the floating tensors."""
+        ``dtype`` (the compute dtype of a mixed-precision run) casts the floating tensors; a
+        vision-language model's ``image_processor`` is saved beside the tokenizer."""
         items = self._merged_items()
         tensors = self._merged_tensors(items)
         if self.rank != 0:
@@ -131,8 +125,10 @@ class StreamingGather:
         write_hf_config(hf_model(self.loaded.module).config, tokenizer, directory,
                         next(iter(dtypes)) if len(dtypes) == 1 else None, self.loaded.architecture)
         write_hf_weights_stream(directory, plan, tensors, max_shard_bytes)
+        if image_processor is not None:
+            image_processor.save_pretrained(str(directory))
 
-    def save_adapter(self, directory: Path) -> None:
+    def save_adapter(self, directory: Path, image_processor: Any = None) -> None:
         """peft's adapter directory: only what peft saves is gathered (the adapters, and the
         output embedding when LoRA trains it), never the whole base model."""
         from peft import get_peft_model_state_dict
@@ -144,5 +140,6 @@ class StreamingGather:
         state = {n: _full(t) for n, t in sharded.items() if id(t) in wanted}
         if self.rank == 0:
             module.save_pretrained(str(directory), state_dict=state)
-            if self.loaded.tokenizer is not None:
-                self.loaded.tokenizer.save_pretrained(str(directory))
+            for files in (self.loaded.tokenizer, image_processor):
+                if files is not None:
+                    files.save_pretrained(str(directory))
