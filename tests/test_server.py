@@ -303,11 +303,11 @@ def test_sampling_params_stop_and_paths(service, server):
     assert info.get_training_run(tc.model_id).result().base_model == "tiny"
 
 
-def test_unsupported_sampling_option_is_a_user_error(service):
+def test_a_sampling_option_out_of_range_is_a_user_error(service):
     sampler = service.create_sampling_client(base_model="tiny").result()
-    with pytest.raises(tinker.RequestFailedError, match="top-k sample logprobs"):
+    with pytest.raises(tinker.RequestFailedError, match="topk_sample_logprobs: expected an integer in 0..20"):
         sampler.sample(tt.ModelInput.from_ints([1, 2, 3]), 1, tt.SamplingParams(max_tokens=2),
-                       topk_sample_logprobs=2).result(timeout=HANG_S)
+                       topk_sample_logprobs=21).result(timeout=HANG_S)
 
 
 # ---- errors ----------------------------------------------------------------------------------

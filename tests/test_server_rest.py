@@ -148,6 +148,15 @@ def test_publishing_lets_other_owners_read_but_never_list_or_change(world):
     rest_a.unpublish_checkpoint_from_tinker_path(sampler_path).result(timeout=HANG_S)
     with pytest.raises(tinker.NotFoundError):
         rest_b.get_weights_info_by_tinker_path(sampler_path).result(timeout=HANG_S)
+    # a published training checkpoint: Bob trains from it (a run of his own), Alice's export stays hers
+    state = trainer.save_state("shared-state").result(timeout=HANG_S).path
+    export = trainer.save_weights_external("shared-export").result(timeout=HANG_S).path
+    rest_a.publish_checkpoint_from_tinker_path(state).result(timeout=HANG_S)
+    rest_a.publish_checkpoint_from_tinker_path(export).result(timeout=HANG_S)
+    bobs_run = world["bob"].create_training_client_from_state(state).result(timeout=HANG_S)
+    np.testing.assert_allclose(trained_logprobs(bobs_run), trained_logprobs(trainer), atol=1e-5)
+    with pytest.raises(tinker.NotFoundError):
+        rest_b.get_external_weights_urls(export).result(timeout=HANG_S)
 
 
 def test_a_checkpoints_time_to_live_expires_and_deletes_it(world):

@@ -2,9 +2,10 @@
 
 The tinker client numbers every training request and sends request n + 1 only once request
 n's submission was answered or failed on its side; this server asks for forward_backward
-chunks one after another. So a request proves every seq_id below it was submitted: a
-missing one is skipped at once, with no timer (these tests set the gap timeout to the hang
-limit, so only the proof can let the later request run)."""
+chunks one after another. So a request shows every seq_id below it was submitted: a
+missing one is skipped after a short grace (3 s; ids arriving out of order within it keep
+their order), not after the 60 s idle gap (these tests set that to the hang limit, so only
+the boundary rule can let the later request run)."""
 
 from __future__ import annotations
 
@@ -32,17 +33,19 @@ def _recorder():
     return ran, answers, job
 
 
-def _run(steps) -> tuple[list[int], dict[int, Result], Sequencer]:
+def _run(steps, grace: float = 0.0, pause: float = 0.0) -> tuple[list[int], dict[int, Result], Sequencer]:
+    """Submit ``(seq_id, boundary)`` steps ``pause`` seconds apart to a sequencer whose
+    boundaries wait ``grace`` seconds."""
     ran, answers, job = _recorder()
 
     async def main():
         worker = Executor("t", dedicated=True).queue("t", "alice")
-        seq = Sequencer(worker, next_seq=1, gap_timeout_s=HANG_S)
+        seq = Sequencer(worker, next_seq=1, gap_timeout_s=HANG_S, boundary_grace_s=grace)
         for seq_id, boundary in steps:
             seq.submit(seq_id, job(seq_id), boundary=boundary)
+            await asyncio.sleep(pause)
         deadline = time.monotonic() + HANG_S
-        while len(answers) < len(steps) - sum(1 for s, _ in steps if s in seq._waiting) \
-                and time.monotonic() < deadline:
+        while len(answers) < len(steps) and time.monotonic() < deadline:  # each step answered, run or refused
             await asyncio.sleep(0.02)
         worker.close()
         return seq
@@ -65,6 +68,18 @@ def test_chunks_of_a_parallel_call_still_wait_for_each_other():
 def test_a_waiting_chunk_runs_once_a_boundary_proves_the_gap():
     ran, answers, seq = _run([(1, True), (3, False), (5, True)])  # 2 and 4 never come
     assert ran == [1, 3, 5]
+
+
+def test_ids_that_arrive_out_of_order_within_the_grace_keep_their_order():
+    """A client of its own sends 3 (a boundary) before 2: within the grace (here longer than
+    the test) 2 still runs first."""
+    ran, answers, seq = _run([(1, True), (3, True), (2, True)], grace=HANG_S, pause=0.05)
+    assert ran == [1, 2, 3]
+
+
+def test_the_grace_ends_and_the_gap_is_skipped():
+    ran, answers, seq = _run([(1, True), (3, True)], grace=0.2)  # waits for the grace, then runs 3
+    assert ran == [1, 3] and seq.next_seq == 4
 
 
 def test_a_skipped_id_that_arrives_late_is_refused_not_run_out_of_order():

@@ -3,7 +3,7 @@ time to live), and the search over their sessions (Tinker's RestClient).
 
 Publishing, as Tinker defines it: only the training run's owner publishes or unpublishes;
 while published, any owner of this server may *read* the checkpoint by its ``tinker://``
-path (sample from it, load it, its weights info, download an export), never list, change or
+path (sample from it, load it, its weights info), never list, change or
 delete it. Listings stay each owner's own. Sessions are only ever the caller's own: every
 search owner type (own, accessible, listed users) reads as the caller's sessions, since no
 owner may see another's here.

@@ -147,8 +147,9 @@ class ServerConfig:
     unfinished request before answering ``try_again``. ``gap_timeout_s``: how long a
     model's worker must sit idle, with later chunks of a parallel ``forward_backward``
     waiting on a missing ``seq_id``, before those run anyway (only when ``client_config``
-    turns ``parallel_fwdbwd_chunks`` on: otherwise a later request proves the missing one
-    will not come, and it is skipped at once; see ``futures.Sequencer``).
+    turns ``parallel_fwdbwd_chunks`` on: otherwise a later request shows the missing one
+    will not come, and it is skipped after ``boundary_grace_s``, a grace for clients of
+    their own that send out of order; see ``futures.Sequencer``).
 
     ``api_key`` (one owner) and ``api_keys`` (key -> owner): who may call, and whose models,
     sessions, runs, checkpoints and futures each request sees; with neither, no key is needed
@@ -175,6 +176,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     long_poll_s: float = 20.0
     gap_timeout_s: float = 60.0
+    boundary_grace_s: float = 3.0
     max_sampler_backends: int = 4
     max_ephemeral_snapshots: int = 4
     max_sample_batch: int = 64

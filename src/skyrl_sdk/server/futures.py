@@ -111,22 +111,28 @@ class Sequencer:
     reached us: a datum it could not encode) -- except the chunks of one parallel
     ``forward_backward``, which it sends together. So a request that arrives as a
     *boundary* (``boundary=True``: everything numbered before it was already submitted)
-    proves that the missing seq_ids below it will never come: they are skipped at once, and
-    nothing waits for them. The runtime marks every request a boundary when the server tells
-    clients not to send chunks in parallel (its default), and every request but a
-    ``forward_backward`` otherwise. A request that is not a boundary waits for a missing
-    seq_id until the model's queue has been idle for ``gap_timeout_s`` with later requests
-    waiting (a chunk of the same call, still on its way, arrives well within that), so one
-    lost request cannot stall a model forever, while a slow forward pass never causes a
-    skip. A skipped seq_id that arrives after all is refused (it would run out of order).
-    Jobs without a seq_id go straight through."""
+    shows that the seq_ids missing below it will not come: they are skipped once it has
+    waited ``boundary_grace_s`` (a short grace, for a client of its own that sends out of
+    order; the ids that arrive within it keep their order). The runtime marks every request a
+    boundary when the server tells clients not to send chunks in parallel (its default), and
+    every request but a ``forward_backward`` otherwise. A request that is not a boundary
+    waits for a missing seq_id until the model's queue has been idle for ``gap_timeout_s``
+    with later requests waiting (a chunk of the same call, still on its way, arrives well
+    within that), so one lost request cannot stall a model forever, while a slow forward pass
+    never causes a skip. A skipped seq_id that arrives after all is refused (it would run out
+    of order). Jobs without a seq_id go straight through."""
 
-    def __init__(self, worker: Any, next_seq: int = 1, gap_timeout_s: float = 30.0) -> None:
+    def __init__(self, worker: Any, next_seq: int = 1, gap_timeout_s: float = 30.0,
+                 boundary_grace_s: float = 0.0) -> None:
         self.worker = worker
         self.next_seq = next_seq
         self.gap_timeout_s = gap_timeout_s
+        self.boundary_grace_s = boundary_grace_s
         self._waiting: dict[int, Job] = {}
         self._gap_timer: asyncio.TimerHandle | None = None
+        #: the highest boundary waiting for a gap below it, and the timer that ends its grace
+        self._proof: int | None = None
+        self._grace_timer: asyncio.TimerHandle | None = None
 
     def submit(self, seq_id: int | None, job: Job, *, boundary: bool = False) -> None:
         if seq_id is None:
@@ -140,8 +146,21 @@ class Sequencer:
                                   "server"))
             return
         self._waiting[seq_id] = job
-        if boundary:
-            self._skip_below(seq_id, "the client sent a later request, so they will not come")
+        if boundary and seq_id > self.next_seq:
+            self._proof = max(seq_id, self._proof or 0)
+            if self.boundary_grace_s <= 0:
+                self._end_grace()
+                return
+            if self._grace_timer is None:
+                self._grace_timer = asyncio.get_running_loop().call_later(self.boundary_grace_s, self._end_grace)
+        self._drain()
+
+    def _end_grace(self) -> None:
+        """The grace of the waiting boundaries is over: the ids still missing below them are skipped."""
+        self._grace_timer = None
+        if self._proof is not None and self._proof > self.next_seq:
+            self._skip_below(self._proof, "the client sent a later request, so they will not come")
+        self._proof = None
         self._drain()
 
     def _skip_below(self, seq_id: int, why: str) -> None:
@@ -160,6 +179,11 @@ class Sequencer:
         while self.next_seq in self._waiting:
             self.worker.put(self._waiting.pop(self.next_seq))
             self.next_seq += 1
+        if self._proof is not None and self._proof < self.next_seq:  # the gap filled within the grace
+            self._proof = None
+            if self._grace_timer is not None:
+                self._grace_timer.cancel()
+                self._grace_timer = None
         if self._gap_timer is not None:
             self._gap_timer.cancel()
             self._gap_timer = None
@@ -179,6 +203,9 @@ class Sequencer:
         self._drain()
 
     def fail_pending(self, message: str) -> None:
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
         for job in self._waiting.values():
             job.done(Result.error(message, "server"))
         self._waiting.clear()

@@ -56,10 +56,11 @@ async def set_ttl(run_id: str, segment: str, name: str, request: Request) -> dic
 
 @router.get(CHECKPOINT + "/external_weights_urls")
 async def external_weights_urls(run_id: str, segment: str, name: str, request: Request) -> dict:
-    """Signed links to an export's files: the caller's, or a published one."""
+    """Signed links to the files of one of the caller's own exports (another owner reads a
+    published checkpoint by loading it, and may export that run of its own)."""
     runtime = _runtime(request)
     tp, directory = runtime.store.resolve_checkpoint(f"tinker://{run_id}/{segment}/{name}", _owner(request),
-                                                     kind="external", readable=True)
+                                                     kind="external")
     return runtime.downloads.sign(directory, str(request.base_url))
 
 
