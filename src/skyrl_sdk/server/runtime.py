@@ -227,8 +227,8 @@ class Runtime(WeightRequests):
             raise InputError(f"model {req.model_id} already exists")
         worker = self.executors.queue(req.model_id, owner, self.config.max_sample_batch,
                                       self.config.sample_batch_wait_s)
-        model = TrainingModel(req.model_id, owner, req.session_id, base, lora, worker,
-                              Sequencer(worker, 1, self.config.gap_timeout_s, self.config.boundary_grace_s), asyncio.Event())
+        sequencer = Sequencer(worker, 1, self.config.gap_timeout_s, self.config.boundary_grace_s)
+        model = TrainingModel(req.model_id, owner, req.session_id, base, lora, worker, sequencer, asyncio.Event())
         self.models[req.model_id] = model
         self.store.add_run(req.model_id, owner, req.session_id, base, attrs.asdict(lora) if lora else None, metadata)
         rec = self.futures.create(owner, req.model_id, dedup)
