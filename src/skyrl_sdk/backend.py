@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,15 +21,16 @@ import numpy as np
 
 from .builtin_plugins import get_registry
 from .engines import call_grads
-from .errors import CheckpointError, DatumError, InputError
+from .errors import CheckpointError, CriticExportWarning, DatumError, InputError
 from .inputs.coerce import adam_params_from_any, data_from_any, lora_config_from_any
 from .inputs.sample import sample_request
 from .losses.metrics import MetricAccumulator
-from .losses.resolve import ResolvedLoss
+from .losses.resolve import ResolvedLoss, reading_values
 from .losses.run import add_prepared_inputs
 from .losses.stability import SequenceRecords, resolve_provenance
 from .losses.validation import check_call, check_prompts, check_target_ids, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
+from .models.value_head import critic_export_note, write_critic_card
 from .sampling import unsupported_options
 from .types import (
     AdamParams,
@@ -164,8 +166,10 @@ class Backend:
         if not backward:  # no gradient: take the inputs this loss reads, leave the other losses' alone
             known = {k for spec in get_registry().losses.values() for k in spec.required_inputs + spec.optional_inputs}
             datums = inputs_for_forward(datums, resolved.spec, known)
+            if datums:  # a critic's datums without values/returns: read the values
+                resolved = reading_values(resolved, set(datums[0].loss_fn_inputs))
         resolved = check_call(datums, resolved, self.vocab_size, self.engine.info.max_positions)  # before compute
-        if resolved.spec.prepare is not None:
+        if resolved.spec.prepare is not None and not resolved.scores_only:
             datums = add_prepared_inputs(datums, resolved, self.engine.run(datums, resolved, backward=False).outputs)
         return datums, resolved
 
@@ -323,11 +327,18 @@ class Backend:
     def save_weights_for_sampler(
         self, path: str | Path, *, merge_lora: bool = True, overwrite: bool = False
     ) -> SaveWeightsForSamplerOutput:
-        """Write a Hugging Face model directory (LoRA merged unless ``merge_lora=False``)."""
+        """Write a Hugging Face model directory (LoRA merged unless ``merge_lora=False``).
+
+        A critic has no lm_head, so its export is no model to sample from: it is written
+        (backbone and value head, with a README.md saying so) and a warning says how to load it."""
         with self._lock:
             self._check_open()
             with atomic_directory(path, overwrite=overwrite) as tmp:
                 self.engine.export_weights(tmp, merge_lora=merge_lora)
+                if self.role == "critic":
+                    write_critic_card(tmp)
+            if self.role == "critic":
+                warnings.warn(critic_export_note(path), CriticExportWarning, stacklevel=2)
             return SaveWeightsForSamplerOutput(path=str(Path(path).expanduser().resolve()))
 
     def _identity(self) -> dict[str, Any]:

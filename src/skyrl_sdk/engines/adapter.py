@@ -24,7 +24,7 @@ from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, sav
 from ..models.loading import LoadedModel, hf_model
 from ..types import AdamParams, Datum, SampleOutput, SamplingParams
 from .base import EngineInfo, EngineResult
-from .export import export_hf_directory
+from .export import export_hf_directory, lora_unties_head, save_peft_adapter
 from .local import LocalEngine
 from .pool import Adapter, AdapterPool, solo_name
 from .state import StateLayout, check_engine_metadata, check_state_files
@@ -122,6 +122,7 @@ class _OnSharedBase(LocalEngine):
             export_hf_directory(
                 plain.config, merged_state(plain, self._key(), self._names()), self.tokenizer,
                 directory, self.config.max_shard_bytes, architecture=self.shared.loaded.architecture,
+                untie_embeddings=lora_unties_head(plain, self._key()),
                 image_processor=self.images and self.images.processor,
             )
 
@@ -185,7 +186,7 @@ class AdapterEngine(_OnSharedBase):
     def _save_adapter(self, module, directory: Path) -> None:
         """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            module.save_pretrained(tmp, selected_adapters=[self.adapter.name])
+            save_peft_adapter(module, tmp, self.adapter.name)
             sub = Path(tmp) / self.adapter.name  # peft puts a non-default adapter's files in a subfolder
             items = [p for p in Path(tmp).iterdir() if p != sub] + (list(sub.iterdir()) if sub.is_dir() else [])
             for item in items:

@@ -19,7 +19,13 @@ from ..models.loading import LoadedModel, hf_model, load_model
 from ..types import AdamParams, Datum, LoraConfig, SampleOutput, SamplingParams
 from .base import Engine, EngineInfo, EngineResult, image_inputs, runner_options, scoring_model
 from .config import EngineConfig
-from .export import export_hf_directory, full_state_dict, merged_lora_state_dict
+from .export import (
+    export_hf_directory,
+    full_state_dict,
+    lora_unties_head,
+    merged_lora_state_dict,
+    save_peft_adapter,
+)
 from .runner import ModelRunner
 from .state import StateLayout, check_engine_metadata, check_state_files
 
@@ -84,7 +90,7 @@ class LocalEngine(Engine):
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         module = self.loaded.module
         if self.loaded.lora is not None and not merge_lora:
-            module.save_pretrained(str(directory))
+            save_peft_adapter(module, directory)
             for files in (self.tokenizer, self.images and self.images.processor):
                 if files is not None:
                     files.save_pretrained(str(directory))
@@ -93,6 +99,7 @@ class LocalEngine(Engine):
         export_hf_directory(
             hf_model(module).config, state, self.tokenizer, directory, self.config.max_shard_bytes,
             architecture=self.loaded.architecture, dtype=self.config.torch_dtype,
+            untie_embeddings=self.loaded.lora is not None and lora_unties_head(module),
             image_processor=self.images and self.images.processor,
         )
 

@@ -23,7 +23,7 @@ def loss_to_plain(loss: ResolvedLoss) -> dict[str, Any]:
     """A resolved loss as its name, config fields and the names the caller used."""
     config = attrs.asdict(loss.config, recurse=False) if loss.config is not None else None
     return dict(name=loss.spec.name, config=config, requested_name=loss.requested_name, dialect=loss.dialect,
-                terms=attrs.asdict(loss.terms), plugin=loss.plugin)
+                terms=attrs.asdict(loss.terms), plugin=loss.plugin, scores_only=loss.scores_only)
 
 
 def loss_from_plain(plain: dict[str, Any], losses: Mapping[str, LossSpec], where: str = "this process") -> ResolvedLoss:
@@ -37,7 +37,7 @@ def loss_from_plain(plain: dict[str, Any], losses: Mapping[str, LossSpec], where
         )
     config = spec.config_cls(**plain["config"]) if spec.config_cls is not None else None
     return ResolvedLoss(spec=spec, config=config, requested_name=plain["requested_name"], dialect=plain["dialect"],
-                        terms=LossTerms(**plain["terms"]), plugin=plain["plugin"])
+                        terms=LossTerms(**plain["terms"]), plugin=plain["plugin"], scores_only=plain["scores_only"])
 
 
 def model_input_to_plain(model_input: ModelInput) -> tuple:

@@ -36,7 +36,7 @@ import attrs
 import torch
 
 from ..errors import InputError, ModelLoadError
-from ..models.loading import load_model, lora_targets, peft_model
+from ..models.loading import load_model, lora_targets, peft_model, quiet_peft_wrap
 from ..models.scoring import ScoringModel, count_parameters
 from ..types import LoraConfig
 from . import offload
@@ -174,7 +174,8 @@ class AdapterPool:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(lora.seed if lora.seed is not None else seed)
                 if self._peft is not None:
-                    self._peft.add_adapter(name, config)
+                    with quiet_peft_wrap():
+                        self._peft.add_adapter(name, config)
                 else:
                     self._peft = peft_model(self.plain, config, adapter_name=name)
             self.module.to(self.device)
@@ -205,6 +206,10 @@ class AdapterPool:
             with self._lock:
                 self.adapters.pop(adapter.name, None)
             if not self.closed:
+                others = [name for name in self.module.peft_config if name != adapter.name]
+                if others and adapter.name in self.module.active_adapters:
+                    # peft would switch itself, warning once per layer ("was active which is now deleted")
+                    self.module.set_adapter(others[0])
                 self.module.delete_adapter(adapter.name)
                 self._rebuild_scoring()
         logger.info("shared base %s: adapter %s removed; %d adapters", self.model_name, adapter.label,

@@ -31,6 +31,9 @@ class ResolvedLoss:
     terms: LossTerms = attrs.field(factory=LossTerms)
     #: The plugin that registered the loss (named when its output is malformed).
     plugin: str | None = None
+    #: Only the model's per-token scores are wanted (a critic's forward that reads its values,
+    #: :func:`reading_values`): the loss function is not run and reports no loss.
+    scores_only: bool = False
 
     @property
     def name(self) -> str:
@@ -107,3 +110,15 @@ def resolve_loss(
         spec=spec, config=build_config(spec, config, loss_label(loss_fn, spec.name)), requested_name=loss_fn,
         dialect=dialect.name, terms=terms, plugin=spec.plugin,
     )
+
+
+def reading_values(resolved: ResolvedLoss, inputs_keys: set[str]) -> ResolvedLoss:
+    """A critic's forward whose datums carry none of its loss's required inputs (no ``values``,
+    no ``returns``) reads the values: ``resolved`` made :attr:`~ResolvedLoss.scores_only`, with
+    nothing required. Any other call (a policy's, a critic's with some of the inputs) is
+    returned as it is, and validation names what is missing."""
+    if resolved.spec.role != "critic" or inputs_keys & set(resolved.spec.required_inputs):
+        return resolved
+    optional = tuple(dict.fromkeys(resolved.spec.optional_inputs + resolved.spec.required_inputs))
+    spec = attrs.evolve(resolved.spec, required_inputs=(), optional_inputs=optional)
+    return attrs.evolve(resolved, spec=spec, scores_only=True)

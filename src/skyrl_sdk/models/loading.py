@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 
 from ..errors import ModelLoadError, did_you_mean
 from ..types import LoraConfig
-from .value_head import VALUE_HEAD, ValueHeadModel, initial_value_head
+from .value_head import CONFIG_FIELD, VALUE_HEAD, ValueHeadModel, initial_value_head
 from .vlm import (
     auto_class,
     check_supported,
@@ -286,18 +287,31 @@ def apply_lora(model, lora: LoraConfig, seed: int, train_vision_tower: bool = Fa
 
 def peft_model(model, config, adapter_name: str = "default"):
     """``peft.get_peft_model``: every LoRA wrap goes through here (``apply_lora``, the shared
-    base's first adapter).
-
-    peft's ``PeftModel.__init__`` (0.21.2, the newest release) reads
-    ``model.is_gradient_checkpointing``, which transformers 5 deprecated with a FutureWarning
-    on every read: a warning about peft's code, not the caller's, that nothing the caller
-    does can avoid. It is silenced for this one call and that one message only.
-    """
+    base's first adapter; later adapters through :func:`quiet_peft_wrap` too)."""
     import peft
 
+    with quiet_peft_wrap():
+        return peft.get_peft_model(model, config, adapter_name=adapter_name)
+
+
+@contextlib.contextmanager
+def quiet_peft_wrap() -> Iterator[None]:
+    """Two warnings of peft's while it wraps a model, silenced for the wrap and those messages only:
+
+    - peft's ``PeftModel.__init__`` (0.21.2) reads ``model.is_gradient_checkpointing``, which
+      transformers 5 deprecated with a FutureWarning on every read: about peft's code, and
+      nothing the caller does can avoid it.
+    - "Model has `tie_word_embeddings=True` and a tied layer is part of the adapter" (LoRA on
+      the head of a model whose head is its input embedding, ``train_unembed``): the head is
+      adapted alone, on purpose, and the complication peft warns of (a merged export) is
+      handled: a merged export writes the adapted head beside the embedding and unties them
+      in its config (``engines.export.lora_unties_head``).
+    """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return peft.get_peft_model(model, config, adapter_name=adapter_name)
+        warnings.filterwarnings("ignore", message=r"Model has `tie_word_embeddings=True` and a tied layer is part "
+                                r"of the adapter", category=UserWarning)
+        yield
 
 
 def _cpu_placeholders(model, targets: list[str]) -> list[tuple[torch.nn.Module, torch.nn.Parameter]]:
@@ -382,6 +396,9 @@ def load_model(
     if role not in ("policy", "critic"):
         raise ModelLoadError(f"role must be 'policy' or 'critic', got {role!r}")
     config, tok_dir = load_config(name)
+    if role == "policy" and getattr(config, CONFIG_FIELD, None):  # else: a random lm_head, silently
+        raise ModelLoadError(f"model {name!r} is a critic export (a backbone and value head, no lm_head): "
+                             f"load it with role='critic'; a policy needs a causal LM directory")
     config.use_cache = False  # packed rows must not be treated as one sequence (PLATFORM_NOTES)
     weights_dir = None if name == TINY_NAME else str(Path(name).expanduser())
     files = weight_files(weights_dir) if weights_dir else {}

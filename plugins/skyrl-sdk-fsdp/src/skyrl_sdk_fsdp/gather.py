@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from skyrl_sdk.engines.export import (
     TensorPlan,
+    lora_unties_head,
     merge_lora_delta,
     write_hf_config,
     write_hf_weights_stream,
@@ -81,7 +82,9 @@ class StreamingGather:
         layers = self._lora_layers()
         items = []
         for name, t in state.items():
-            if name in self.hf_aliases or "lora_" in name:
+            adapted = _BASE in name and name.endswith(_BASE + "weight") and name.split(_BASE)[0] in layers
+            # a tied alias is written once, except a LoRA-adapted head (its merged weight is its own)
+            if "lora_" in name or (name in self.hf_aliases and not adapted):
                 continue
             if _BASE in name:
                 prefix = name.split(_BASE)[0]
@@ -123,7 +126,8 @@ class StreamingGather:
             tensors = (t.to(dtype) if t.is_floating_point() else t for t in tensors)
         dtypes = {d for _, _, d in plan if d.is_floating_point}
         write_hf_config(hf_model(self.loaded.module).config, tokenizer, directory,
-                        next(iter(dtypes)) if len(dtypes) == 1 else None, self.loaded.architecture)
+                        next(iter(dtypes)) if len(dtypes) == 1 else None, self.loaded.architecture,
+                        untie_embeddings=self.loaded.lora is not None and lora_unties_head(self.loaded.module))
         write_hf_weights_stream(directory, plan, tensors, max_shard_bytes)
         if image_processor is not None:
             image_processor.save_pretrained(str(directory))
