@@ -188,8 +188,7 @@ def test_every_field_of_the_tinker_clients_values_is_a_known_key():
     assert set(tt.ModelInput.model_fields) == ours(types.ModelInput)
     tensor_fields = {f.name for f in dataclasses.fields(tt.TensorData) if not f.name.startswith("_")}
     assert tensor_fields | {"data"} == set(tinker_json.TENSOR_KEYS)  # JSON carries the values as "data"
-    provenance = {"model_input_spans", "loss_fn_input_spans"}  # refused by name until skyrl-sdk takes them
-    assert {f.name for f in dataclasses.fields(tt.Datum)} - provenance == ours(types.Datum)
+    assert {f.name for f in dataclasses.fields(tt.Datum)} == ours(types.Datum)
     assert coerce.sampling_params_from_any(tt.SamplingParams(max_tokens=3, stop=[7])) == types.SamplingParams(
         max_tokens=3, stop=(7,))
 
@@ -208,11 +207,19 @@ def test_a_sample_request_as_the_client_serializes_it_is_read():
     assert call.prompt_logprobs and call.topk_prompt_logprobs == 2 and spec.prompt_logprobs_last_n == 2
 
 
-@pytest.mark.parametrize("field, value", [("topk_sample_logprobs", 2), ("prompt_alt_tokens_k", 1),
-                                          ("record_stability_info", True)])
-def test_client_fields_this_server_does_not_implement_are_refused_not_ignored(field, value):
-    assert "is not supported by skyrl-sdk serve" in _message(
-        wire.parse_sample_request, {"prompt": [1, 2], field: value}, 8)
+def test_the_sample_requests_other_scores_and_stability_flag_are_read_not_ignored():
+    ids = -np.ones((2, 2), dtype=np.int64)
+    ids[1, 0] = 4
+    request = tt.SampleRequest(prompt=tt.ModelInput.from_ints([1, 2, 3]), sampling_params=tt.SamplingParams(),
+                               topk_sample_logprobs=2, prompt_alt_tokens_k=3, record_stability_info=True,
+                               target_prompt_logprobs={"data": [4], "dtype": "int64", "shape": [2, 2],  # sparse, pad -1
+                                                       "sparse_crow_indices": [0, 0, 1], "sparse_col_indices": [0]})
+    body = request.model_dump(exclude_unset=False, exclude_none=True, mode="json")
+    call = wire.parse_sample_request(wire.json_request(json.dumps(body).encode(), "asample"), 8).request
+    assert (call.topk_sample_logprobs, call.prompt_alt_tokens_k, call.record_stability_info) == (2, 3, True)
+    assert call.target_prompt_logprobs[0].tolist() == ids.tolist()
+    assert "topk_sample_logprobs: expected an integer in 0..20, got 21" in _message(
+        wire.parse_sample_request, {"prompt": [1, 2], "topk_sample_logprobs": 21}, 8)
 
 
 # ---- protobuf -----------------------------------------------------------------------------------------

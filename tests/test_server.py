@@ -78,7 +78,7 @@ def assert_outputs_close(got, want, atol=1e-5):
 # ---- training ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_cross_entropy_train_steps_match_in_process(service):
-    """5 datums -> 3 parallel chunks whose gradients add up; AdamW honoured; weights match."""
+    """5 datums -> 3 chunks whose gradients add up; AdamW honoured; weights match."""
     data = make_sft_data([7, 12, 3, 20, 9], seed=1)
     adam = dict(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.01, grad_clip_norm=5.0)
     tc = new_trainer(service)
@@ -303,11 +303,11 @@ def test_sampling_params_stop_and_paths(service, server):
     assert info.get_training_run(tc.model_id).result().base_model == "tiny"
 
 
-def test_unsupported_sampling_option_is_a_user_error(service):
+def test_a_sampling_option_out_of_range_is_a_user_error(service):
     sampler = service.create_sampling_client(base_model="tiny").result()
-    with pytest.raises(tinker.RequestFailedError, match="top-k sample logprobs"):
+    with pytest.raises(tinker.RequestFailedError, match="topk_sample_logprobs: expected an integer in 0..20"):
         sampler.sample(tt.ModelInput.from_ints([1, 2, 3]), 1, tt.SamplingParams(max_tokens=2),
-                       topk_sample_logprobs=2).result(timeout=HANG_S)
+                       topk_sample_logprobs=21).result(timeout=HANG_S)
 
 
 # ---- errors ----------------------------------------------------------------------------------

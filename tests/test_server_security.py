@@ -24,13 +24,17 @@ from tinker.proto import tinker_public_pb2 as pb
 from _probes import Probes
 from _server_harness import ServerThread, raw_client, wait_result
 from skyrl_sdk.errors import InputError
+from skyrl_sdk.server.compat import NOT_SERVED_PREFIX, ROWS
 from skyrl_sdk.server.config import ServerConfig, read_api_keys
-from skyrl_sdk.server.guard import OPEN_PATHS
+from skyrl_sdk.server.guard import OPEN_PATHS, OPEN_PREFIXES
 
 ALICE, BOB = "tml-alice", "tml-bob"
+#: the client routes this server declines (one 404 each, behind the key like every route)
+DECLINED = sorted((m, p) for (m, p), (served, _, _) in ROWS.items() if not served)
 #: entries of the route table: every route of the app but the open ones (/healthz, the console's
-#: page and static files: guard.OPEN_PATHS), load_weights and asample each in both their forms
-ROUTES = 35
+#: page and static files: guard.OPEN_PATHS; signed download links: guard.OPEN_PREFIXES),
+#: load_weights and asample each in both their forms
+ROUTES = 41 + len(DECLINED)
 #: route x key probes tried / handled, by group; $SKYRL_PROBE_REPORT
 PROBES = Probes("server security: route x key")
 _probe_report = PROBES.report_fixture()
@@ -53,6 +57,7 @@ def world(tmp_path_factory):
         service = srv.service_client(api_key=ALICE)
         tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
         saved = tc.save_state("ckpt").result().path
+        tc.save_weights_external("exp").result()
         sampler_path = tc.save_weights_for_sampler("smp").result().path
         sampler = service.create_sampling_client(model_path=sampler_path).result()
         with raw_client(srv, ALICE) as http:
@@ -102,6 +107,13 @@ def _routes(w: dict) -> list[tuple[str, str, dict]]:
         ("GET", "/api/v1/checkpoints", {}),
         ("POST", "/api/v1/weights_info", {"tinker_path": w["saved"]}),
         ("POST", "/api/v1/telemetry", {"events": []}),
+        ("POST", "/api/v1/save_weights_external", {"model_id": run, "path": "stolen"}),
+        ("POST", f"/api/v1/training_runs/{run}/checkpoints/weights/ckpt/publish", {}),
+        ("DELETE", f"/api/v1/training_runs/{run}/checkpoints/weights/ckpt/publish", {}),
+        ("PUT", f"/api/v1/training_runs/{run}/checkpoints/weights/ckpt/ttl", {"ttl_seconds": 3600}),
+        ("GET", f"/api/v1/training_runs/{run}/checkpoints/external_weights/exp/external_weights_urls", {}),
+        ("POST", "/api/v1/sessions/search", {}),
+        *[(m, p.replace("{session_id}", sid), {}) for m, p in DECLINED],
         ("GET", "/console/api/me", {}),
         ("GET", "/console/api/runs", {}),
         ("GET", f"/console/api/runs/{run}", {}),
@@ -118,6 +130,8 @@ def _send(http, method: str, path: str, body: dict):
         return http.get(path)
     if method == "DELETE":
         return http.delete(path)
+    if method == "PUT":
+        return http.put(path, json=body)
     return http.post(path, json=body)
 
 
@@ -125,7 +139,8 @@ def test_the_route_table_covers_every_route_of_the_app(world):
     import re
 
     paths = world["srv"].app.fastapi.openapi()["paths"]
-    served = {(m.upper(), p) for p, ops in paths.items() for m in ops} - {("GET", p) for p in OPEN_PATHS}
+    served = {(m.upper(), p) for p, ops in paths.items() for m in ops if not p.startswith(OPEN_PREFIXES)}
+    served -= {("GET", p) for p in OPEN_PATHS}
     table = [(m, p) for m, p, _ in _routes(world)]
 
     def covered(method: str, template: str) -> bool:
@@ -177,8 +192,8 @@ def test_another_owner_sees_nothing_and_changes_nothing(world):
                 assert w["run"] not in r.text and w["sid"] not in r.text, (path, r.text)
                 PROBES.handled(group, "200, nothing of another owner")
                 continue
-            if path.endswith(("/sessions", "/training_runs", "/checkpoints", "/console/api/runs")) and method == "GET" \
-                    and "/training_runs/" not in path:
+            if (path.endswith(("/sessions", "/training_runs", "/checkpoints", "/console/api/runs")) and method == "GET"
+                    and "/training_runs/" not in path) or path.endswith("/sessions/search"):
                 assert r.status_code == 200, (path, r.text)
                 assert w["run"] not in r.text and w["sid"] not in r.text, (path, r.text)
                 PROBES.handled(group, "200, nothing of another owner")
@@ -197,7 +212,7 @@ def test_another_owner_sees_nothing_and_changes_nothing(world):
                 PROBES.handled(group, "failed future, unknown")
                 continue
             assert r.status_code == 404, (method, path, r.status_code, r.text)
-            assert r.json()["detail"].startswith(("unknown", "no checkpoint")), r.text
+            assert r.json()["detail"].startswith(("unknown", "no checkpoint", NOT_SERVED_PREFIX)), r.text
             PROBES.handled(group, "404")
     assert PROBES.of(group) == (ROUTES, ROUTES)
     # Alice's things are all still there and usable
@@ -205,7 +220,7 @@ def test_another_owner_sees_nothing_and_changes_nothing(world):
         assert alice.get(f"/api/v1/sessions/{w['sid']}").json()["finished_at"] is None
         ids = {c["checkpoint_id"] for c in alice.get(f"/api/v1/training_runs/{w['run']}/checkpoints").json()[
             "checkpoints"]}
-        assert ids == {"weights/ckpt", "sampler_weights/smp"}
+        assert ids == {"weights/ckpt", "sampler_weights/smp", "external_weights/exp"}
         assert "metrics" in wait_result(alice, w["request_id"]).json()
     assert w["sampler"].sample(tt.ModelInput.from_ints([1, 2]), 1, tt.SamplingParams(max_tokens=2)).result()
     assert w["tc"].forward_backward([tt.Datum(model_input=tt.ModelInput.from_ints([1, 2]), loss_fn_inputs={

@@ -27,9 +27,11 @@ from .inputs.sample import sample_request
 from .losses.metrics import MetricAccumulator
 from .losses.resolve import ResolvedLoss, reading_values
 from .losses.run import add_prepared_inputs
-from .losses.validation import check_call, check_prompts, inputs_for_forward
+from .losses.stability import SequenceRecords, resolve_provenance
+from .losses.validation import check_call, check_prompts, check_target_ids, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
 from .models.value_head import critic_export_note, write_critic_card
+from .sampling import unsupported_options
 from .types import (
     AdamParams,
     Datum,
@@ -100,6 +102,9 @@ class Backend:
         self.grad_accumulation = grad_accumulation
         self.engine_name = engine if factory is None else str(getattr(factory, "engine_name", "custom"))
         self._lock = threading.RLock()
+        #: sequences sampled with ``record_stability_info=True``, which provenance names
+        #: (``stable_reinforce``); replaceable by a store shared with other samplers (the server's session)
+        self.sequences = SequenceRecords()
         self._calls_since_step = 0
         self._closed = False
         t0 = time.perf_counter()
@@ -156,6 +161,8 @@ class Backend:
         inputs = self._read_images([d.model_input for d in datums], lambda i, msg: DatumError(msg, index=i))
         datums = [d if mi is d.model_input else attrs.evolve(d, model_input=mi)
                   for d, mi in zip(datums, inputs, strict=True)]
+        if resolved.spec.needs_provenance:  # the recorded sampler logprobs, named by each datum's provenance
+            datums = resolve_provenance(datums, self.sequences)
         if not backward:  # no gradient: take the inputs this loss reads, leave the other losses' alone
             known = {k for spec in get_registry().losses.values() for k in spec.required_inputs + spec.optional_inputs}
             datums = inputs_for_forward(datums, resolved.spec, known)
@@ -261,13 +268,27 @@ class Backend:
         num_samples: int = 1,
         prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        record_stability_info: bool = False,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: Sequence[Any] | None = None,
+        prompt_alt_tokens_k: int = 0,
     ) -> list[SampleOutput]:
         """Sample continuations of each prompt (token lists or ModelInputs) from the current weights.
 
         ``topk_prompt_logprobs=k`` also returns, per prompt position, the k most likely tokens
-        and their logprobs (Tinker's field). Served by this Backend's sampler (``sampler=``).
+        and their logprobs (Tinker's field). ``record_stability_info=True`` records every
+        sampled sequence in :attr:`sequences` and gives it a ``sequence_id`` that a datum's
+        provenance names (``stable_reinforce``). Tinker's other scores, from the same pass:
+        ``topk_sample_logprobs=k`` (per sampled position, the k most likely tokens: each
+        sequence's ``topk_logprobs``), ``target_prompt_logprobs`` (per prompt, an int64
+        ``[len(prompt) - 1, K]`` array of token ids to score at positions 1.., -1 for none, or
+        None: the output's ``target_prompt_logprobs``) and ``prompt_alt_tokens_k=k`` (k draws
+        at every prompt position after the first, at the request's temperature: the output's
+        ``prompt_alt_tokens``). Served by this Backend's sampler (``sampler=``); a score the
+        sampler does not serve is refused by name.
         """
-        call = sample_request(prompts, sampling_params, num_samples, prompt_logprobs, topk_prompt_logprobs)
+        call = sample_request(prompts, sampling_params, num_samples, prompt_logprobs, topk_prompt_logprobs,
+                              record_stability_info, topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k)
         params = call.sampling_params
         prompts = list(call.prompts)
         where = [i for i, p in enumerate(prompts) if isinstance(p, ModelInput)]
@@ -278,14 +299,29 @@ class Backend:
                 prompts[i] = model_input
         check_prompts([p.to_numpy() if isinstance(p, ModelInput) else p for p in prompts], self.vocab_size,
                       self.engine.info.max_positions, params.max_tokens)
+        check_target_ids(call.target_prompt_logprobs, self.vocab_size)
+        scores = call.scores()
         with self._lock:
             self._check_open()
             if self._sampler is None:
                 factory = get_registry().sampler_spec(self.sampler_name).factory
                 self._sampler = factory(engine=self.engine, config=dict(self._sampler_config))
-            return self._sampler.sample(prompts, params, call.num_samples,
+            missing = unsupported_options(self._sampler.sample, scores)
+            if missing:
+                raise InputError(f"{missing[0]}: sampler {self.sampler_name!r} does not support it")
+            outs = self._sampler.sample(prompts, params, call.num_samples,
                                         prompt_logprobs=call.prompt_logprobs,
-                                        topk_prompt_logprobs=call.topk_prompt_logprobs)
+                                        topk_prompt_logprobs=call.topk_prompt_logprobs, **scores)
+        if not call.record_stability_info:
+            return outs
+        return [self._recorded(p, out) for p, out in zip(call.prompts, outs, strict=True)]
+
+    def _recorded(self, prompt: np.ndarray, out: SampleOutput) -> SampleOutput:
+        """Record the samples of ``prompt`` in :attr:`sequences`; they carry their ``sequence_id``."""
+        ids = self.sequences.new_ids(len(out.sequences))
+        self.sequences.record(prompt, out.sequences, ids)
+        return attrs.evolve(out, sequences=[attrs.evolve(s, sequence_id=i)
+                                            for s, i in zip(out.sequences, ids, strict=True)])
 
     # ---- saving -----------------------------------------------------------------------
     def save_weights_for_sampler(

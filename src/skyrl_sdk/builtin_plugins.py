@@ -20,9 +20,9 @@ def builtin_plugins() -> tuple[ModuleType, ...]:
     """The built-in plugin modules, in load order (each registers through the hooks)."""
     from . import sampling
     from .engines import local
-    from .losses import critic, dialects, policy, sft
+    from .losses import critic, dialects, policy, sft, stable
 
-    return (sft, policy, critic, dialects, local, sampling)
+    return (sft, policy, critic, stable, dialects, local, sampling)
 
 
 def builtin_plugin_names() -> tuple[str, ...]:

@@ -26,9 +26,10 @@ def skyrl_sdk_register_losses(register):
 
     Call ``register(name, fn, *, description, required_inputs, optional_inputs=(),
     config_cls=None, outputs=("logprobs",), role="policy", prepare=None,
-    accepts_topk_targets=False)`` once per loss. ``fn(loss_input, config) -> LossOutput``
-    works on packed tokens (see ``skyrl_sdk.losses.base``); ``config_cls`` is a frozen
-    attrs class whose fields (with defaults and validators) are the loss's config keys.
+    accepts_topk_targets=False, needs_provenance=False)`` once per loss.
+    ``fn(loss_input, config) -> LossOutput`` works on packed tokens (see
+    ``skyrl_sdk.losses.base``); ``config_cls`` is a frozen attrs class whose fields (with
+    defaults and validators) are the loss's config keys.
     Malformed registrations raise ``PluginError`` at registration time.
     """
 

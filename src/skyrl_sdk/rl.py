@@ -11,8 +11,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import attrs
+
 from .errors import InputError
-from .types import Datum, ForwardBackwardOutput, ModelInput, SampledSequence
+from .types import (
+    Datum,
+    ForwardBackwardOutput,
+    ModelInput,
+    PromptProvenanceSpan,
+    SampledProvenanceSpan,
+    SampledSequence,
+)
 
 
 def group_advantages(rewards: Sequence[float], *, normalize: bool = True, eps: float = 1e-6) -> list[float]:
@@ -43,6 +52,10 @@ def datum_from_sample(prompt: Sequence[int], sample: SampledSequence, advantage:
     nothing to the loss. The keys fit ``importance_sampling``, ``ppo`` and the other
     policy-gradient losses.
 
+    A sample recorded with ``record_stability_info=True`` (it has a ``sequence_id``) also
+    gets the provenance ``stable_reinforce`` needs: the prompt positions name its request's
+    prompt, the rest its sampled tokens.
+
     ``weights=True`` adds ``weights``: 0 on prompt positions, 1 on the completion. A summed
     loss does not need it; a mean (``loss_reduction="token_mean"``, a KL or entropy term)
     does, or the prompt positions count in its denominator.
@@ -66,7 +79,13 @@ def datum_from_sample(prompt: Sequence[int], sample: SampledSequence, advantage:
     }
     if weights:
         inputs["weights"] = [0.0] * n_prompt + [1.0] * len(tokens)
-    return Datum(model_input=ModelInput.from_ints(full[:-1]), loss_fn_inputs=inputs)
+    datum = Datum(model_input=ModelInput.from_ints(full[:-1]), loss_fn_inputs=inputs)
+    if sample.sequence_id is None:
+        return datum
+    sid = sample.sequence_id  # recorded (record_stability_info=True): name it, as stable_reinforce needs
+    return datum.with_provenance(
+        model_input=[PromptProvenanceSpan(sid, len(prompt)), SampledProvenanceSpan(sid, len(tokens) - 1)],
+        loss_fn_inputs=[PromptProvenanceSpan(sid, n_prompt, offset=1), SampledProvenanceSpan(sid, len(tokens))])
 
 
 def with_ref_logprobs(data: Sequence[Datum], reference: ForwardBackwardOutput) -> list[Datum]:
@@ -84,5 +103,5 @@ def with_ref_logprobs(data: Sequence[Datum], reference: ForwardBackwardOutput) -
             got = "no logprobs" if ref is None else f"logprobs of shape {list(ref.shape)}"
             raise InputError(f"reference output {i}: expected logprobs of shape [{datum.model_input.length}] "
                              f"(datum {i}'s length), got {got}")
-        out.append(Datum(model_input=datum.model_input, loss_fn_inputs={**datum.loss_fn_inputs, "ref_logprobs": ref}))
+        out.append(attrs.evolve(datum, loss_fn_inputs={**datum.loss_fn_inputs, "ref_logprobs": ref}))
     return out

@@ -108,10 +108,10 @@ class _OnSharedBase(LocalEngine):
 
     def sample(
         self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
-        topk_prompt_logprobs: int = 0,
+        topk_prompt_logprobs: int = 0, **scores,
     ) -> list[SampleOutput]:
         with self.shared.using(self.adapter):
-            return super().sample(prompts, params, num_samples, prompt_logprobs, topk_prompt_logprobs)
+            return super().sample(prompts, params, num_samples, prompt_logprobs, topk_prompt_logprobs, **scores)
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         with self.shared.using(self.adapter):

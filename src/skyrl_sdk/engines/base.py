@@ -125,7 +125,10 @@ class Engine(abc.ABC):
         topk_prompt_logprobs: int = 0,
     ) -> list[SampleOutput]:
         """Generate ``num_samples`` continuations per prompt from the current weights (the built-in
-        ``transformers`` sampler calls this; ``topk_prompt_logprobs=k`` adds Tinker's top-k prompt logprobs)."""
+        ``transformers`` sampler calls this; ``topk_prompt_logprobs=k`` adds Tinker's top-k prompt logprobs).
+        An engine that serves Tinker's other scores takes them as keyword arguments
+        (``topk_sample_logprobs``, ``target_prompt_logprobs``, ``prompt_alt_tokens_k``, as the
+        local engine does); a request for one an engine does not take is refused by name."""
         raise self.unsupported("sample")
 
     def close(self) -> None:  # noqa: B027 (optional: nothing to free by default)

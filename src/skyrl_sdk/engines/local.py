@@ -106,7 +106,8 @@ class LocalEngine(Engine):
     # ---- sampling ---------------------------------------------------------------------
     def sample(
         self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
-        topk_prompt_logprobs: int = 0,
+        topk_prompt_logprobs: int = 0, *, topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: Sequence[np.ndarray | None] | None = None, prompt_alt_tokens_k: int = 0,
     ) -> list[SampleOutput]:
         from ..sampling import generate
 
@@ -119,7 +120,8 @@ class LocalEngine(Engine):
                 self.loaded.module, self.tokenizer, prompts, params, num_samples,
                 device=self.device, eos_token_id=self.info.eos_token_id, pad_token_id=self.runner.pad_id,
                 prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
-                prefix_min_tokens=self.runner.prefix.min_tokens,
+                prefix_min_tokens=self.runner.prefix.min_tokens, topk_sample_logprobs=topk_sample_logprobs,
+                target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
             )
 
     def close(self) -> None:

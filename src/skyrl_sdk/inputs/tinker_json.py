@@ -24,6 +24,7 @@ from ..types import (
     ImageChunk,
     ModelInput,
     PreparedImageChunk,
+    SampledProvenanceSpan,
     TensorData,
     dtype_for_key,
 )
@@ -111,7 +112,16 @@ def _unstructure_datum(d: Datum) -> dict[str, Any]:
     return {
         "model_input": _unstructure_model_input(d.model_input),
         "loss_fn_inputs": {k: _unstructure_tensor(v) for k, v in d.loss_fn_inputs.items()},
+        **({} if d.model_input_spans is None else {
+            "model_input_spans": [_unstructure_span(s) for s in d.model_input_spans],
+            "loss_fn_input_spans": [_unstructure_span(s) for s in d.loss_fn_input_spans]}),
     }
+
+
+def _unstructure_span(span: Any) -> dict[str, Any]:
+    """A provenance span as ``{"kind": "prompt" | "sampled", "sequence_id", "length", "offset"}``."""
+    kind = "sampled" if isinstance(span, SampledProvenanceSpan) else "prompt"
+    return {"kind": kind, "sequence_id": span.sequence_id, "length": span.length, "offset": span.offset}
 
 
 def datum_from_json(obj: dict[str, Any]) -> Datum:
@@ -122,7 +132,8 @@ def datum_from_json(obj: dict[str, Any]) -> Datum:
     if not isinstance(raw, dict):
         raise InputError(f"datum.loss_fn_inputs: expected an object, got {type(raw).__name__}")
     inputs = {k: tensor_from_json(v, dtype_for_key(k)) for k, v in raw.items()}
-    return Datum(model_input=model_input_from_json(obj["model_input"]), loss_fn_inputs=inputs)
+    return Datum(model_input=model_input_from_json(obj["model_input"]), loss_fn_inputs=inputs,
+                 model_input_spans=obj.get("model_input_spans"), loss_fn_input_spans=obj.get("loss_fn_input_spans"))
 
 
 # ---- outputs ------------------------------------------------------------------------------

@@ -152,11 +152,28 @@ def _datum_from_proto(msg: Any, index: int, limit: int | None) -> Datum:
         except InputError as exc:
             raise DatumError(str(exc), index=index, key=key) from None
     try:
-        return Datum(model_input=ModelInput(chunks), loss_fn_inputs=inputs)
+        return Datum(model_input=ModelInput(chunks), loss_fn_inputs=inputs,
+                     model_input_spans=_spans_from_proto(msg.model_input_spans),
+                     loss_fn_input_spans=_spans_from_proto(msg.loss_fn_input_spans))
     except DatumError:
         raise
     except InputError as exc:
         raise DatumError(str(exc), index=index) from None
+
+
+#: a ``ProvenanceSpan``'s oneof arm -> the span ``kind`` (``types.provenance``)
+_SPAN_KINDS = {"prompt_tokens": "prompt", "sampled_tokens": "sampled"}
+
+
+def _spans_from_proto(spans: Any) -> list[dict[str, Any]] | None:
+    """Repeated ``ProvenanceSpan`` messages as span mappings (none sent: no provenance)."""
+    out = []
+    for span in spans:
+        arm = span.WhichOneof("span")
+        inner = getattr(span, arm) if arm else None
+        out.append({"kind": _SPAN_KINDS.get(arm, arm), "sequence_id": inner.sequence_id if inner else "",
+                    "length": inner.length if inner else 0, "offset": inner.offset if inner else 0})
+    return out or None
 
 
 def tensor_from_proto(msg: Any, max_elements: int | None = None) -> np.ndarray:

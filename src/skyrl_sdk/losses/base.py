@@ -114,6 +114,10 @@ class LossSpec:
     prepare: PrepareFn | None = None
     #: Whether target_tokens may have shape (N, K) (top-K distillation).
     accepts_topk_targets: bool = False
+    #: Whether every datum must carry provenance naming recorded sampled sequences: the caller
+    #: resolves it (:func:`skyrl_sdk.losses.stability.resolve_provenance`) into the recorded
+    #: sampler ``logprobs`` and ``sampled_mask`` before the call is checked.
+    needs_provenance: bool = False
     #: The plugin that registered it (set by the registry; named when its output is malformed).
     plugin: str | None = None
 

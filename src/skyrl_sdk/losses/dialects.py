@@ -31,6 +31,7 @@ _POLICY = {
     "cispo": ("cispo", ("clip_low_threshold", "clip_high_threshold")),
     "dro": ("dro", ("beta",)),
     "gspo": ("gspo", ("clip_low_threshold", "clip_high_threshold")),
+    "stable_reinforce": ("stable_reinforce", ("kl_coeff", "ratio_cap")),
 }
 #: On a critic, Tinker's ``ppo`` means the clipped value loss.
 _CRITIC = {"ppo": ("value", ("value_clip",))}

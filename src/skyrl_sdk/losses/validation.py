@@ -82,6 +82,17 @@ def check_prompts(prompts: Sequence[np.ndarray], vocab_size: int, max_positions:
             raise InputError(f"prompt {i}: {problem}")
 
 
+def check_target_ids(targets: Sequence[np.ndarray | None] | None, vocab_size: int) -> None:
+    """A sample call's ``target_prompt_logprobs`` (shapes checked by ``inputs.sample``): every
+    token id named lies in the model's vocabulary."""
+    for i, ids in enumerate(targets or ()):
+        if ids is not None and (ids >= vocab_size).any():
+            r, c = (int(x) for x in np.argwhere(ids >= vocab_size)[0])
+            where = f"target_prompt_logprobs[{i}]" if len(targets) > 1 else "target_prompt_logprobs"
+            raise InputError(f"{where}[{r}, {c}]: token id {int(ids[r, c])} is outside the vocabulary "
+                             f"(0..{vocab_size - 1}; -1 asks for nothing)")
+
+
 def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None, label: str | None = None,
                   max_positions: int | None = None) -> None:
     """Validate a whole batch against a loss; raise :class:`DatumError` on the first problem."""

@@ -81,6 +81,7 @@ class Registry:
         role: str = "policy",
         prepare: Callable | None = None,
         accepts_topk_targets: bool = False,
+        needs_provenance: bool = False,
     ) -> LossSpec:
         where = f"plugin {plugin!r}, loss {name!r}"
         if not callable(fn):
@@ -127,6 +128,7 @@ class Registry:
             role=role,  # type: ignore[arg-type]
             prepare=prepare,
             accepts_topk_targets=bool(accepts_topk_targets),
+            needs_provenance=bool(needs_provenance),
             plugin=plugin,
         )
         self._claim("loss", name, plugin)

@@ -11,13 +11,18 @@ rescoring of low-precision samples are in ``scores``. This module registers the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import InputError
 from ..hooks import hookimpl
 
-__all__ = ["generate"]
+__all__ = ["SCORE_OPTIONS", "generate", "unsupported_options"]
+
+#: Tinker's optional scores beyond prompt logprobs, passed to samplers (and engines) as keyword
+#: arguments only when asked for, so one that does not take them still serves every other request
+SCORE_OPTIONS = ("topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k")
 
 
 def __getattr__(name: str) -> Any:
@@ -28,6 +33,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def unsupported_options(fn: Callable, options: Mapping[str, Any]) -> list[str]:
+    """The names in ``options`` that ``fn`` takes no keyword argument for."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return []
+    return [name for name in options if name not in params or params[name].kind is params[name].POSITIONAL_ONLY]
+
+
 class TransformersSampler:
     """Samples with the engine's own model through our decode loop (``engine.sample``)."""
 
@@ -36,8 +49,12 @@ class TransformersSampler:
             raise InputError(f"sampler_config: the 'transformers' sampler takes no options, got {sorted(config)}")
         self.engine = engine
 
-    def sample(self, prompts, params, num_samples, *, prompt_logprobs, topk_prompt_logprobs):
-        return self.engine.sample(prompts, params, num_samples, prompt_logprobs, topk_prompt_logprobs)
+    def sample(self, prompts, params, num_samples, *, prompt_logprobs, topk_prompt_logprobs, **scores):
+        missing = unsupported_options(self.engine.sample, scores)
+        if missing:
+            raise InputError(f"{missing[0]}: engine {self.engine.name!r} does not compute it, so its "
+                             f"'transformers' sampler cannot serve it")
+        return self.engine.sample(prompts, params, num_samples, prompt_logprobs, topk_prompt_logprobs, **scores)
 
     def close(self) -> None:
         self.engine = None

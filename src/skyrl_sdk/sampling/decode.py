@@ -34,10 +34,11 @@ from transformers import DynamicCache
 from ..models.loading import hf_model
 from ..models.scoring import Head, backbone_of
 from ..models.vlm import as_model_input, is_vision_language, padded_rows_inputs, text_config
-from ..types import ModelInput, SampledSequence, SampleOutput, SamplingParams
+from ..types import ModelInput, PromptAltTokens, SampledSequence, SampleOutput, SamplingParams
 from .draw import choose, request_generator
-from .scores import needs_rescoring, rescore
+from .scores import needs_rescoring, prompt_alt_tokens, rescore
 from .scores import prompt_logprobs as score_prompt
+from .scores import target_prompt_logprobs as score_targets
 from .scores import topk_prompt_logprobs as topk_prompt
 from .stops import StopRules, StopStringWatcher
 
@@ -67,10 +68,17 @@ def generate(
     prompt_logprobs: bool = False,
     topk_prompt_logprobs: int = 0,
     prefix_min_tokens: int | None = None,
+    topk_sample_logprobs: int = 0,
+    target_prompt_logprobs: Sequence[np.ndarray | None] | None = None,
+    prompt_alt_tokens_k: int = 0,
 ) -> list[SampleOutput]:
     """Sample ``num_samples`` continuations of every prompt; one :class:`SampleOutput` per prompt.
 
     ``prefix_min_tokens``: the engine's prefix sharing (None: off), for rescoring as ``forward``.
+    Tinker's other scores, all from the same prefill and decode steps:
+    ``topk_sample_logprobs=k`` (the k most likely tokens at every sampled position),
+    ``target_prompt_logprobs`` (per prompt, ``[len - 1, K]`` token ids to score, -1 for none)
+    and ``prompt_alt_tokens_k=k`` (k draws at every prompt position after the first).
     """
     hf = hf_model(module)
     backbone = backbone_of(module)
@@ -98,6 +106,14 @@ def generate(
         h = hidden[p, width - len(prompt):]
         plps.append(score_prompt(h, head, ids[p, width - len(prompt):], vocab) if prompt_logprobs else None)
         topks.append(topk_prompt(h, head, topk_prompt_logprobs, vocab) if topk_prompt_logprobs > 0 else None)
+    targets, alts = [None] * len(prompts), [None] * len(prompts)
+    for p, d in enumerate(source.tolist()):  # per request prompt: alternatives are drawn for each
+        h = hidden[d, width - len(token_rows[d]):]
+        if target_prompt_logprobs is not None and target_prompt_logprobs[p] is not None:
+            targets[p] = score_targets(h, head, target_prompt_logprobs[p], vocab)
+        if prompt_alt_tokens_k > 0:
+            alts[p] = PromptAltTokens(*prompt_alt_tokens(h, head, prompt_alt_tokens_k, params.temperature,
+                                                         generator, vocab))
     logits = head(hidden[:, -1]).float()
     # each row's next position: its length, or (M-RoPE) its largest position plus one
     next_pos = (positions.amax(dim=(0, 2)) if positions.dim() == 3 else positions.amax(dim=1)) + 1
@@ -107,8 +123,9 @@ def generate(
         index = torch.from_numpy(rows).to(device)
         cache.batch_select_indices(index)
         logits, mask, next_pos = logits.index_select(0, index), mask.index_select(0, index), next_pos[index]
-    tokens, logprobs, lengths, stopped = _decode(forward_step, head, cache, logits, mask, next_pos, params, rules,
-                                                 generator, tokenizer, pad_token_id)
+    tokens, logprobs, lengths, stopped, topk_rows = _decode(forward_step, head, cache, logits, mask, next_pos, params,
+                                                            rules, generator, tokenizer, pad_token_id,
+                                                            topk_sample_logprobs)
     del cache
     if needs_rescoring(hf):
         logprobs = rescore(backbone, head, vocab, prompts, num_samples, tokens, lengths, pad_token_id, device,
@@ -119,9 +136,11 @@ def generate(
         for r in range(p * num_samples, (p + 1) * num_samples):
             n = lengths[r]
             seqs.append(SampledSequence(tokens=tokens[r][:n], logprobs=logprobs[r][:n],
-                                        stop_reason="stop" if stopped[r] else "length"))
+                                        stop_reason="stop" if stopped[r] else "length",
+                                        topk_logprobs=topk_rows[r][:n] if topk_rows is not None else None))
         results.append(SampleOutput(sequences=seqs, prompt_logprobs=plps[source[p]],
-                                    topk_prompt_logprobs=topks[source[p]]))
+                                    topk_prompt_logprobs=topks[source[p]], target_prompt_logprobs=targets[p],
+                                    prompt_alt_tokens=alts[p]))
     return results
 
 
@@ -157,11 +176,15 @@ def _stepper(backbone, cache):
 
 
 def _decode(step_fn, head, cache, logits, mask, next_pos, params, rules: StopRules, generator, tokenizer,
-            pad_token_id):
-    """The step loop: returns per row (tokens, logprobs, length, stopped) as Python lists."""
+            pad_token_id, topk: int = 0):
+    """The step loop: returns per row (tokens, logprobs, length, stopped) as Python lists, and
+    with ``topk`` per row and step the ``topk`` most likely (token, logprob) pairs (else None)."""
     rows, steps, device = logits.shape[0], params.max_tokens, logits.device
     out_tokens = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)
     out_logprobs = torch.zeros((rows, steps), dtype=torch.float32, device=device)
+    k = min(topk, logits.shape[-1])
+    top_ids = torch.zeros((rows, steps, k), dtype=torch.long, device=device) if k else None
+    top_lps = torch.zeros((rows, steps, k), dtype=torch.float32, device=device) if k else None
     lengths = torch.full((rows,), steps, dtype=torch.long, device=device)
     stopped = torch.zeros(rows, dtype=torch.bool, device=device)
     live = torch.arange(rows, device=device)  # batch row -> original row
@@ -173,6 +196,10 @@ def _decode(step_fn, head, cache, logits, mask, next_pos, params, rules: StopRul
         tok, lp = choose(logits, params, generator)
         out_tokens[live, step] = tok
         out_logprobs[live, step] = lp
+        if k:
+            values, indices = torch.topk(logits, k, dim=-1)
+            top_ids[live, step] = indices
+            top_lps[live, step] = values - torch.logsumexp(logits, dim=-1, keepdim=True)
         newly = torch.isin(tok, stop_ids) & ~done if stop_ids is not None else None
         if watcher is not None:
             hits = _string_hits(watcher, texts, live.tolist(), tok.tolist(), done.tolist())
@@ -192,7 +219,12 @@ def _decode(step_fn, head, cache, logits, mask, next_pos, params, rules: StopRul
         hidden = step_fn(tok.unsqueeze(1), mask, next_pos.unsqueeze(1)).last_hidden_state
         next_pos = next_pos + 1
         logits = head(hidden[:, -1]).float()
-    return out_tokens.cpu().tolist(), out_logprobs.cpu().tolist(), lengths.cpu().tolist(), stopped.cpu().tolist()
+    topk_rows = None
+    if k:
+        topk_rows = [[list(zip(i, v, strict=True)) for i, v in zip(ids_r, lps_r, strict=True)]
+                     for ids_r, lps_r in zip(top_ids.cpu().tolist(), top_lps.cpu().tolist(), strict=True)]
+    return (out_tokens.cpu().tolist(), out_logprobs.cpu().tolist(), lengths.cpu().tolist(), stopped.cpu().tolist(),
+            topk_rows)
 
 
 def _string_hits(watcher: StopStringWatcher, texts, live: list[int], toks: list[int], done: list[bool]) -> list[bool]:

@@ -131,3 +131,53 @@ def topk_prompt_logprobs(
         for row_ids, row_lps in zip(ids.cpu().tolist(), values.cpu().tolist(), strict=True):
             out.append(list(zip(row_ids, row_lps, strict=True)))
     return out
+
+
+def _position_chunks(n: int, vocab_size: int):
+    """Ranges of prompt positions whose (positions x vocab) logits fit one chunk."""
+    chunk = max(1, CHUNK_SIZE_ELEMENTS // max(1, vocab_size))
+    return (range(start, min(start + chunk, n)) for start in range(0, n, chunk))
+
+
+def target_prompt_logprobs(hidden: torch.Tensor, head: Callable, ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """``[len(prompt) - 1, K]`` float32: the logprob at position ``i + 1`` of token ``ids[i, j]``
+    (0.0 where ``ids`` is -1). Rows before the first one that names a token are not computed."""
+    out = np.zeros(ids.shape, dtype=np.float32)
+    named = np.flatnonzero((ids >= 0).any(axis=1))
+    if named.size == 0:
+        return out
+    first = int(named[0])
+    wanted = torch.from_numpy(np.clip(ids, 0, None)).to(hidden.device)
+    for rows in _position_chunks(ids.shape[0] - first, vocab_size):
+        r0, r1 = first + rows.start, first + rows.stop
+        logits = head(hidden[r0:r1]).float()
+        lp = torch.log_softmax(logits, dim=-1).gather(1, wanted[r0:r1])
+        out[r0:r1] = lp.cpu().numpy()
+        del logits
+    out[ids < 0] = 0.0
+    return out
+
+
+def prompt_alt_tokens(hidden: torch.Tensor, head: Callable, k: int, temperature: float,
+                      generator: torch.Generator, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``k`` independent draws (with replacement) at every prompt position after the first from
+    ``softmax(logits / temperature)`` (temperature 0: the most likely token), and their model
+    logprobs (temperature 1): two ``[len(prompt) - 1, k]`` arrays."""
+    n = hidden.shape[0] - 1
+    tokens = np.zeros((n, k), dtype=np.int64)
+    logprobs = np.zeros((n, k), dtype=np.float32)
+    for rows in _position_chunks(n, vocab_size):
+        logits = head(hidden[rows.start:rows.stop]).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        greedy = logits.argmax(dim=-1, keepdim=True).expand(-1, k)
+        if temperature == 0.0:
+            drawn = greedy
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            finite = torch.isfinite(probs).all(dim=-1, keepdim=True)  # a tiny temperature: greedy in the limit
+            drawn = torch.multinomial(torch.where(finite, probs, 1.0), k, replacement=True, generator=generator)
+            drawn = torch.where(finite, drawn, greedy)
+        tokens[rows.start:rows.stop] = drawn.cpu().numpy()
+        logprobs[rows.start:rows.stop] = logp.gather(1, drawn).cpu().numpy()
+        del logits, logp
+    return tokens, logprobs

@@ -10,11 +10,15 @@ seq_id ordering, long-poll results), ``store`` (SQLite records and checkpoint pa
 models and their limits), ``memory`` (the memory budget), ``sessions`` (client sessions and
 their expiry), ``sampling`` (sampling sessions, sampler cache), ``snapshots`` (pinned
 weights), ``history`` (metrics per step, for the console), ``catalog`` (an owner's runs,
-checkpoints and curves, for the catalog routes and the console), ``runtime`` (models,
-request ordering; the one entry for routes, holding the sessions and the catalog),
-``routes`` (HTTP endpoints), ``console`` (the browser console: its page and JSON), ``app``
-(``create_app``). Request values are read by :mod:`skyrl_sdk.inputs` (the protobuf request
-by ``inputs.tinker_proto``). See docs/server.md.
+checkpoints and curves, publishing, time to live and session search: for the catalog routes,
+the RestClient's routes and the console), ``weights`` (the requests that save weights, the
+expiry sweep), ``exports`` (external weights and their signed download links), ``runtime``
+(models, request ordering; the one entry for routes, holding the sessions and the catalog),
+``routes`` (HTTP endpoints), ``rest`` (the RestClient's routes beyond listing, and the
+declined ones' 404), ``compat`` (the compatibility matrix, from the client's routes),
+``console`` (the browser console: its page and JSON), ``app`` (``create_app``). Request
+values are read by :mod:`skyrl_sdk.inputs` (the protobuf request by ``inputs.tinker_proto``).
+See docs/server.md.
 """
 
 from .config import ServerConfig

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from ..errors import InputError, NotFoundError, clipped, quoted
 from ..version import __version__
-from . import console, routes
+from . import console, rest, routes
 from .bodies import Bodies
 from .config import ServerConfig
 from .guard import Guard
@@ -70,6 +70,7 @@ def create_app(config: ServerConfig | None = None) -> Any:
         logger.exception("%s %s failed", request.method, request.url.path)
         return JSONResponse(detail(request, f"internal server error: {type(exc).__name__}: {exc}"), status_code=500)
 
+    app.include_router(rest.router)  # before routes: see rest's docstring
     app.include_router(routes.router)
     app.include_router(console.router)
     guarded = Guard(app, config.owners(), config.max_body_bytes, bodies, max_json_body_bytes=config.max_json_body_bytes,

@@ -1,26 +1,35 @@
 """The catalog: an owner's training runs, checkpoints and metric curves, read by the catalog
 routes (Tinker's ``RestClient``, tinker-cookbook's resume and rolling saves) and by the
-console, through this one service.
+console, and what an owner may change about a checkpoint (delete, publish, time to live),
+through this one service.
 
-Another owner's run reads as unknown (404). File work (deleting a checkpoint's directory) and
-the metric history's reads run off the event loop.
+Another owner's run reads as unknown (404). Publishing, as Tinker defines it: only the
+training run's owner publishes or unpublishes; while published, any owner of this server may
+*read* the checkpoint by its ``tinker://`` path (sample from it, load it, its weights info),
+never list, change or delete it. File work (deleting a checkpoint's directory) and the metric
+history's reads run off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from ..errors import NotFoundError, quoted
-from . import wire
+from ..types.numbers import check_number
+from . import session_search, wire
 from .history import History
 from .sessions import TrainingModel
 from .store import Store, TinkerPath, iso
 
 #: a model whose worker had work within this many seconds is "live", else "idle"
 LIVE_S = 30.0
+#: Tinker's bounds on a checkpoint's time to live
+MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 
 
 class Catalog:
@@ -69,8 +78,35 @@ class Catalog:
             raise NotFoundError(f"no checkpoint {tp} on this server")
 
     def weights_info(self, owner: str, tinker_path: Any) -> dict[str, Any]:
-        tp, _ = self.store.resolve_checkpoint(tinker_path, owner)
-        return wire.weights_info_json(self.run(owner, tp.run_id))
+        """The weights info of the caller's checkpoint, or of another owner's published one."""
+        tp, _ = self.store.resolve_checkpoint(tinker_path, owner, readable=True)
+        return wire.weights_info_json(self.store.run(tp.run_id, None))
+
+    def export_directory(self, owner: str, tinker_path: Any) -> Path:
+        """The directory of one of ``owner``'s own external-weights exports (never another owner's)."""
+        return self.store.resolve_checkpoint(tinker_path, owner, kind="external")[1]
+
+    def owned_checkpoint(self, owner: str, run_id: str, checkpoint_id: str) -> TinkerPath:
+        """``owner``'s live checkpoint ``<run_id>/<checkpoint_id>``; 404 for another owner's (published or not)."""
+        tp = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}")
+        if self.store.run(tp.run_id, owner) is None or self.store.checkpoint(tp, owner) is None:
+            raise NotFoundError(f"no checkpoint {tp} of yours on this server")
+        return tp
+
+    def publish(self, owner: str, run_id: str, checkpoint_id: str, public: bool) -> None:
+        self.store.update_checkpoint(self.owned_checkpoint(owner, run_id, checkpoint_id), public=public)
+
+    def set_ttl(self, owner: str, run_id: str, checkpoint_id: str, ttl_seconds: Any) -> None:
+        """Expire the checkpoint ``ttl_seconds`` from now (3600 s to 10 years), or never (None)."""
+        tp = self.owned_checkpoint(owner, run_id, checkpoint_id)
+        expires = None
+        if ttl_seconds is not None:
+            expires = time.time() + check_number("ttl_seconds", ttl_seconds, low=MIN_TTL_S, high=MAX_TTL_S,
+                                                 integer=True)
+        self.store.update_checkpoint(tp, expires_at=expires)
+
+    def search_sessions(self, owner: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return session_search.search_sessions(self.store, owner, body)
 
     # ---- the console ------------------------------------------------------------------------------
     def status(self, run_id: str) -> str:

@@ -145,8 +145,11 @@ class ServerConfig:
     ``models``: the base models clients may name in ``create_model`` / sampling (``tiny`` or
     local Hugging Face directories). ``long_poll_s``: how long ``retrieve_future`` holds an
     unfinished request before answering ``try_again``. ``gap_timeout_s``: how long a
-    model's worker must sit idle, with later requests waiting on a missing ``seq_id``,
-    before those run anyway.
+    model's worker must sit idle, with later chunks of a parallel ``forward_backward``
+    waiting on a missing ``seq_id``, before those run anyway (only when ``client_config``
+    turns ``parallel_fwdbwd_chunks`` on: otherwise a later request shows the missing one
+    will not come, and it is skipped after ``boundary_grace_s``, a grace for clients of
+    their own that send out of order; see ``futures.Sequencer``).
 
     ``api_key`` (one owner) and ``api_keys`` (key -> owner): who may call, and whose models,
     sessions, runs, checkpoints and futures each request sees; with neither, no key is needed
@@ -173,6 +176,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     long_poll_s: float = 20.0
     gap_timeout_s: float = 60.0
+    boundary_grace_s: float = 3.0
     max_sampler_backends: int = 4
     max_ephemeral_snapshots: int = 4
     max_sample_batch: int = 64
@@ -225,6 +229,12 @@ class ServerConfig:
     #: extra flags merged into the answer to the client's ``/client/config`` (e.g.
     #: ``{"fwdbwd_max_chunk_len": 256}``; see ``tinker.types.ClientConfigResponse``)
     client_config: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def parallel_chunks(self) -> bool:
+        """Whether clients send the chunks of one ``forward_backward`` in parallel (off unless
+        ``client_config`` turns ``parallel_fwdbwd_chunks`` on)."""
+        return bool(self.client_config.get("parallel_fwdbwd_chunks", False))
 
     @classmethod
     def from_args(cls, args: Any) -> ServerConfig:

@@ -106,35 +106,84 @@ class Sequencer:
     """Hands a model's jobs to its queue (``worker``: put, idle_for, name) in ``seq_id``
     order (event-loop side).
 
-    Jobs without a seq_id go straight through. A missing seq_id is skipped, with a warning,
-    only once the model's queue has been idle for ``gap_timeout_s`` with later requests
-    waiting (a submission that never arrived, e.g. one the client gave up on), so one lost
-    request cannot stall a model forever, while a slow forward pass (or a client computing a
-    custom loss between its forward and backward halves) never causes a skip."""
+    The tinker client numbers every training request of a model, and sends request ``n + 1``
+    only once request ``n``'s submission was answered, or failed on its side (it never
+    reached us: a datum it could not encode) -- except the chunks of one parallel
+    ``forward_backward``, which it sends together. So a request that arrives as a
+    *boundary* (``boundary=True``: everything numbered before it was already submitted)
+    shows that the seq_ids missing below it will not come: they are skipped once it has
+    waited ``boundary_grace_s`` (a short grace, for a client of its own that sends out of
+    order; the ids that arrive within it keep their order). The runtime marks every request a
+    boundary when the server tells clients not to send chunks in parallel (its default), and
+    every request but a ``forward_backward`` otherwise. A request that is not a boundary
+    waits for a missing seq_id until the model's queue has been idle for ``gap_timeout_s``
+    with later requests waiting (a chunk of the same call, still on its way, arrives well
+    within that), so one lost request cannot stall a model forever, while a slow forward pass
+    never causes a skip. A skipped seq_id that arrives after all is refused (it would run out
+    of order). Jobs without a seq_id go straight through."""
 
-    def __init__(self, worker: Any, next_seq: int = 1, gap_timeout_s: float = 30.0) -> None:
+    def __init__(self, worker: Any, next_seq: int = 1, gap_timeout_s: float = 30.0,
+                 boundary_grace_s: float = 0.0) -> None:
         self.worker = worker
         self.next_seq = next_seq
         self.gap_timeout_s = gap_timeout_s
+        self.boundary_grace_s = boundary_grace_s
         self._waiting: dict[int, Job] = {}
         self._gap_timer: asyncio.TimerHandle | None = None
+        #: the highest boundary waiting for a gap below it, and the timer that ends its grace
+        self._proof: int | None = None
+        self._grace_timer: asyncio.TimerHandle | None = None
 
-    def submit(self, seq_id: int | None, job: Job) -> None:
+    def submit(self, seq_id: int | None, job: Job, *, boundary: bool = False) -> None:
         if seq_id is None:
             self.worker.put(job)
             return
         if seq_id < self.next_seq:
-            logger.warning("%s: seq_id %d arrived after %d ran; running it now", self.worker.name, seq_id,
+            logger.warning("%s: seq_id %d arrived after %d ran; refusing it", self.worker.name, seq_id,
                            self.next_seq - 1)
-            self.worker.put(job)
+            job.done(Result.error(f"seq_id {seq_id} arrived after later requests of this model ran (it was taken "
+                                  f"as never sent); it was not run, to keep the model's requests in order",
+                                  "server"))
             return
         self._waiting[seq_id] = job
+        if boundary and seq_id > self.next_seq:
+            self._proof = max(seq_id, self._proof or 0)
+            if self.boundary_grace_s <= 0:
+                self._end_grace()
+                return
+            if self._grace_timer is None:
+                self._grace_timer = asyncio.get_running_loop().call_later(self.boundary_grace_s, self._end_grace)
         self._drain()
+
+    def _end_grace(self) -> None:
+        """The grace of the waiting boundaries is over: the ids still missing below them are skipped."""
+        self._grace_timer = None
+        if self._proof is not None and self._proof > self.next_seq:
+            self._skip_below(self._proof, "the client sent a later request, so they will not come")
+        self._proof = None
+        self._drain()
+
+    def _skip_below(self, seq_id: int, why: str) -> None:
+        """Hand on, in order, the jobs waiting below ``seq_id``, skipping the ids missing
+        between them (by the waiting jobs, not id by id: a seq_id may be any size)."""
+        for waiting in sorted(k for k in self._waiting if k < seq_id) + [seq_id]:
+            if waiting > self.next_seq:
+                logger.warning("%s: seq_id %d..%d never arrived (%s); skipping to %d", self.worker.name,
+                               self.next_seq, waiting - 1, why, waiting)
+                self.next_seq = waiting
+            if waiting < seq_id:
+                self.worker.put(self._waiting.pop(waiting))
+                self.next_seq = waiting + 1
 
     def _drain(self) -> None:
         while self.next_seq in self._waiting:
             self.worker.put(self._waiting.pop(self.next_seq))
             self.next_seq += 1
+        if self._proof is not None and self._proof < self.next_seq:  # the gap filled within the grace
+            self._proof = None
+            if self._grace_timer is not None:
+                self._grace_timer.cancel()
+                self._grace_timer = None
         if self._gap_timer is not None:
             self._gap_timer.cancel()
             self._gap_timer = None
@@ -150,13 +199,13 @@ class Sequencer:
         if idle < self.gap_timeout_s:
             self._gap_timer = asyncio.get_running_loop().call_later(self.gap_timeout_s - idle + 0.01, self._skip_gap)
             return
-        first = min(self._waiting)
-        logger.warning("%s: seq_id %d..%d never arrived within %.0fs; skipping to %d", self.worker.name,
-                       self.next_seq, first - 1, self.gap_timeout_s, first)
-        self.next_seq = first
+        self._skip_below(min(self._waiting), f"waited {self.gap_timeout_s:.0f}s with the model idle")
         self._drain()
 
     def fail_pending(self, message: str) -> None:
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
         for job in self._waiting.values():
             job.done(Result.error(message, "server"))
         self._waiting.clear()

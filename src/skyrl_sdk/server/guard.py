@@ -29,6 +29,9 @@ from .config import DEFAULT_OWNER
 #: page shows comes from /console/api/*, behind the key like every other route)
 CONSOLE_STATIC = frozenset({"/", "/console/console.js", "/console/console.css"})
 OPEN_PATHS = frozenset({"/api/v1/healthz"}) | CONSOLE_STATIC
+#: signed download links: the unguessable, expiring token in the path is the credential
+#: (the client fetches them with urllib, without its key; :mod:`.exports`)
+OPEN_PREFIXES = ("/api/v1/downloads/",)
 OWNER_SCOPE_KEY = "skyrl_sdk.owner"
 #: the request body, read (and decompressed) by the guard
 BODY_SCOPE_KEY = "skyrl_sdk.body"
@@ -77,7 +80,8 @@ class Guard:
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
         owner = DEFAULT_OWNER
-        if self.owners is not None and scope.get("path") not in OPEN_PATHS:
+        path = scope.get("path") or ""
+        if self.owners is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             owner = self.owner_of(headers.get("x-api-key", b""))
             if owner is None:
                 await _send_json(send, 401, {"detail": "missing or unknown X-API-Key"},

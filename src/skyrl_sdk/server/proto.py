@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
+from ..inputs.sample import SampleRequest
 from ..types import ForwardBackwardOutput, SampleOutput
 
 _NUMPY_TO_PROTO = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
@@ -64,24 +65,43 @@ def _group_by_layout(arrays: list[dict[str, np.ndarray]]) -> list[list[dict[str,
 TOPK_EMPTY_LOGPROB = -99999.0
 
 
-def sample_output_to_proto(out: SampleOutput, last_n: int | None = None, topk: int = 0) -> bytes:
+def sample_output_to_proto(out: SampleOutput, last_n: int | None = None, request: SampleRequest | None = None,
+                           *, topk: int | None = None) -> bytes:
     """Our output as a protobuf ``SampleResponse``. ``last_n``: only the last n prompt
     positions are scored (earlier ones read as not computed, in both prompt-logprob fields);
-    ``topk``: the top-k width asked for (the matrix's width when no row has pairs)."""
+    the widths asked for (the matrices' widths when no row has pairs) come from ``request``,
+    or ``topk`` for the prompt top-k. ``target_prompt_logprobs`` is answered dense."""
+    prompt_k = topk if topk is not None else request.topk_prompt_logprobs if request is not None else 0
+    sample_k = request.topk_sample_logprobs if request is not None else 0
     msg = pb.SampleResponse()
     for seq in out.sequences:
         s = msg.sequences.add()
         s.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
         s.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
         s.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+        if seq.topk_logprobs is not None:
+            _topk_to_proto(seq.topk_logprobs, None, sample_k, s.topk_sampled_logprobs)
+    if out.target_prompt_logprobs is not None:
+        _tensor_to_proto(out.target_prompt_logprobs, msg.target_prompt_logprobs)
+    if out.prompt_alt_tokens is not None:
+        _tensor_to_proto(out.prompt_alt_tokens.tokens, msg.prompt_alt_tokens.tokens)
+        _tensor_to_proto(out.prompt_alt_tokens.logprobs, msg.prompt_alt_tokens.logprobs)
     if out.prompt_logprobs is not None:
         lps = [math.nan if v is None else float(v) for v in out.prompt_logprobs]
         if last_n is not None:
             lps = [math.nan] * (len(lps) - last_n) + lps[len(lps) - last_n:]
         msg.prompt_logprobs = np.asarray(lps, dtype=np.float32).tobytes()
     if out.topk_prompt_logprobs is not None:
-        _topk_to_proto(out.topk_prompt_logprobs, last_n, topk, msg.topk_prompt_logprobs)
+        _topk_to_proto(out.topk_prompt_logprobs, last_n, prompt_k, msg.topk_prompt_logprobs)
     return msg.SerializeToString()
+
+
+def _tensor_to_proto(array: np.ndarray, msg: Any) -> None:
+    """A dense int64 / float32 array as a proto ``Tensor``."""
+    array = np.ascontiguousarray(array, dtype=np.int64 if np.asarray(array).dtype.kind in "iub" else np.float32)
+    msg.dtype = _NUMPY_TO_PROTO[array.dtype]
+    msg.shape.extend(array.shape)
+    msg.dense = array.tobytes()
 
 
 def _topk_to_proto(rows: list[list[tuple[int, float]] | None], last_n: int | None, width: int, msg: Any) -> None:

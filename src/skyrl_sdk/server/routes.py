@@ -62,9 +62,12 @@ async def client_config(request: Request) -> dict:
     # that none of the optional server features (server-side losses, futures polling) exist.
     # The client cuts forward_backward batches into chunks of at most this many (estimated)
     # bytes; every token costs at least 12 (its id and its int64 target), so chunks stay within
-    # --max-tokens-per-request (5 MB, the client's default, is below the default limit).
+    # --max-tokens-per-request (5 MB, the client's default, is below the default limit). Chunks
+    # are sent one after another: then a request proves every earlier seq_id was submitted, and
+    # one the client numbered but never sent is skipped at once (futures.Sequencer).
     config = runtime(request).config
     flags = {"pjwt_auth_enabled": False, "credential_default_source": "api_key", "proto_compress_fwdbwd": False,
+             "parallel_fwdbwd_chunks": False,
              "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
              "sample_join_sampling_session": False,
              "fwdbwd_max_chunk_bytes_count": min(5_000_000, 12 * config.max_tokens_per_request)}
@@ -131,6 +134,7 @@ async def telemetry(request: Request) -> dict:
 #: Routes answered with a future: the runtime accepts the body (forward_backward's is protobuf)
 #: and answers with a request id; the client then long-polls ``/retrieve_future``.
 FUTURE_ROUTES = ("create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
+                 "save_weights_external",
                  "load_weights", "asample")
 
 

@@ -24,17 +24,20 @@ import attrs
 from ..errors import InputError, NotFoundError, quoted
 from ..inputs import tinker_proto
 from ..inputs.coerce import lora_config_from_any
+from ..losses.stability import SequenceRecords
 from . import proto, wire
 from .bodies import Bodies
 from .catalog import Catalog
 from .config import ServerConfig
 from .executor import SHUTDOWN_MESSAGE, Executors
+from .exports import DownloadLinks
 from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
 from .history import History
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
-from .store import Store, TinkerPath
+from .store import Store
+from .weights import EXPIRY_SWEEP_S, WeightRequests
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ class _ShuttingDown(Exception):
     """A request that arrived after the shutdown began."""
 
 
-class Runtime:
+class Runtime(WeightRequests):
     def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, bodies: Bodies | None = None) -> None:
         self.config = config
         self.loop = loop
@@ -58,6 +61,10 @@ class Runtime:
         self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
         self.models: dict[str, TrainingModel] = {}
         self.catalog = Catalog(self.store, self.history, self.models, self.sampling.runs_sampled)
+        #: per client session, the sequences sampled with record_stability_info (stable_reinforce)
+        self.sequence_records: dict[str, SequenceRecords] = {}
+        self.downloads = DownloadLinks()  # signed links to external weights' files
+        self._expiry_sweep = loop.call_later(EXPIRY_SWEEP_S, self._sweep_expired)
         self.started_at = time.time()
         #: monotonic time of the first shutdown signal (None while serving)
         self.stopping: float | None = None
@@ -77,6 +84,7 @@ class Runtime:
         handlers: dict[str, Callable[[str, dict], FutureRecord]] = {
             "create_model": self.create_model, "load_weights": self.load_weights, "optim_step": self.optim_step,
             "save_weights": self.save_weights, "save_weights_for_sampler": self.save_weights_for_sampler,
+            "save_weights_external": self.save_weights_external,
             "asample": self.sample,
         }
         try:
@@ -146,8 +154,16 @@ class Runtime:
         return any(m.session_id == session_id and not m.closed and m.worker.idle_for() == 0.0
                    for m in self.models.values())
 
+    def records(self, session_id: str) -> SequenceRecords:
+        """The recorded sequences of a client session (Tinker: provenance names sequences of its own session)."""
+        records = self.sequence_records.get(session_id)
+        if records is None:
+            records = self.sequence_records[session_id] = SequenceRecords()
+        return records
+
     def _end_session(self, session_id: str, why: str) -> None:
-        """(a session finished or expired) Release its models."""
+        """(a session finished or expired) Release its models and forget its recorded sequences."""
+        self.sequence_records.pop(session_id, None)
         for model in list(self.models.values()):
             if model.session_id == session_id and not model.closed:
                 self._release(model, why)
@@ -181,8 +197,8 @@ class Runtime:
             req = wire.parse_new_model(body, from_state=True)
 
             def plan():
-                tp, directory = self.store.resolve_checkpoint(req.path, owner, kind="training")
-                run = self.store.run(tp.run_id, owner)
+                tp, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
+                run = self.store.run(tp.run_id, None)  # the caller's, or another owner's published checkpoint
                 base = self.served.resolve(req.base_model or run["base_model"])
                 return base, lora_config_from_any(run["lora"]), req.user_metadata or run["user_metadata"], directory
 
@@ -190,7 +206,7 @@ class Runtime:
 
         def make(model: TrainingModel):
             req = wire.parse_load(body)
-            _, directory = self.store.resolve_checkpoint(req.path, owner, kind="training")
+            _, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
 
             def load() -> Result:
                 backend = model.require_backend()
@@ -215,12 +231,13 @@ class Runtime:
             raise InputError(f"model {req.model_id} already exists")
         worker = self.executors.queue(req.model_id, owner, self.config.max_sample_batch,
                                       self.config.sample_batch_wait_s)
-        model = TrainingModel(req.model_id, owner, req.session_id, base, lora, worker,
-                              Sequencer(worker, 1, self.config.gap_timeout_s), asyncio.Event())
+        sequencer = Sequencer(worker, 1, self.config.gap_timeout_s, self.config.boundary_grace_s)
+        model = TrainingModel(req.model_id, owner, req.session_id, base, lora, worker, sequencer, asyncio.Event())
         self.models[req.model_id] = model
         self.store.add_run(req.model_id, owner, req.session_id, base, attrs.asdict(lora) if lora else None, metadata)
         rec = self.futures.create(owner, req.model_id, dedup)
         complete = self.futures.completer(rec)
+        records = self.records(req.session_id)
 
         def create() -> Result:
             try:
@@ -231,6 +248,7 @@ class Runtime:
                     except BaseException:
                         backend.close()
                         raise
+                backend.sequences = records  # provenance names the sequences its session sampled
                 model.backend = backend
             except BaseException as exc:
                 model.error = str(exc)
@@ -256,7 +274,9 @@ class Runtime:
     async def get_info(self, owner: str, body: dict) -> dict:
         model = self.model(owner, body.get("model_id"))
         await asyncio.wait_for(model.ready.wait(), timeout=3600)
-        return wire.model_info_json(model.model_id, model.base_model, model.require_backend().get_info())
+        # the client names its samplers' base model by model_name, and loads their tokenizer by it
+        return wire.model_info_json(model.model_id, self.served.client_name(model.base_model),
+                                    model.require_backend().get_info())
 
     # ---- training requests (sequenced per model) -----------------------------------------------
     def _sequenced(self, owner: str, body: dict | None, what: str, make_run: Callable[[TrainingModel], Callable],
@@ -280,8 +300,10 @@ class Runtime:
                 raise exc
         rec = self.futures.create(owner, model.model_id, dedup)
         self.store.touch_run(model.model_id)
+        # a boundary: the client submitted every earlier seq_id before this one (see Sequencer)
+        boundary = what not in ("forward", "forward_backward") or not self.config.parallel_chunks
         model.sequencer.submit(seq, Job(run=run, done=self.futures.completer(rec), what=f"{what}({model.model_id})",
-                                        cost=cost))
+                                        cost=cost), boundary=boundary)
         return rec
 
     def _seq_limit(self, model_id: str) -> int | None:
@@ -324,46 +346,6 @@ class Runtime:
 
         return self._sequenced(owner, body, "optim_step", make)
 
-    def save_weights(self, owner: str, body: dict) -> FutureRecord:
-        def make(model: TrainingModel):
-            save = wire.parse_save(body)
-            tp = TinkerPath(model.model_id, "training", save.name)
-            directory = self.store.checkpoint_dir(tp)
-
-            def run() -> Result:
-                self.store.delete_expired()
-                model.require_backend().save_state(directory, overwrite=save.overwrite)
-                self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
-                return Result.json({"path": str(tp), "type": "save_weights"})
-
-            return run
-
-        return self._sequenced(owner, body, "save_weights", make, cost=None)
-
-    def save_weights_for_sampler(self, owner: str, body: dict) -> FutureRecord:
-        def make(model: TrainingModel):
-            req = wire.parse_sampler_save(body)
-            if (save := req.save) is not None:
-                tp = TinkerPath(model.model_id, "sampler", save.name)
-                directory = self.store.checkpoint_dir(tp)
-
-                def run_named() -> Result:
-                    model.require_backend().save_weights_for_sampler(directory, overwrite=True)
-                    self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
-                    return Result.json({"path": str(tp), "type": "save_weights_for_sampler"})
-
-                return run_named
-            sid = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
-
-            def run_ephemeral() -> Result:
-                self.sampling.add_ephemeral(model, sid, req.kind)
-                return Result.json({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
-
-            return run_ephemeral
-
-        named = body.get("path") is not None  # a named export writes to disk; a snapshot only pins
-        return self._sequenced(owner, body, "save_weights_for_sampler", make, cost=None if named else 0)
-
     # ---- sampling ------------------------------------------------------------------------------
     def create_sampling_session(self, owner: str, body: dict) -> str:
         session_id = wire.session_id(body)
@@ -376,7 +358,8 @@ class Runtime:
 
     def get_sampler(self, owner: str, sampler_id: str) -> dict:
         s = self.sampling.session(owner, sampler_id)
-        return {"sampler_id": s.sid, "base_model": s.base_model, "model_path": s.model_path}
+        # the client loads a sampler's tokenizer by this name: give one that resolves offline
+        return {"sampler_id": s.sid, "base_model": self.served.client_name(s.base_model), "model_path": s.model_path}
 
     def sample(self, owner: str, body: dict) -> FutureRecord:
         spec = wire.parse_sample_request(body, self.config.max_num_samples)
@@ -391,7 +374,17 @@ class Runtime:
             return old
         rec = self.futures.create(owner, None, dedup, prefix="sample")
         try:
-            self.sampling.submit(session, spec, self.futures.completer(rec))
+            record = None
+            if spec.request.record_stability_info:
+                if session.session_id is None:
+                    raise InputError("record_stability_info: recorded sequences belong to a session; sample "
+                                     "through a sampling client (a sampling_session_id), not an ad-hoc request")
+                records, prompt = self.records(session.session_id), spec.prompt
+                ids = [f"{rec.request_id}:{i}" for i in range(spec.request.num_samples)]
+
+                def record(out):
+                    records.record(prompt, out.sequences, ids)
+            self.sampling.submit(session, spec, self.futures.completer(rec), record)
         except InputError as exc:
             self.futures.finish(rec, Result.from_exception(exc))
         rec.extra["num_samples"] = spec.request.num_samples
@@ -418,6 +411,7 @@ class Runtime:
         if self.stopping is not None:
             return
         self.stopping = time.monotonic()
+        self._expiry_sweep.cancel()
         for m in self.models.values():
             m.sequencer.fail_pending(SHUTDOWN_MESSAGE)
         self.executors.stop()

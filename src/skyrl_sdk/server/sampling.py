@@ -50,6 +50,16 @@ class SamplingSession:
     kind: str  # "base" | "path" | "snapshot" | "inflight"
     model: TrainingModel | None = None
     version: int | None = None
+    #: the client session it belongs to (where record_stability_info records; None: an ad-hoc sample)
+    session_id: str | None = None
+
+
+@attrs.frozen(eq=False)
+class SampleWork:
+    """A queued sample request: the request, and what records its sequences (None: nothing)."""
+
+    spec: SampleSpec
+    record: Callable[[Any], None] | None = None
 
 
 @attrs.define(eq=False)
@@ -86,7 +96,7 @@ class Sampling:
         """A durable session on a base model or a saved path (survives a restart)."""
         if (old := self.sessions.get(sid)) is not None and old.owner != owner:
             raise NotFoundError(f"unknown session {quoted(session_id)}")
-        session = self.session_from(owner, model_path, base_model, sid)
+        session = attrs.evolve(self.session_from(owner, model_path, base_model, sid), session_id=session_id)
         self.sessions[sid] = session
         self.store.add_sampling_session(sid, owner, session_id, session.base_model, session.model_path)
         return session
@@ -95,14 +105,18 @@ class Sampling:
         """(the model's worker) A session on a live training model, pinning its weights if a snapshot."""
         model.require_backend()
         self.sessions[sid] = SamplingSession(sid, model.owner, model.base_model, None, kind, model=model,
-                                             version=model.version if kind == "snapshot" else None)
+                                             version=model.version if kind == "snapshot" else None,
+                                             session_id=model.session_id)
         if kind == "snapshot":
             model.pinned.add(model.version)
 
     def session_from(self, owner: str, model_path: Any, base_model: Any, sid: str) -> SamplingSession:
         if model_path:
-            tp, _ = self.store.resolve_checkpoint(model_path, owner)
-            run = self.store.run(tp.run_id, owner)
+            tp, _ = self.store.resolve_checkpoint(model_path, owner, readable=True)
+            if tp.kind == "external":
+                raise InputError(f"{model_path}: external weights are for download (RestClient."
+                                 f"get_external_weights_urls); sample from a weights or sampler_weights path")
+            run = self.store.run(tp.run_id, None)  # the caller's, or another owner's published checkpoint
             return SamplingSession(sid, owner, run["base_model"], str(tp), "path")
         if base_model:
             return SamplingSession(sid, owner, self.served.resolve(base_model), None, "base")
@@ -113,7 +127,8 @@ class Sampling:
         s = self.sessions.get(sid) if isinstance(sid, str) else None
         if s is None and isinstance(sid, str) and (row := self.store.sampling_session(sid, owner)) is not None:
             # a path- or base-model session survives a restart
-            s = self.session_from(owner, row["model_path"], row["base_model"], sid)
+            s = attrs.evolve(self.session_from(owner, row["model_path"], row["base_model"], sid),
+                             session_id=row["session_id"])
             self.sessions[sid] = s
         if s is None or s.owner != owner:
             raise NotFoundError(f"unknown sampling session {quoted(sid)} (ephemeral sampling sessions are lost "
@@ -137,20 +152,23 @@ class Sampling:
             self._drop_snapshot(model, *model.snapshots.popitem(last=False))
 
     # ---- running samples ------------------------------------------------------------------------
-    def submit(self, session: SamplingSession, spec: SampleSpec, done: Callable[[Result], None]) -> None:
+    def submit(self, session: SamplingSession, spec: SampleSpec, done: Callable[[Result], None],
+               record: Callable[[Any], None] | None = None) -> None:
+        """Queue a sample request; ``record(output)`` records its sequences (record_stability_info)."""
         spec.check_length(self.served.max_seq_len(session.base_model))
+        work = SampleWork(spec, record)
         if session.kind in ("snapshot", "inflight"):
             model = session.model
             if model.closed:
                 raise InputError(f"sampling session {session.sid}: its model was released ({model.closed})")
-            job = self._sample_job(spec, done, lambda: model.require_backend(), ("model", model.model_id),
+            job = self._sample_job(work, done, lambda: model.require_backend(), ("model", model.model_id),
                                    session if session.kind == "snapshot" else None)
             model.worker.put(job)
             return
         target = self._target_for(session)
-        target.worker.put(self._sample_job(spec, done, target.get, target.key, None))
+        target.worker.put(self._sample_job(work, done, target.get, target.key, None))
 
-    def _sample_job(self, spec: SampleSpec, done, get_backend, target_key, snapshot: SamplingSession | None) -> Job:
+    def _sample_job(self, work: SampleWork, done, get_backend, target_key, snapshot: SamplingSession | None) -> Job:
         def stale() -> bool:
             return snapshot is not None and snapshot.model.version != snapshot.version
 
@@ -168,26 +186,36 @@ class Sampling:
         def run_batch(jobs: list[Job]) -> list[Result | None]:
             if stale():
                 return reroute(jobs)
-            first = jobs[0].payload.request  # the jobs of a batch differ only in their prompts
+            specs = [j.payload.spec for j in jobs]
+            first = specs[0].request  # the jobs of a batch differ only in their prompts and target ids
+            targets = [s.request.target_prompt_logprobs[0] if s.request.target_prompt_logprobs else None
+                       for s in specs]
             backend = get_backend()
             with RNG_LOCK:
-                outs = backend.sample([j.payload.prompt for j in jobs], first.sampling_params, first.num_samples,
+                outs = backend.sample([s.prompt for s in specs], first.sampling_params, first.num_samples,
                                       prompt_logprobs=first.prompt_logprobs,
-                                      topk_prompt_logprobs=first.topk_prompt_logprobs)
-            return [Result.proto(proto.sample_output_to_proto(o, j.payload.prompt_logprobs_last_n,
-                                                              j.payload.request.topk_prompt_logprobs))
-                    for o, j in zip(outs, jobs, strict=True)]
+                                      topk_prompt_logprobs=first.topk_prompt_logprobs,
+                                      topk_sample_logprobs=first.topk_sample_logprobs,
+                                      target_prompt_logprobs=targets if any(t is not None for t in targets) else None,
+                                      prompt_alt_tokens_k=first.prompt_alt_tokens_k)
+            for out, j in zip(outs, jobs, strict=True):
+                if j.payload.record is not None:
+                    j.payload.record(out)
+            return [Result.proto(proto.sample_output_to_proto(o, s.prompt_logprobs_last_n, s.request))
+                    for o, s in zip(outs, specs, strict=True)]
 
         def run() -> Result | None:
             return run_batch([job])[0]
 
+        spec = work.spec
         call, key = spec.request, None
         # an image prompt runs alone: its images are read (and may be refused) in its own call
         if call.sampling_params.seed is None and isinstance(spec.prompt, np.ndarray):
             key = (target_key, snapshot.version if snapshot else None, call.sampling_params, call.num_samples,
-                   call.prompt_logprobs, call.topk_prompt_logprobs)
+                   call.prompt_logprobs, call.topk_prompt_logprobs, call.topk_sample_logprobs,
+                   call.prompt_alt_tokens_k)
         cost = call.num_samples * (spec.prompt_length + call.sampling_params.max_tokens)  # roughly: tokens decoded
-        job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=spec, cost=cost)
+        job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=work, cost=cost)
         return job
 
     # ---- snapshots ------------------------------------------------------------------------------
@@ -256,10 +284,10 @@ class Sampling:
         if session.kind == "base":  # the shared base itself (no copy): one per owner, so owners take turns
             return self._target(("base", session.base_model, owner), self._state_loader(session.base_model), owner)
         tp = TinkerPath.parse(session.model_path)
-        _, directory = self.store.resolve_checkpoint(session.model_path, owner)
+        _, directory = self.store.resolve_checkpoint(session.model_path, owner, readable=True)
         if tp.kind == "sampler":
             return self._target(("dir", str(directory)), self._state_loader(str(directory)), owner)
-        run = self.store.run(tp.run_id, owner)
+        run = self.store.run(tp.run_id, None)
         lora = lora_config_from_any(run["lora"]) if run else None
         return self._target(("state", str(directory)), self._state_loader(session.base_model, directory, lora), owner)
 

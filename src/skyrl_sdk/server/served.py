@@ -63,6 +63,8 @@ class ServedModels:
         #: what every Backend and shared base of this server is built with
         self.engine_config = {"micro_batch_tokens": SERVER_MICRO_BATCH_TOKENS, **config.engine_config}
         self._by_canonical = {_canonical(m): m for m in config.models}
+        if "tiny" in config.models:  # the directory client_name gives for it names it too
+            self._by_canonical[_canonical(self.client_name("tiny"))] = "tiny"
         self._limits: dict[str, int | None] = {}
         for m in config.models:
             limits = [v for v in (position_limit(m), config.max_seq_len) if v is not None]
@@ -83,6 +85,15 @@ class ServedModels:
             raise InputError(f"base model {quoted(name)} is not served here; this server serves "
                              f"{list(self.config.models)}")
         return found
+
+    @staticmethod
+    def client_name(base_model: str) -> str:
+        """The name of ``base_model`` a tinker client can load the tokenizer of offline (it calls
+        ``AutoTokenizer.from_pretrained(name)`` on a sampler's base model): a served directory as
+        it is; ``tiny`` as the directory of its tokenizer files (which names it here too)."""
+        from ..models.loading import TINY_DIR, TINY_NAME
+
+        return str(TINY_DIR.resolve()) if base_model == TINY_NAME else base_model
 
     def max_seq_len(self, base_model: str | None) -> int | None:
         """Longest sequence (prompt + completion, or one datum) accepted for ``base_model``."""

@@ -52,8 +52,11 @@ class Sessions:
             raise InputError(f"tags: expected a list, got {type(tags).__name__}")
         if metadata is not None and not isinstance(metadata, dict):
             raise InputError(f"user_metadata: expected an object, got {type(metadata).__name__}")
+        name = body.get("display_name")
+        if name is not None and not isinstance(name, str):
+            raise InputError(f"display_name: expected a string, got {type(name).__name__}")
         sid = f"sess-{uuid.uuid4().hex[:16]}"
-        self.store.add_session(sid, owner, tags, metadata, sdk if isinstance(sdk, str) else None)
+        self.store.add_session(sid, owner, tags, metadata, sdk if isinstance(sdk, str) else None, name)
         self._last_seen[sid] = time.monotonic()
         return sid
 

@@ -29,7 +29,7 @@ from .config import DEFAULT_OWNER
 logger = logging.getLogger(__name__)
 
 #: tinker path segment -> checkpoint type (Tinker's names)
-SEGMENT_TO_KIND = {"weights": "training", "sampler_weights": "sampler"}
+SEGMENT_TO_KIND = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 KIND_TO_SEGMENT = {v: k for k, v in SEGMENT_TO_KIND.items()}
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 _ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,199}")
@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     finish_reason TEXT,
     tags TEXT,
     user_metadata TEXT,
-    sdk_version TEXT
+    sdk_version TEXT,
+    display_name TEXT
 );
 CREATE TABLE IF NOT EXISTS training_runs (
     run_id TEXT PRIMARY KEY,
@@ -65,6 +66,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     size_bytes INTEGER,
     expires_at REAL,
     user_metadata TEXT,
+    public INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, kind, name)
 );
 CREATE TABLE IF NOT EXISTS sampling_sessions (
@@ -78,6 +80,10 @@ CREATE TABLE IF NOT EXISTS sampling_sessions (
 """
 #: tables that gained an ``owner`` column (a state dir from before owners: all 'default')
 _OWNED_TABLES = ("sessions", "training_runs", "sampling_sessions")
+#: columns added since (table, column, declaration): a state dir from before gets them
+_ADDED_COLUMNS = (("sessions", "display_name", "TEXT"), ("checkpoints", "public", "INTEGER NOT NULL DEFAULT 0"))
+#: a checkpoint whose ttl ran out is gone at once (its files are deleted by the next sweep)
+_LIVE = "(c.expires_at IS NULL OR c.expires_at > ?)"
 
 
 def check_name(name: Any, what: str = "checkpoint name") -> str:
@@ -116,8 +122,9 @@ class TinkerPath:
         parts = path[len("tinker://"):].split("/")
         if len(parts) != 3 or parts[1] not in SEGMENT_TO_KIND:
             raise InputError(
-                f"invalid tinker path {quoted(path)}: expected tinker://<training_run_id>/weights/<name> "
-                f"or tinker://<training_run_id>/sampler_weights/<name>"
+                f"invalid tinker path {quoted(path)}: expected tinker://<training_run_id>/weights/<name>, "
+                f"tinker://<training_run_id>/sampler_weights/<name> or "
+                f"tinker://<training_run_id>/external_weights/<name>"
             )
         return cls(check_run_id(parts[0]), SEGMENT_TO_KIND[parts[1]], check_name(parts[2]))
 
@@ -161,6 +168,9 @@ class Store:
                 columns = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
                 if "owner" not in columns:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT '{DEFAULT_OWNER}'")
+            for table, column, declaration in _ADDED_COLUMNS:
+                if column not in {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
 
     def tidy(self) -> None:
         """(start-up) Saves interrupted by a crash leave temp/.old directories: remove them (only
@@ -223,11 +233,13 @@ class Store:
         return self.inside(self.root / "runs" / self.run_dirname(tp.run_id) / KIND_TO_SEGMENT[tp.kind] / tp.name)
 
     # ---- sessions ---------------------------------------------------------------------
-    def add_session(self, session_id: str, owner: str, tags: Any, user_metadata: Any, sdk_version: Any) -> None:
+    def add_session(self, session_id: str, owner: str, tags: Any, user_metadata: Any, sdk_version: Any,
+                    display_name: str | None = None) -> None:
         self._exec(
             "INSERT OR IGNORE INTO sessions (session_id, owner, created_at, last_heartbeat, tags, user_metadata,"
-            " sdk_version) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (session_id, owner, time.time(), time.time(), _dumps(tags), _dumps(user_metadata), sdk_version),
+            " sdk_version, display_name) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (session_id, owner, time.time(), time.time(), _dumps(tags), _dumps(user_metadata), sdk_version,
+             display_name),
         )
 
     def session(self, session_id: str, owner: str) -> dict[str, Any] | None:
@@ -274,9 +286,11 @@ class Store:
     def _write_touch(self, run_id: str, when: float) -> None:
         self._exec("UPDATE training_runs SET last_request_time = ? WHERE run_id = ?", (when, run_id))
 
-    def run(self, run_id: str, owner: str) -> dict[str, Any] | None:
-        """The training run ``run_id`` if ``owner`` owns it."""
-        rows = self._rows("SELECT * FROM training_runs WHERE run_id = ? AND owner = ?", (run_id, owner))
+    def run(self, run_id: str, owner: str | None) -> dict[str, Any] | None:
+        """The training run ``run_id`` if ``owner`` owns it (None: whoever owns it; only for the
+        run of a checkpoint the caller may read, see ``resolve_checkpoint(readable=True)``)."""
+        rows = self._rows("SELECT * FROM training_runs WHERE run_id = ? AND (owner = ? OR ? IS NULL)",
+                          (run_id, owner, owner))
         if not rows:
             return None
         out = dict(rows[0])
@@ -313,20 +327,33 @@ class Store:
             (tp.run_id, tp.kind, tp.name, now, size, expires, _dumps(user_metadata)),
         )
 
-    def checkpoint(self, tp: TinkerPath, owner: str) -> dict[str, Any] | None:
+    def update_checkpoint(self, tp: TinkerPath, **fields: Any) -> None:
+        """Set ``public`` and/or ``expires_at`` of checkpoint ``tp``'s record."""
+        unknown = set(fields) - {"public", "expires_at"}
+        if unknown:
+            raise ValueError(f"update_checkpoint: unknown fields {sorted(unknown)}")
+        values = {k: int(v) if k == "public" else v for k, v in fields.items()}
+        assignments = ", ".join(f"{k} = ?" for k in values)
+        self._exec(f"UPDATE checkpoints SET {assignments} WHERE run_id = ? AND kind = ? AND name = ?",
+                   (*values.values(), tp.run_id, tp.kind, tp.name))
+
+    def checkpoint(self, tp: TinkerPath, owner: str, readable: bool = False) -> dict[str, Any] | None:
+        """``owner``'s live checkpoint ``tp``; with ``readable``, another owner's published one too."""
         rows = self._rows(
             "SELECT c.* FROM checkpoints c JOIN training_runs r ON r.run_id = c.run_id"
-            " WHERE c.run_id = ? AND c.kind = ? AND c.name = ? AND r.owner = ?",
-            (tp.run_id, tp.kind, tp.name, owner))
+            f" WHERE c.run_id = ? AND c.kind = ? AND c.name = ? AND (r.owner = ? OR (? AND c.public)) AND {_LIVE}",
+            (tp.run_id, tp.kind, tp.name, owner, readable, time.time()))
         return self._checkpoint_json(rows[0]) if rows else None
 
-    def resolve_checkpoint(self, path: Any, owner: str, kind: str | None = None) -> tuple[TinkerPath, Path]:
-        """A recorded checkpoint's ``tinker://`` path -> its directory (which must exist)."""
+    def resolve_checkpoint(self, path: Any, owner: str, kind: str | None = None,
+                           readable: bool = False) -> tuple[TinkerPath, Path]:
+        """A recorded checkpoint's ``tinker://`` path -> its directory (which must exist); with
+        ``readable``, another owner's published checkpoint resolves too (to read, never to change)."""
         tp = TinkerPath.parse(path)
         if kind is not None and tp.kind != kind:
             want = KIND_TO_SEGMENT[kind]
             raise InputError(f"{path}: expected a tinker://<run>/{want}/<name> path here")
-        if self.checkpoint(tp, owner) is None:
+        if self.checkpoint(tp, owner, readable) is None:
             raise NotFoundError(f"no checkpoint {path} on this server")
         directory = self.checkpoint_dir(tp)
         if not directory.is_dir():
@@ -335,9 +362,9 @@ class Store:
 
     def list_checkpoints(self, owner: str, run_id: str | None = None, limit: int = 10**9, offset: int = 0
                          ) -> tuple[list[dict[str, Any]], int]:
-        where, params = "WHERE r.owner = ?", (owner,)
+        where, params = f"WHERE r.owner = ? AND {_LIVE}", (owner, time.time())
         if run_id is not None:
-            where, params = where + " AND c.run_id = ?", (owner, run_id)
+            where, params = where + " AND c.run_id = ?", (*params, run_id)
         joined = f"FROM checkpoints c JOIN training_runs r ON r.run_id = c.run_id {where}"
         rows = self._rows(f"SELECT c.* {joined} ORDER BY c.created_at, c.name LIMIT ? OFFSET ?",
                           (*params, limit, offset))
@@ -345,8 +372,8 @@ class Store:
         return [self._checkpoint_json(r) for r in rows], total
 
     def last_checkpoint(self, run_id: str, kind: str) -> dict[str, Any] | None:
-        rows = self._rows("SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? ORDER BY created_at DESC LIMIT 1",
-                          (run_id, kind))
+        rows = self._rows("SELECT * FROM checkpoints c WHERE run_id = ? AND kind = ? AND " + _LIVE +
+                          " ORDER BY created_at DESC LIMIT 1", (run_id, kind, time.time()))
         return self._checkpoint_json(rows[0]) if rows else None
 
     def delete_checkpoint(self, tp: TinkerPath) -> bool:
@@ -395,10 +422,10 @@ class Store:
                            "known run to <state-dir>/quarantine: %s", len(quarantined), ", ".join(quarantined))
         return adopted, quarantined
 
-    def delete_expired(self) -> int:
-        """Delete checkpoints whose ``ttl_seconds`` ran out; returns how many."""
-        rows = self._rows("SELECT run_id, kind, name FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at < ?",
-                          (time.time(),))
+    def delete_expired(self, now: float | None = None) -> int:
+        """Delete checkpoints whose ``ttl_seconds`` ran out (records and files); returns how many."""
+        rows = self._rows("SELECT run_id, kind, name FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?",
+                          (time.time() if now is None else now,))
         for r in rows:
             self.delete_checkpoint(TinkerPath(r["run_id"], r["kind"], r["name"]))
         return len(rows)
@@ -412,7 +439,7 @@ class Store:
             "time": iso(row["created_at"]),
             "tinker_path": str(tp),
             "size_bytes": row["size_bytes"],
-            "public": False,
+            "public": bool(row["public"]),
             "user_metadata": _loads(row["user_metadata"]),
             "expires_at": iso(row["expires_at"]),
         }

@@ -31,15 +31,9 @@ from ..types import AdamParams, ModelInput
 from ..types.numbers import check_number
 from .store import check_name, check_run_id, iso
 
-#: widest ``topk_prompt_logprobs`` one sample request may ask for (Tinker's top-k width bound)
+#: widest ``topk_prompt_logprobs``, ``topk_sample_logprobs`` and ``prompt_alt_tokens_k`` one sample
+#: request may ask for (Tinker's top-k width bound)
 MAX_TOPK_PROMPT_LOGPROBS = 20
-#: fields of Tinker's SampleRequest this server does not implement: refused when set
-UNSUPPORTED_SAMPLE_FIELDS = {
-    "topk_sample_logprobs": "top-k sample logprobs",
-    "prompt_alt_tokens_k": "prompt_alt_tokens_k",
-    "target_prompt_logprobs": "target_prompt_logprobs",
-    "record_stability_info": "record_stability_info",
-}
 #: The keys of each JSON request, as the ``tinker`` client's request types (0.38) have them
 #: (``tests/test_input_path.py`` checks that every field the client can send is here). A key
 #: not listed is refused by name; a new request field is read where its route's parser reads
@@ -55,11 +49,12 @@ REQUEST_KEYS: dict[str, tuple[str, ...]] = {
     "load_weights": ("model_id", "seq_id", "session_id", "model_seq_id", "base_model", "user_metadata", "path",
                      "optimizer", "optimizer_config", "weights_access_token", "type"),
     "save_weights": ("model_id", "path", "seq_id", "ttl_seconds", "overwrite", "user_metadata", "type"),
+    "save_weights_external": ("model_id", "path", "seq_id", "ttl_seconds", "age_encryption_recipients", "type"),
     "save_weights_for_sampler": ("model_id", "path", "sampling_session_seq_id", "kind", "seq_id", "ttl_seconds",
                                  "user_metadata", "type"),
     "optim_step": ("adam_params", "optim_params", "optimizer_params", "model_id", "seq_id", "type"),
     "asample": ("prompt", *sample_call.CALL_KEYS, "base_model", "model_path", "sampling_session_id", "seq_id",
-                "prompt_logprobs_last_n", *UNSUPPORTED_SAMPLE_FIELDS, "type"),
+                "prompt_logprobs_last_n", "target_prompt_logprobs", "type"),
     "retrieve_future": ("request_id", "allow_metadata_only"),
     "weights_info": ("tinker_path",),
 }
@@ -181,6 +176,11 @@ def parse_save(body: Mapping[str, Any]) -> Save:
     return Save(check_name(body.get("path")), flag(body, "overwrite"), _ttl(body), _object(body, "user_metadata"))
 
 
+def parse_external_save(body: Mapping[str, Any]) -> tuple[Save, Any]:
+    """save_weights_external: the export's name and ttl, and its ``age_encryption_recipients`` (raw)."""
+    return Save(check_name(body.get("path")), True, _ttl(body), None), body.get("age_encryption_recipients")
+
+
 @attrs.frozen
 class Load:
     """load_weights into an existing model: which checkpoint (resolved by the store), and
@@ -287,9 +287,6 @@ def parse_sample_request(body: Mapping[str, Any], max_num_samples: int) -> Sampl
     """A JSON ``SampleRequest`` (everything except where to sample from): the call through
     :func:`skyrl_sdk.inputs.sample.sample_request_from_json`, the prompt first, then
     ``num_samples`` (at most ``max_num_samples``)."""
-    for field, what in UNSUPPORTED_SAMPLE_FIELDS.items():
-        if body.get(field):
-            raise InputError(f"{what} ({field}) is not supported by skyrl-sdk serve")
     request = sample_call.sample_request_from_json(body, max_num_samples=max_num_samples,
                                                    max_topk=MAX_TOPK_PROMPT_LOGPROBS)
     last_n = body.get("prompt_logprobs_last_n")

@@ -15,12 +15,14 @@ from .outputs import (
     LoadStateOutput,
     ModelInfo,
     OptimStepOutput,
+    PromptAltTokens,
     SampledSequence,
     SampleOutput,
     SaveStateOutput,
     SaveWeightsForSamplerOutput,
 )
 from .params import MIN_ADAM_EPS, AdamParams, LoraConfig, SamplingParams
+from .provenance import PromptProvenanceSpan, ProvenanceSpan, SampledProvenanceSpan
 from .tensor import INTEGER_KEYS, TensorData, dtype_for_key, to_tensor_data
 
 __all__ = [
@@ -37,7 +39,11 @@ __all__ = [
     "ModelInput",
     "OptimStepOutput",
     "PreparedImageChunk",
+    "PromptAltTokens",
+    "PromptProvenanceSpan",
+    "ProvenanceSpan",
     "SampleOutput",
+    "SampledProvenanceSpan",
     "SampledSequence",
     "SamplingParams",
     "SaveStateOutput",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import attrs
+import numpy as np
 
 from .tensor import TensorData
 
@@ -19,6 +20,24 @@ class SampledSequence:
     logprobs: list[float]
     #: ``"stop"`` (a stop token or string ended it) or ``"length"`` (max_tokens reached).
     stop_reason: Literal["stop", "length"]
+    #: Names this sequence in a training datum's provenance, when it was sampled with
+    #: ``record_stability_info=True`` (None otherwise).
+    sequence_id: str | None = None
+    #: Per generated position, the k most likely ``(token_id, logprob)`` pairs of the
+    #: distribution the token was drawn from (temperature 1), most likely first, if
+    #: ``topk_sample_logprobs=k`` was asked (Tinker's ``SampledSequence.topk_logprobs``).
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@attrs.frozen(eq=False)
+class PromptAltTokens:
+    """``k`` draws, with replacement and at the request's temperature, from the model's
+    next-token distribution at every prompt position after the first (Tinker's field)."""
+
+    #: int64 token ids, shape ``[len(prompt) - 1, k]``: row ``i`` holds alternatives to ``prompt[i + 1]``.
+    tokens: np.ndarray
+    #: float32 model logprobs (temperature 1) of ``tokens``, same shape.
+    logprobs: np.ndarray
 
 
 @attrs.frozen(eq=False)
@@ -32,6 +51,11 @@ class SampleOutput:
     #: Per prompt position, the k most likely ``(token_id, logprob)`` pairs, most likely first
     #: (None for the first position), if ``topk_prompt_logprobs=k`` was asked (Tinker's field).
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    #: float32 ``[len(prompt) - 1, K]``: the logprob at prompt position ``i + 1`` of the token
+    #: id in cell ``[i, j]`` of the request's ``target_prompt_logprobs`` (0.0 where it had -1).
+    target_prompt_logprobs: np.ndarray | None = None
+    #: The draws ``prompt_alt_tokens_k`` asked for.
+    prompt_alt_tokens: PromptAltTokens | None = None
 
 
 @attrs.frozen(eq=False)

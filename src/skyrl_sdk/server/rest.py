@@ -1,0 +1,83 @@
+"""The RestClient's checkpoint and session routes beyond listing (publish, time to live,
+external weights links and their downloads, session search), and one clean 404 for every
+client route this server declines (:mod:`.compat`).
+
+Registered before :mod:`.routes`, whose ``DELETE .../checkpoints/{checkpoint_id:path}``
+would otherwise take ``DELETE .../publish`` for a checkpoint name.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse
+
+from ..errors import InputError
+from .compat import ROWS, not_served_detail
+from .guard import BODY_SCOPE_KEY, OWNER_SCOPE_KEY
+from .wire import json_object
+
+router = APIRouter(prefix="/api/v1")
+CHECKPOINT = "/training_runs/{run_id}/checkpoints/{segment}/{name}"
+
+
+def runtime(request: Request):
+    return request.app.state.runtime
+
+
+def _owner(request: Request) -> str:
+    return request.scope[OWNER_SCOPE_KEY]
+
+
+@router.post(CHECKPOINT + "/publish")
+async def publish(run_id: str, segment: str, name: str, request: Request) -> dict:
+    runtime(request).catalog.publish(_owner(request), run_id, f"{segment}/{name}", True)
+    return {}
+
+
+@router.delete(CHECKPOINT + "/publish")
+async def unpublish(run_id: str, segment: str, name: str, request: Request) -> dict:
+    runtime(request).catalog.publish(_owner(request), run_id, f"{segment}/{name}", False)
+    return {}
+
+
+@router.put(CHECKPOINT + "/ttl")
+async def set_ttl(run_id: str, segment: str, name: str, request: Request) -> dict:
+    body = json_object(request.scope.get(BODY_SCOPE_KEY) or b"")
+    if "ttl_seconds" not in body or set(body) - {"ttl_seconds"}:
+        raise InputError(f"set ttl: expected {{\"ttl_seconds\": seconds or null}}, got keys {sorted(body)}")
+    runtime(request).catalog.set_ttl(_owner(request), run_id, f"{segment}/{name}", body["ttl_seconds"])
+    return {}
+
+
+@router.get(CHECKPOINT + "/external_weights_urls")
+async def external_weights_urls(run_id: str, segment: str, name: str, request: Request) -> dict:
+    """Signed links to the files of one of the caller's own exports (another owner reads a
+    published checkpoint by loading it, and may export that run of its own)."""
+    rt = runtime(request)
+    directory = rt.catalog.export_directory(_owner(request), f"tinker://{run_id}/{segment}/{name}")
+    return rt.downloads.sign(directory, str(request.base_url))
+
+
+@router.get("/downloads/{token}/{file:path}")
+async def download(token: str, file: str, request: Request) -> FileResponse:
+    """A signed link's file (no API key: the token is the credential, see the guard)."""
+    return FileResponse(runtime(request).downloads.file(token, file), media_type="application/octet-stream")
+
+
+@router.post("/sessions/search")
+async def search_sessions(request: Request) -> dict:
+    body = json_object(request.scope.get(BODY_SCOPE_KEY) or b"")
+    return runtime(request).catalog.search_sessions(_owner(request), body)
+
+
+def _declined(method: str, path: str):
+    async def handler() -> JSONResponse:
+        return JSONResponse({"detail": not_served_detail(method, path)}, status_code=404)
+
+    handler.__name__ = f"not_served_{method.lower()}_{path.replace('/', '_').strip('_')}"
+    return handler
+
+
+for (_method, _path), (_served, _, _) in ROWS.items():
+    if not _served:
+        router.add_api_route(_path.removeprefix("/api/v1"), _declined(_method, _path), methods=[_method])

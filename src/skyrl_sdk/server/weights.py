@@ -1,0 +1,90 @@
+"""The requests that write a model's weights to the state dir: checkpoints
+(``save_weights``), sampler weights (``save_weights_for_sampler``, named or ephemeral) and
+exports (``save_weights_external``, :mod:`.exports`), each in the model's ``seq_id`` order; and
+the sweep that deletes checkpoints whose time to live ran out.
+
+A mixin of :class:`~.runtime.Runtime` (it uses the runtime's store, sampling sessions,
+sequencing and event loop), kept apart so each module stays one job's size.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from . import wire
+from .exports import age_recipients, export_external
+from .futures import FutureRecord, Result
+from .sessions import TrainingModel
+from .store import TinkerPath
+
+#: how often expired checkpoints are deleted (an expired one is gone from every answer at once)
+EXPIRY_SWEEP_S = 60.0
+
+
+class WeightRequests:
+    """save_weights, save_weights_for_sampler, save_weights_external and the expiry sweep."""
+
+    def save_weights(self, owner: str, body: dict) -> FutureRecord:
+        def make(model: TrainingModel):
+            save = wire.parse_save(body)
+            tp = TinkerPath(model.model_id, "training", save.name)
+            directory = self.store.checkpoint_dir(tp)
+
+            def run() -> Result:
+                self.store.delete_expired()
+                model.require_backend().save_state(directory, overwrite=save.overwrite)
+                self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
+                return Result.json({"path": str(tp), "type": "save_weights"})
+
+            return run
+
+        return self._sequenced(owner, body, "save_weights", make, cost=None)
+
+    def save_weights_external(self, owner: str, body: dict) -> FutureRecord:
+        """Export the weights for download (:mod:`.exports`): an external_weights checkpoint."""
+        def make(model: TrainingModel):
+            save, raw_recipients = wire.parse_external_save(body)
+            recipients = age_recipients(raw_recipients)
+            tp = TinkerPath(model.model_id, "external", save.name)
+            directory = self.store.checkpoint_dir(tp)
+
+            def run() -> Result:
+                self.store.delete_expired()
+                scratch = self.store.scratch_dir("exports", uuid.uuid4().hex)
+                export_external(model.require_backend(), model.lora is not None, directory, scratch, recipients)
+                self.store.add_checkpoint(tp, save.ttl_seconds)
+                return Result.json({"path": str(tp), "type": "save_weights_external"})
+
+            return run
+
+        return self._sequenced(owner, body, "save_weights_external", make, cost=None)
+
+    def _sweep_expired(self) -> None:
+        """(event loop, every EXPIRY_SWEEP_S) Delete expired checkpoints' records and files, off the loop."""
+        self._expiry_sweep = self.loop.call_later(EXPIRY_SWEEP_S, self._sweep_expired)
+        if self.stopping is None:
+            self.loop.run_in_executor(None, self.store.delete_expired)
+
+    def save_weights_for_sampler(self, owner: str, body: dict) -> FutureRecord:
+        def make(model: TrainingModel):
+            req = wire.parse_sampler_save(body)
+            if (save := req.save) is not None:
+                tp = TinkerPath(model.model_id, "sampler", save.name)
+                directory = self.store.checkpoint_dir(tp)
+
+                def run_named() -> Result:
+                    model.require_backend().save_weights_for_sampler(directory, overwrite=True)
+                    self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
+                    return Result.json({"path": str(tp), "type": "save_weights_for_sampler"})
+
+                return run_named
+            sid = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
+
+            def run_ephemeral() -> Result:
+                self.sampling.add_ephemeral(model, sid, req.kind)
+                return Result.json({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
+
+            return run_ephemeral
+
+        named = body.get("path") is not None  # a named export writes to disk; a snapshot only pins
+        return self._sequenced(owner, body, "save_weights_for_sampler", make, cost=None if named else 0)
