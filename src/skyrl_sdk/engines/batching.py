@@ -16,7 +16,10 @@ Two layouts, both exact (a datum is never split, so SUM losses add up):
 With ``prefix_min_tokens`` (prefix sharing on), datums that share a head of at least that
 many tokens (the samples of an RL group) are first taken out into shared-prefix rows
 (:mod:`skyrl_sdk.models.prefix`), several groups per micro-batch within the budget of
-*unique* tokens; the rest goes through the layout above.
+*unique* tokens (and within 15/16 of the largest micro-batch the unshared layout would make
+of the same datums, so that sharing never raises the peak memory), the prefix keys and values their attention expands over the suffix rows
+and keeps for backward within the budget too (``layout_groups(expand_budget=...)``); the
+rest goes through the layout above.
 """
 
 from __future__ import annotations
@@ -58,6 +61,12 @@ class MicroBatch:
 #: Cost of one more micro-batch, in padded tokens, when ``bucket`` chooses its cuts: the
 #: fixed per-forward/backward cost (Python, kernel launches) measured on CPU is about this.
 MICRO_BATCH_OVERHEAD_TOKENS = 64
+#: A shared-prefix row holds at most this fraction of the tokens of the largest micro-batch the
+#: unshared layout makes of the same datums: per token it keeps a little more for backward
+#: (the head's hidden states of each distinct (slot, target) pair, rotary tables per slot;
+#: 2-3% on ``tiny``), and within this its peak memory never exceeds the unshared path's
+#: (tests/test_prefix_sharing.py, benchmarks/prefix_memory.py).
+SHARED_ROW_FRACTION = 15 / 16
 #: Above this many (datum, cut) candidates the exact cut search falls back to greedy filling.
 _MAX_DP_WORK = 20_000_000
 
@@ -142,8 +151,11 @@ def make_micro_batches(
     batches: list[MicroBatch] = []
     rest = np.arange(len(data))
     if prefix_min_tokens is not None and len(data) > 1:
-        groups, alone = find_groups(tokens, prefix_min_tokens, budget)
-        batches += [_shared_batch(tokens, lengths, part) for part in fill_rows(groups, budget)]
+        # a shared row holds fewer tokens than the unshared layout's largest micro-batch of these
+        # datums: its peak memory stays within the unshared path's (SHARED_ROW_FRACTION)
+        row_budget = min(budget, int(SHARED_ROW_FRACTION * _largest_micro_batch(lengths, budget, layout)))
+        groups, alone = find_groups(tokens, prefix_min_tokens, row_budget)
+        batches += [_shared_batch(tokens, lengths, part, row_budget) for part in fill_rows(groups, row_budget)]
         rest = np.asarray(alone, dtype=np.int64)
     for local in _group(lengths[rest], budget, layout) if len(rest) else []:
         group = rest[local].tolist()
@@ -171,8 +183,16 @@ def make_micro_batches(
     return batches
 
 
-def _shared_batch(tokens, lengths: np.ndarray, groups) -> MicroBatch:
-    row = layout_groups(tokens, groups)
+def _largest_micro_batch(lengths: np.ndarray, budget: int, layout: Layout) -> int:
+    """Tokens (padded, for buckets) of the largest micro-batch the unshared layout makes of ``lengths``."""
+    groups = _group(lengths, budget, layout)
+    if layout == "pack":
+        return max(int(lengths[g].sum()) for g in groups)
+    return max(int(lengths[g].max()) * len(g) for g in groups)
+
+
+def _shared_batch(tokens, lengths: np.ndarray, groups, budget: int) -> MicroBatch:
+    row = layout_groups(tokens, groups, expand_budget=budget)  # what its attention keeps: within the budget too
     members = tuple(m for g in groups for m in g.members)
     lens = lengths[list(members)]
     flat_index = torch.from_numpy(np.concatenate([row.paths[m] for m in members]))

@@ -143,6 +143,11 @@ class GroupSlots:
     gather: torch.Tensor | None
     #: positions of the real suffix tokens in the padded (G * Smax) order
     unpad: torch.Tensor | None
+    #: suffix rows per attention call (see :func:`expansion_rows`)
+    rows: int = 0
+    #: whether autograd keeps the calls' expanded prefix keys and values (else each call is
+    #: recomputed in backward, so nothing of size G x P is kept)
+    kept: bool = True
 
 
 class PrefixPlan:
@@ -192,8 +197,35 @@ class SharedRow:
     plan: PrefixPlan
 
 
-def layout_groups(seqs: Sequence[np.ndarray], groups: Sequence[Group]) -> SharedRow:
-    """One row holding ``groups`` one after the other (see the module docstring)."""
+def expansion_rows(counts_and_widths: Sequence[tuple[int, int, int]], budget: int | None
+                   ) -> list[tuple[int, bool]]:
+    """Per group ``(count, prefix, width)``: ``(rows, kept)``, the suffix rows of one attention
+    call and whether autograd keeps what the calls expand.
+
+    The attention expands a group's prefix keys and values over its G suffix rows:
+    G x (P + Smax) slots per layer (:mod:`.prefix_attention`), which a 1000-token prompt with
+    256 samples makes 256 times the prefix, while the micro-batch budget counts each distinct
+    token once. So the expansions one row keeps for backward add up to at most ``budget``
+    slots (the unshared path's micro-batch holds that many tokens, each costing far more than
+    its keys and values); a group that does not fit runs in calls of ``budget // (P + Smax)``
+    rows (at least one) whose expansion is recomputed in backward, never kept. ``None``: no
+    bound (one kept call per group)."""
+    left = budget
+    out = []
+    for count, prefix, width in counts_and_widths:
+        slots = count * (prefix + width)
+        if left is None or slots <= left:
+            out.append((count, True))
+            left = None if left is None else left - slots
+        else:
+            out.append((max(1, min(count, budget // (prefix + width))), False))
+    return out
+
+
+def layout_groups(seqs: Sequence[np.ndarray], groups: Sequence[Group], expand_budget: int | None = None) -> SharedRow:
+    """One row holding ``groups`` one after the other (see the module docstring); the
+    attention's expansion of each group's prefix is bounded by ``expand_budget`` slots
+    (:func:`expansion_rows`)."""
     tokens: list[np.ndarray] = []
     positions: list[np.ndarray] = []
     paths: dict[int, np.ndarray] = {}
@@ -215,6 +247,8 @@ def layout_groups(seqs: Sequence[np.ndarray], groups: Sequence[Group]) -> Shared
                 suffixes.append((n, s))
             n += s
         slots.append(_group_slots(start, p, suffixes))
+    rows = expansion_rows([(g.count, g.prefix, g.width) for g in slots], expand_budget)
+    slots = [attrs.evolve(g, rows=r, kept=kept) for g, (r, kept) in zip(slots, rows, strict=True)]
     ids = torch.from_numpy(np.concatenate(tokens)).unsqueeze(0)
     pos = torch.from_numpy(np.concatenate(positions)).unsqueeze(0)
     return SharedRow(ids, pos, paths, PrefixPlan(slots, n))

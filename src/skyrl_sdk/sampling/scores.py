@@ -82,7 +82,7 @@ def _rescore_shared(backbone, head, vocab_size, rows, lengths, min_tokens, devic
     keys = list(datums)
     groups, alone = find_groups([datums[r] for r in keys], min_tokens, RESCORE_TOKENS)
     for part in fill_rows(groups, RESCORE_TOKENS):
-        row = layout_groups([datums[r] for r in keys], part)
+        row = layout_groups([datums[r] for r in keys], part, expand_budget=RESCORE_TOKENS)
         hidden = shared_hidden(backbone, row.input_ids.to(device), row.position_ids.to(device), row.plan.to(device))
         members = [m for g in part for m in g.members]
         counts = [lengths[keys[m]] for m in members]  # each row's sampled tokens: the last slots of its path
