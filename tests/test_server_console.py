@@ -46,7 +46,7 @@ def _rows(db, run: str) -> int:
 
 
 def test_a_step_sums_the_forward_backward_calls_since_the_last_one(tmp_path):
-    h = History(tmp_path / "db", flush_s=3600)
+    h = History(tmp_path / "db", flush_s=3600, write_through=False)
     t0 = time.time() - 100.0
     h.forward_backward("r", {"loss:sum": 6.0, "num_tokens:sum": 10.0}, t0, _data([1.0, 0.5, 0.0], [2.5]))
     h.forward_backward("r", {"loss:sum": 3.0, "num_tokens:sum": 5.0}, t0 + 1, _data([0.0, 2.0]))
@@ -91,7 +91,8 @@ def test_a_run_is_bounded_and_its_buckets_equal_numpy_over_the_raw_steps(tmp_pat
 
 def test_how_steps_are_batched_into_writes_changes_nothing(tmp_path):
     values = np.random.default_rng(1).normal(size=40)
-    every, once = History(tmp_path / "a", flush_s=3600, max_rows=4), History(tmp_path / "b", flush_s=3600, max_rows=4)
+    every = History(tmp_path / "a", flush_s=3600, max_rows=4)
+    once = History(tmp_path / "b", flush_s=3600, max_rows=4, write_through=False)
     for i, v in enumerate(values, 1):
         _record(every, "r", [v], first_step=i)
         every.flush()
@@ -165,7 +166,7 @@ def test_writes_wait_for_the_stores_writes_and_a_failed_write_loses_nothing(tmp_
 
 @pytest.mark.slow
 def test_100k_steps_stay_within_the_bounds(tmp_path):
-    h = History(tmp_path / "db", flush_s=3600)
+    h = History(tmp_path / "db", flush_s=3600, write_through=False)  # written 5000 steps at a time
     for start in range(0, 100_000, 5_000):
         for i in range(start, start + 5_000):
             h.optim_step("r", {"step": i + 1.0, "grad_norm": float(i), "learning_rate": 0.1, "skipped": 0.0})

@@ -16,10 +16,10 @@ Two layouts, both exact (a datum is never split, so SUM losses add up):
 With ``prefix_min_tokens`` (prefix sharing on), datums that share a head of at least that
 many tokens (the samples of an RL group) are first taken out into shared-prefix rows
 (:mod:`skyrl_sdk.models.prefix`), several groups per micro-batch within the budget of
-*unique* tokens (and within 15/16 of the largest micro-batch the unshared layout would make
-of the same datums, so that sharing never raises the peak memory), the prefix keys and values their attention expands over the suffix rows
-and keeps for backward within the budget too (``layout_groups(expand_budget=...)``); the
-rest goes through the layout above.
+*unique* tokens and within 15/16 of the largest micro-batch the unshared layout would make of
+the same datums; the prefix keys and values their attention expands over the suffix rows are
+kept for backward within the budget too (``layout_groups(expand_budget=...)``), so sharing
+never raises the peak memory. The rest goes through the layout above.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ Endpoints, fields and limits: docs/server.md ("Console").
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import importlib.resources
 from typing import Any
@@ -118,7 +117,7 @@ async def runs(request: Request, limit: int = 50, offset: int = 0) -> dict:
     rt, who = runtime(request), owner(request)
     limit, offset = _in_range("limit", limit, 1, MAX_RUNS_PAGE), _in_range("offset", offset, 0)
     rows, total = rt.store.list_runs(who, limit, offset)
-    summaries = await asyncio.to_thread(rt.history.summaries, [r["run_id"] for r in rows])
+    summaries = await rt.history.summaries_off_loop([r["run_id"] for r in rows])
     sessions = _sampling_sessions(rt)
     return {"runs": [_run_json(rt, r, summaries[r["run_id"]], sessions.get(r["run_id"], [])) for r in rows],
             "total": total, "limit": limit, "offset": offset}
@@ -128,7 +127,7 @@ async def runs(request: Request, limit: int = 50, offset: int = 0) -> dict:
 async def run_detail(run_id: str, request: Request) -> dict:
     rt, who = runtime(request), owner(request)
     run = _owned_run(rt, who, run_id)
-    summary = (await asyncio.to_thread(rt.history.summaries, [run_id]))[run_id]
+    summary = (await rt.history.summaries_off_loop([run_id]))[run_id]
     sessions = _sampling_sessions(rt).get(run_id, [])
     return {**_run_json(rt, run, summary, sessions), "sampling_session_ids": sorted(sessions)[-50:],
             "checkpoints": rt.store.list_checkpoints(who, run_id)[0]}
@@ -139,7 +138,7 @@ async def curves(run_id: str, request: Request, points: int = 1000) -> dict:
     rt, who = runtime(request), owner(request)
     points = _in_range("points", points, 2, MAX_POINTS)
     _owned_run(rt, who, run_id)
-    return await asyncio.to_thread(rt.history.curves, run_id, points)
+    return Response(await rt.history.curves_body(run_id, points), media_type="application/json")
 
 
 # ---- the server (operators) -----------------------------------------------------------------------
@@ -190,6 +189,7 @@ async def server(request: Request):
         return JSONResponse({"detail": "the server view is for operators (the --api-key holder, or owners marked "
                                        "'operator' in --api-keys)"}, status_code=403)
     loaded = rt.served.loaded()
-    return {"bases": _bases(rt, loaded), "own_copies": loaded["own_copies"], "memory": loaded["memory"],
+    copies = [{**c, "model": rt.redact(str(c["model"]))} for c in loaded["own_copies"]]  # tinker:// paths only
+    return {"bases": _bases(rt, loaded), "own_copies": copies, "memory": loaded["memory"],
             "snapshots": rt.sampling.snapshots.stats(), "work": _work(rt), "limits": _limits(rt),
             "history_dropped": rt.history.dropped}

@@ -21,7 +21,7 @@ import attrs
 
 from ..errors import InputError, NotFoundError, quoted
 from ..inputs.coerce import adam_params_from_any, lora_config_from_any
-from . import proto, wire
+from . import proto, visibility, wire
 from .bodies import Bodies
 from .config import ServerConfig
 from .executor import SHUTDOWN_MESSAGE, Executors
@@ -30,6 +30,7 @@ from .history import History
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
+from .statedir import StateDirLock
 from .store import Store, TinkerPath
 
 logger = logging.getLogger(__name__)
@@ -40,11 +41,12 @@ class _ShuttingDown(Exception):
 
 
 class Runtime:
-    def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, bodies: Bodies | None = None) -> None:
+    def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, bodies: Bodies | None = None,
+                 state_lock: StateDirLock | None = None) -> None:
         self.config = config
         self.loop = loop
         self.bodies = bodies or Bodies.of(config)
-        self.store = Store(config.state_dir)
+        self.store = Store(config.state_dir, state_lock)
         self.history = History(self.store.root / "server.sqlite3")  # the console's curves
         self.futures = FutureStore(loop, redact=self.redact, max_failed_bytes=config.max_failed_bytes)
         self.served = ServedModels(config, offload_root=self.store.scratch_dir("offload"))
@@ -323,12 +325,13 @@ class Runtime:
         def make(model: TrainingModel):
             save = wire.parse_save(body)
             tp = TinkerPath(model.model_id, "training", save.name)
-            directory = self.store.checkpoint_dir(tp)
+            self.store.checkpoint_dir(tp)  # a path inside the state dir, checked now
 
             def run() -> Result:
                 self.store.delete_expired()
-                model.require_backend().save_state(directory, overwrite=save.overwrite)
-                self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
+                backend = model.require_backend()
+                self.store.save_recorded(tp, lambda d: backend.save_state(d, overwrite=save.overwrite),
+                                         save.ttl_seconds, save.user_metadata)
                 return Result.json({"path": str(tp), "type": "save_weights"})
 
             return run
@@ -340,11 +343,12 @@ class Runtime:
             req = wire.parse_sampler_save(body)
             if (save := req.save) is not None:
                 tp = TinkerPath(model.model_id, "sampler", save.name)
-                directory = self.store.checkpoint_dir(tp)
+                self.store.checkpoint_dir(tp)  # a path inside the state dir, checked now
 
                 def run_named() -> Result:
-                    model.require_backend().save_weights_for_sampler(directory, overwrite=True)
-                    self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
+                    backend = model.require_backend()
+                    self.store.save_recorded(tp, lambda d: backend.save_weights_for_sampler(d, overwrite=True),
+                                             save.ttl_seconds, save.user_metadata)
                     return Result.json({"path": str(tp), "type": "save_weights_for_sampler"})
 
                 return run_named
@@ -394,16 +398,9 @@ class Runtime:
 
     # ---- visibility ----------------------------------------------------------------------------
     def loaded(self, owner: str) -> dict[str, Any]:
-        """What is loaded (bases, adapters, bytes, offloaded adapters, own copies). Adapters of
-        another owner's models are counted but not named."""
-        doc = self.served.loaded()
-        for base in doc["bases"]:
-            for row in base["adapters"]:
-                model = self.models.get(row["label"])
-                row["model_id"] = row["label"] if model is not None and model.owner == owner else None
-                del row["label"], row["adapter"]
-        doc["snapshots"] = self.sampling.snapshots.stats()
-        return doc
+        """What is loaded (bases, adapters, bytes, offloaded adapters, own copies), as ``owner``
+        may see it (:mod:`.visibility`)."""
+        return visibility.loaded(self, owner)
 
     # ---- shutdown ------------------------------------------------------------------------------
     def begin_shutdown(self) -> None:

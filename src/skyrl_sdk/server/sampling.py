@@ -29,6 +29,7 @@ import attrs
 
 from ..errors import InputError, NotFoundError, quoted
 from ..inputs.coerce import lora_config_from_any
+from ..models.weight_files import weights_problem
 from . import proto
 from .config import ServerConfig
 from .executor import Executors, Queue
@@ -58,6 +59,8 @@ class SamplerTarget:
     key: tuple
     worker: Queue
     loader: Callable[[], Any]
+    #: whose request made it (what ``/api/v1/loaded`` shows whom: :mod:`.visibility`)
+    owner: str = ""
     backend: Any = None
 
     def get(self):
@@ -100,7 +103,11 @@ class Sampling:
 
     def session_from(self, owner: str, model_path: Any, base_model: Any, sid: str) -> SamplingSession:
         if model_path:
-            tp, _ = self.store.resolve_checkpoint(model_path, owner)
+            tp, directory = self.store.resolve_checkpoint(model_path, owner)
+            # checked now (headers and sizes), so a damaged checkpoint is a user error naming it here,
+            # not a server error inside the first sample
+            if (problem := weights_problem(directory)) is not None:
+                raise InputError(f"checkpoint {tp} cannot be sampled: {problem}; save it again")
             run = self.store.run(tp.run_id, owner)
             return SamplingSession(sid, owner, run["base_model"], str(tp), "path")
         if base_model:
@@ -276,12 +283,17 @@ class Sampling:
                 return target
             worker = self.executors.queue(f"sampler-{uuid.uuid4().hex[:8]}", owner, self.config.max_sample_batch,
                                           self.config.sample_batch_wait_s)
-            target = SamplerTarget(key, worker, load)
+            target = SamplerTarget(key, worker, load, owner)
             self._targets[key] = target
             evict = list(self._targets)[: max(0, len(self._targets) - self.config.max_sampler_backends)]
         for old_key in evict:
             self._evict(old_key)
         return target
+
+    def targets(self) -> list[SamplerTarget]:
+        """The sampler Backends' targets (any thread)."""
+        with self._targets_lock:
+            return list(self._targets.values())
 
     def _evict(self, key: tuple) -> None:
         with self._targets_lock:

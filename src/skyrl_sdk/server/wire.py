@@ -28,6 +28,7 @@ from ..errors import InputError, did_you_mean_keys, quoted
 from ..inputs.tinker_json import model_input_from_json
 from ..types import SamplingParams
 from ..types.numbers import check_number, check_sample_counts
+from . import caps
 from .store import check_name, check_run_id, iso
 
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
@@ -122,7 +123,7 @@ def parse_new_model(body: Mapping[str, Any], from_state: bool = False) -> NewMod
                          f"with AdamW")
     return NewModel(
         session_id=sid, model_id=check_run_id(f"{sid}:train:{seq}", "model id"), base_model=body.get("base_model"),
-        lora_config=_object(body, "lora_config"), user_metadata=_object(body, "user_metadata"),
+        lora_config=_object(body, "lora_config"), user_metadata=caps.metadata(body.get("user_metadata")),
         path=body.get("path") if from_state else None, optimizer=flag(body, "optimizer"),
     )
 
@@ -136,7 +137,8 @@ class Save:
 
 
 def parse_save(body: Mapping[str, Any]) -> Save:
-    return Save(check_name(body.get("path")), flag(body, "overwrite"), _ttl(body), _object(body, "user_metadata"))
+    return Save(check_name(body.get("path")), flag(body, "overwrite"), _ttl(body),
+                caps.metadata(body.get("user_metadata")))
 
 
 @attrs.frozen
