@@ -148,10 +148,21 @@ def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
     assert hf_logging.is_progress_bar_enabled()  # the user's setting is restored
 
 
-def test_server_adam_params_suggest_the_close_key():
+def test_server_adam_params_suggest_the_close_key_in_the_in_process_words():
     from skyrl_sdk.server.wire import parse_adam_params
 
-    with pytest.raises(InputError, match=r"adam_params: unknown keys \['learning_rat'\].*did you mean 'learning_rate'\?"):
-        parse_adam_params({"adam_params": {"learning_rat": 1e-4}})
-    with pytest.raises(InputError, match=r"did you mean 'beta1' for 'bta1', 'beta2' for 'bta2'\?"):
-        parse_adam_params({"adam_params": {"bta1": 0.9, "bta2": 0.99}})
+    for fields in ({"learning_rat": 1e-4}, {"bta1": 0.9, "bta2": 0.99}):
+        with pytest.raises(InputError) as in_process:
+            coerce.adam_params_from_any(fields)
+        with pytest.raises(InputError) as over_http:
+            parse_adam_params({"adam_params": fields})
+        assert str(over_http.value) == str(in_process.value)
+    assert "unknown keys ['learning_rat']" in str(_raised(coerce.adam_params_from_any, {"learning_rat": 1e-4}))
+    assert "did you mean 'beta1' for 'bta1', 'beta2' for 'bta2'?" in str(
+        _raised(parse_adam_params, {"adam_params": {"bta1": 0.9, "bta2": 0.99}}))
+
+
+def _raised(fn, *args) -> InputError:
+    with pytest.raises(InputError) as caught:
+        fn(*args)
+    return caught.value

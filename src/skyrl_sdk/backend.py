@@ -20,13 +20,8 @@ import numpy as np
 
 from .engines import call_grads
 from .errors import CheckpointError, InputError
-from .inputs.coerce import (
-    adam_params_from_any,
-    data_from_any,
-    lora_config_from_any,
-    prompts_from_any,
-    sampling_params_from_any,
-)
+from .inputs.coerce import adam_params_from_any, data_from_any, lora_config_from_any
+from .inputs.sample import sample_request
 from .losses.metrics import MetricAccumulator
 from .losses.resolve import ResolvedLoss, resolve_loss
 from .losses.run import add_prepared_inputs
@@ -46,7 +41,6 @@ from .types import (
     SaveWeightsForSamplerOutput,
     TensorData,
 )
-from .types.numbers import check_sample_counts
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -248,19 +242,17 @@ class Backend:
         ``topk_prompt_logprobs=k`` also returns, per prompt position, the k most likely tokens
         and their logprobs (Tinker's field). Served by this Backend's sampler (``sampler=``).
         """
-        params = sampling_params_from_any(sampling_params)
-        num_samples, topk_prompt_logprobs = check_sample_counts(num_samples, topk_prompt_logprobs)
-        if not isinstance(prompt_logprobs, bool):
-            raise InputError(f"prompt_logprobs: expected true or false, got {prompt_logprobs!r}")
-        arrays = prompts_from_any(prompts)
-        check_prompts(arrays, self.vocab_size, self.engine.info.max_positions, params.max_tokens)
+        call = sample_request(prompts, sampling_params, num_samples, prompt_logprobs, topk_prompt_logprobs)
+        params = call.sampling_params
+        check_prompts(call.prompts, self.vocab_size, self.engine.info.max_positions, params.max_tokens)
         with self._lock:
             self._check_open()
             if self._sampler is None:
                 factory = get_registry().sampler_spec(self.sampler_name).factory
                 self._sampler = factory(engine=self.engine, config=dict(self._sampler_config))
-            return self._sampler.sample(arrays, params, num_samples, prompt_logprobs=prompt_logprobs,
-                                        topk_prompt_logprobs=topk_prompt_logprobs)
+            return self._sampler.sample(list(call.prompts), params, call.num_samples,
+                                        prompt_logprobs=call.prompt_logprobs,
+                                        topk_prompt_logprobs=call.topk_prompt_logprobs)
 
     # ---- saving -----------------------------------------------------------------------
     def save_weights_for_sampler(

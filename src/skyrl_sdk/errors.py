@@ -55,6 +55,19 @@ def did_you_mean_keys(unknown: Iterable[str], accepted: Iterable[str]) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
+def refuse_unknown_keys(what: str, keys: Iterable[Any], accepted: Iterable[str],
+                        error: type[Exception] | None = None) -> None:
+    """The one policy for keys a caller sends that a request object does not have: refused,
+    naming each unknown key, the accepted ones and the nearest to each (a typo such as
+    ``temprature`` is never ignored). ``error`` defaults to :class:`InputError`."""
+    accepted = list(accepted)
+    known = set(accepted)
+    unknown = sorted(str(k) for k in keys if k not in known)
+    if unknown:
+        raise (error or InputError)(f"{what}: unknown keys {unknown}; accepted keys: {accepted}"
+                                    f"{did_you_mean_keys(unknown, accepted)}")
+
+
 def _closest(name: Any, choices: Iterable[str]) -> str | None:
     if not isinstance(name, str) or not name or len(name) > QUOTE_CHARS:
         return None
