@@ -104,7 +104,7 @@ class ServeProcess:
     ``wait=False`` does not wait for it to answer (a start that is meant to fail)."""
 
     def __init__(self, state_dir: Path | str, *args: str, port: int | None = None, wait: bool = True,
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, preexec_fn: Any = None) -> None:
         import subprocess
         import sys
         import tempfile
@@ -114,7 +114,7 @@ class ServeProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "skyrl_sdk.cli", "serve", "--lazy", "--port", str(self.port), "--state-dir",
              str(state_dir), *args], stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, preexec_fn=preexec_fn)
         if wait:
             self.wait_ready()
 

@@ -137,8 +137,7 @@ def claim_state_dir(config: Any) -> StateDirLock:
     """Lock the state dir for this server's life (a second server on it is refused, naming this
     one) and check that it can be written (a full disk or a read-only directory is refused now,
     not answered with a 500 on every write later)."""
-    lock = StateDirLock.acquire(config.state_dir, holder=f"pid {os.getpid()}, skyrl-sdk serve on "
-                                                         f"{config.host}:{config.port}")
+    lock = StateDirLock.acquire(config.state_dir, holder=f"skyrl-sdk serve on {config.host}:{config.port}")
     try:
         check_writable(lock.root)
     except BaseException:
@@ -151,7 +150,10 @@ def install_crash_reports() -> None:
     """An abnormal end leaves a line in the log: a fatal signal (SIGSEGV, SIGBUS from a file
     mapping that cannot grow, SIGABRT) dumps every thread's Python stack (``faulthandler``), and
     an exception that ends a thread is logged as critical instead of printed bare."""
-    faulthandler.enable(file=sys.stderr, all_threads=True)
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor (captured)
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
     def thread_died(hook_args: Any) -> None:
         if hook_args.exc_type is SystemExit:
@@ -165,7 +167,6 @@ def install_crash_reports() -> None:
 
 def serve(args: Any) -> int:
     """The ``serve`` subcommand: validate, bind, announce, run until Ctrl-C / SIGTERM."""
-    install_crash_reports()
     try:
         check_port(getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000))
         config = ServerConfig.from_args(args)
@@ -191,6 +192,7 @@ def serve(args: Any) -> int:
                 print(banner(config, key_from_env, keys_file), file=sys.stderr, flush=True)
 
     server = AnnouncingServer(edge.server_config(app, config))
+    install_crash_reports()
     try:
         server.run()
     except KeyboardInterrupt:  # a second Ctrl-C while shutting down

@@ -49,13 +49,16 @@ class StateDirLock:
     @classmethod
     def acquire(cls, state_dir: str | os.PathLike, holder: str | None = None) -> StateDirLock:
         """Create the state dir if needed and lock it; :class:`StateDirError` naming the dir and
-        the holder when another server has it. ``holder``: how this one is described to others."""
+        the holder when another server has it. ``holder``: what this process is, for others."""
         root = Path(state_dir).expanduser().resolve()
         try:
             root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StateDirError(f"state dir {root} cannot be created: {_reason(exc)}") from None
+        try:
             fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
-            raise StateDirError(f"state dir {root}: {_reason(exc)}") from None
+            raise StateDirError(f"state dir {root} cannot be written (creating {LOCK_NAME}): {_reason(exc)}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -68,8 +71,8 @@ class StateDirLock:
             raise StateDirError(f"state dir {root}: cannot lock {LOCK_NAME}: {_reason(exc)}") from None
         lock = cls(root, fd)
         try:
-            text = (holder or f"pid {os.getpid()}") + f" on {socket.gethostname()}, since " + \
-                time.strftime("%Y-%m-%d %H:%M:%S")
+            text = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}" + \
+                (f": {holder}" if holder else "")
             os.ftruncate(fd, 0)
             os.pwrite(fd, text.encode() + b"\n", 0)
         except OSError as exc:
@@ -94,7 +97,9 @@ def check_writable(root: Path) -> None:
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, b"\0" * _PROBE_BYTES)
+            data = memoryview(b"\0" * _PROBE_BYTES)
+            while data:  # a short write is followed by the one that fails
+                data = data[os.write(fd, data):]
             os.fsync(fd)
         finally:
             os.close(fd)
