@@ -242,15 +242,17 @@ def test_a_shared_row_keeps_no_more_than_the_unshared_micro_batches(monkeypatch,
 
 
 def test_expansion_rows_bound_what_a_row_keeps():
-    from skyrl_sdk.models.prefix import expansion_rows
+    from skyrl_sdk.models.prefix import ExpansionBudget, expansion_rows
 
-    # (count, prefix, width) -> (rows per call, kept): the first two fit the budget together, the
-    # third runs in recomputed calls of 2 rows
-    assert expansion_rows([(4, 100, 10), (3, 50, 10), (40, 400, 20)], 1000) == [(4, True), (3, True), (2, False)]
-    # 540 slots do not fit the 160 left: one call of all 9 rows (within the budget), not kept
-    assert expansion_rows([(4, 100, 10), (9, 50, 10)], 600) == [(4, True), (9, False)]
-    assert expansion_rows([(2, 5000, 1)], 1000) == [(1, False)]  # one row at least
-    assert expansion_rows([(256, 1000, 4)], None) == [(256, True)]  # no budget: one call
+    # (count, prefix, width) -> (rows per call, kept): the first two fit what may be kept together,
+    # the third runs in recomputed calls of 2 rows
+    budget = ExpansionBudget(keep=1000, chunk=1000)
+    assert expansion_rows([(4, 100, 10), (3, 50, 10), (40, 400, 20)], budget) == [(4, True), (3, True), (2, False)]
+    # 540 slots do not fit the 160 left: one call of all 9 rows (within the chunk), not kept
+    assert expansion_rows([(4, 100, 10), (9, 50, 10)], ExpansionBudget(keep=600, chunk=600)) == [(4, True), (9, False)]
+    assert expansion_rows([(2, 5000, 1)], ExpansionBudget(keep=0, chunk=1000)) == [(1, False)]  # one row at least
+    assert expansion_rows([(256, 1000, 4)], ExpansionBudget()) == [(256, True)]  # no bound: one call
+    assert expansion_rows([(256, 1000, 4)], ExpansionBudget(chunk=8032)) == [(256, True)]  # nothing kept is bounded
 
 
 @pytest.mark.parametrize("engine_config", [{}, {"gradient_checkpointing": True}, {"batching": "pack"}],

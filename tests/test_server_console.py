@@ -329,3 +329,25 @@ def test_the_page_needs_no_key_and_carries_no_data(world):
             assert world["run"] not in r.text
         assert world["run"] not in page.text and "alice" not in page.text
         assert http.get("/console/api/me").status_code == 401 and http.get("/console/other.js").status_code == 401
+
+
+def test_a_step_is_in_the_database_when_its_optim_step_returns(tmp_path):
+    """What the server acknowledges to a client is written: another connection reads every step
+    at once, with no flush and no close (before: written once a second, so a kill -9 right after
+    an acknowledged step lost it)."""
+    h = History(tmp_path / "db", flush_s=3600)
+    _record(h, "r", [3.0, 2.0, 1.0])
+    with sqlite3.connect(tmp_path / "db") as c:
+        assert c.execute("SELECT steps FROM metrics_runs WHERE run_id = 'r'").fetchone() == (3,)
+    assert _rows(tmp_path / "db", "r") == 3
+    h.close()
+
+
+def test_the_banner_and_the_page_say_a_key_link_stays_in_the_browser_history(tmp_path):
+    """The page drops ``#key=`` from the address bar, but the browser has already recorded the
+    link in its history files: said where a user meets the link (before: said nowhere)."""
+    from skyrl_sdk.cli.serve import console_hint
+
+    assert "keeps the link, key and all, in its history" in console_hint("http://h:1", needs_key=True)
+    with ServerThread(tmp_path / "state") as srv, raw_client(srv, api_key=None) as http:
+        assert "keeps the link, key and all, in its" in " ".join(http.get("/").text.split())

@@ -121,7 +121,8 @@ def console_hint(url: str, needs_key: bool) -> str:
     if not needs_key:
         return f"  console in a browser: {url}/"
     return (f"  console in a browser: {url}/ (type an API key there, or open {url}/#key=<key>: "
-            f"the part after # never reaches the server)")
+            f"the part after # never reaches the server, but the browser keeps the link, key and all, "
+            f"in its history)")
 
 
 def banner(config: Any, key_from_env: bool = False, keys_file: str | None = None) -> str:

@@ -17,9 +17,10 @@ With ``prefix_min_tokens`` (prefix sharing on), datums that share a head of at l
 many tokens (the samples of an RL group) are first taken out into shared-prefix rows
 (:mod:`skyrl_sdk.models.prefix`), several groups per micro-batch within the budget of
 *unique* tokens and within 15/16 of the largest micro-batch the unshared layout would make of
-the same datums; the prefix keys and values their attention expands over the suffix rows are
-kept for backward within the budget too (``layout_groups(expand_budget=...)``), so sharing
-never raises the peak memory. The rest goes through the layout above.
+the same datums; of the prefix keys and values their attention expands over the suffix rows,
+a row keeps for backward only what fits the tokens it leaves unused of that micro-batch (the
+rest is recomputed in backward: ``layout_groups(expand=...)``), so sharing never raises the
+peak memory. The rest goes through the layout above.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import attrs
 import numpy as np
 import torch
 
-from ..models.prefix import PrefixPlan, fill_rows, find_groups, layout_groups
+from ..models.prefix import ExpansionBudget, PrefixPlan, fill_rows, find_groups, layout_groups
 from ..types import Datum
 
 Layout = Literal["bucket", "pack"]
@@ -67,6 +68,11 @@ MICRO_BATCH_OVERHEAD_TOKENS = 64
 #: 2-3% on ``tiny``), and within this its peak memory never exceeds the unshared path's
 #: (tests/test_prefix_sharing.py, benchmarks/prefix_memory.py).
 SHARED_ROW_FRACTION = 15 / 16
+#: Expanded prefix slots (keys and values of one position, per query head) a shared row may keep
+#: in place of one token it leaves unused of the unshared micro-batch: a token keeps at least its
+#: normed input, queries, keys, values and attention output per layer (>= 4 x hidden floats), a
+#: slot 2 x hidden (2 x 128 against ~2500 floats on ``tiny``), so two slots cost at most a token.
+KEPT_SLOTS_PER_TOKEN = 2
 #: Above this many (datum, cut) candidates the exact cut search falls back to greedy filling.
 _MAX_DP_WORK = 20_000_000
 
@@ -153,9 +159,10 @@ def make_micro_batches(
     if prefix_min_tokens is not None and len(data) > 1:
         # a shared row holds fewer tokens than the unshared layout's largest micro-batch of these
         # datums: its peak memory stays within the unshared path's (SHARED_ROW_FRACTION)
-        row_budget = min(budget, int(SHARED_ROW_FRACTION * _largest_micro_batch(lengths, budget, layout)))
+        largest = _largest_micro_batch(lengths, budget, layout)
+        row_budget = min(budget, int(SHARED_ROW_FRACTION * largest))
         groups, alone = find_groups(tokens, prefix_min_tokens, row_budget)
-        batches += [_shared_batch(tokens, lengths, part, row_budget) for part in fill_rows(groups, row_budget)]
+        batches += [_shared_batch(tokens, lengths, part, largest) for part in fill_rows(groups, row_budget)]
         rest = np.asarray(alone, dtype=np.int64)
     for local in _group(lengths[rest], budget, layout) if len(rest) else []:
         group = rest[local].tolist()
@@ -191,8 +198,14 @@ def _largest_micro_batch(lengths: np.ndarray, budget: int, layout: Layout) -> in
     return max(int(lengths[g].max()) * len(g) for g in groups)
 
 
-def _shared_batch(tokens, lengths: np.ndarray, groups, budget: int) -> MicroBatch:
-    row = layout_groups(tokens, groups, expand_budget=budget)  # what its attention keeps: within the budget too
+def _shared_batch(tokens, lengths: np.ndarray, groups, largest: int) -> MicroBatch:
+    """One shared row of ``groups``; ``largest``: tokens of the unshared layout's largest
+    micro-batch of the call. What the row's attention keeps of its expanded prefixes fits the
+    tokens the row leaves unused of that (:data:`KEPT_SLOTS_PER_TOKEN` per token); each call
+    holds at most ``largest`` slots."""
+    unique = sum(g.unique_tokens for g in groups)
+    keep = KEPT_SLOTS_PER_TOKEN * max(0, largest - unique)
+    row = layout_groups(tokens, groups, ExpansionBudget(keep=keep, chunk=largest))
     members = tuple(m for g in groups for m in g.members)
     lens = lengths[list(members)]
     flat_index = torch.from_numpy(np.concatenate([row.paths[m] for m in members]))

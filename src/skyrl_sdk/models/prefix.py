@@ -197,7 +197,16 @@ class SharedRow:
     plan: PrefixPlan
 
 
-def expansion_rows(counts_and_widths: Sequence[tuple[int, int, int]], budget: int | None
+@attrs.frozen
+class ExpansionBudget:
+    """How much of the attention's prefix expansion a shared row may keep for backward (``keep``
+    slots) and hold at once (``chunk`` slots per call); None: no bound. See :func:`expansion_rows`."""
+
+    keep: int | None = None
+    chunk: int | None = None
+
+
+def expansion_rows(counts_and_widths: Sequence[tuple[int, int, int]], budget: ExpansionBudget
                    ) -> list[tuple[int, bool]]:
     """Per group ``(count, prefix, width)``: ``(rows, kept)``, the suffix rows of one attention
     call and whether autograd keeps what the calls expand.
@@ -205,12 +214,11 @@ def expansion_rows(counts_and_widths: Sequence[tuple[int, int, int]], budget: in
     The attention expands a group's prefix keys and values over its G suffix rows:
     G x (P + Smax) slots per layer (:mod:`.prefix_attention`), which a 1000-token prompt with
     256 samples makes 256 times the prefix, while the micro-batch budget counts each distinct
-    token once. So the expansions one row keeps for backward add up to at most ``budget``
-    slots (the unshared path's micro-batch holds that many tokens, each costing far more than
-    its keys and values); a group that does not fit runs in calls of ``budget // (P + Smax)``
-    rows (at least one) whose expansion is recomputed in backward, never kept. ``None``: no
-    bound (one kept call per group)."""
-    left = budget
+    token once. So the expansions one row keeps add up to at most ``budget.keep`` slots, groups
+    in order, each in one call; a group that does not fit runs in calls of
+    ``budget.chunk // (P + Smax)`` rows (at least one) whose expansion is recomputed in
+    backward, never kept."""
+    left = budget.keep
     out = []
     for count, prefix, width in counts_and_widths:
         slots = count * (prefix + width)
@@ -218,14 +226,15 @@ def expansion_rows(counts_and_widths: Sequence[tuple[int, int, int]], budget: in
             out.append((count, True))
             left = None if left is None else left - slots
         else:
-            out.append((max(1, min(count, budget // (prefix + width))), False))
+            rows = count if budget.chunk is None else budget.chunk // (prefix + width)
+            out.append((max(1, min(count, rows)), False))
     return out
 
 
-def layout_groups(seqs: Sequence[np.ndarray], groups: Sequence[Group], expand_budget: int | None = None) -> SharedRow:
+def layout_groups(seqs: Sequence[np.ndarray], groups: Sequence[Group], expand: ExpansionBudget | None = None
+                  ) -> SharedRow:
     """One row holding ``groups`` one after the other (see the module docstring); the
-    attention's expansion of each group's prefix is bounded by ``expand_budget`` slots
-    (:func:`expansion_rows`)."""
+    attention's expansion of each group's prefix is bounded by ``expand`` (:func:`expansion_rows`)."""
     tokens: list[np.ndarray] = []
     positions: list[np.ndarray] = []
     paths: dict[int, np.ndarray] = {}
@@ -247,7 +256,7 @@ def layout_groups(seqs: Sequence[np.ndarray], groups: Sequence[Group], expand_bu
                 suffixes.append((n, s))
             n += s
         slots.append(_group_slots(start, p, suffixes))
-    rows = expansion_rows([(g.count, g.prefix, g.width) for g in slots], expand_budget)
+    rows = expansion_rows([(g.count, g.prefix, g.width) for g in slots], expand or ExpansionBudget())
     slots = [attrs.evolve(g, rows=r, kept=kept) for g, (r, kept) in zip(slots, rows, strict=True)]
     ids = torch.from_numpy(np.concatenate(tokens)).unsqueeze(0)
     pos = torch.from_numpy(np.concatenate(positions)).unsqueeze(0)

@@ -143,6 +143,8 @@ class History:
         self._steps_recorded: dict[str, int] = {}
         #: (run id, points, steps recorded) -> the curves answer, JSON
         self._curves_cache: dict[tuple, bytes] = {}
+        #: (event loop) curves answers being computed, awaited by every request for the same key
+        self._curves_computing: dict[tuple, asyncio.Future] = {}
         #: the one thread that reads curves and summaries for request handlers
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="skyrl-history-reader")
         self._writer = threading.Thread(target=self._loop, name="skyrl-metrics-writer", daemon=True)
@@ -281,12 +283,20 @@ class History:
         answers on it delayed /healthz by 0.7 s), and computed once per run, ``points`` and
         step count (the same run polled again is a dictionary look-up)."""
         key = (run_id, points, self._steps_recorded.get(run_id, 0))
-        if (body := self._curves_cache.get(key)) is None:
-            body = await asyncio.get_running_loop().run_in_executor(self._reader, self._encode_curves, run_id, points)
-            self._curves_cache[key] = body
+        if (body := self._curves_cache.get(key)) is not None:
+            return body
+        if (computing := self._curves_computing.get(key)) is None:  # the first asks; the others wait for it
+            computing = asyncio.get_running_loop().run_in_executor(self._reader, self._encode_curves, run_id, points)
+            self._curves_computing[key] = computing
+            computing.add_done_callback(lambda done: self._computed(key, done))
+        return await asyncio.shield(computing)  # a caller that goes away cancels nothing for the others
+
+    def _computed(self, key: tuple, done: asyncio.Future) -> None:
+        self._curves_computing.pop(key, None)
+        if not done.cancelled() and done.exception() is None:
+            self._curves_cache[key] = done.result()
             while len(self._curves_cache) > CURVES_CACHE:
                 self._curves_cache.pop(next(iter(self._curves_cache)))
-        return body
 
     def _encode_curves(self, run_id: str, points: int) -> bytes:
         return json.dumps(self.curves(run_id, points), separators=(",", ":"), allow_nan=False).encode()

@@ -19,13 +19,10 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..models.checkpoint import is_checkpoint_dir
-
-if TYPE_CHECKING:
-    from .store import Store
 
 logger = logging.getLogger("skyrl_sdk.server.store")
 
@@ -38,18 +35,20 @@ def short_name(name: str, path: str) -> str:
     return f"{_UNSAFE.sub('_', name)[:40].lstrip('.') or 'entry'}-{digest}-{int(time.time())}"
 
 
-def reconcile_checkpoints(store: Store, segments: dict[str, str], valid_name: re.Pattern
-                          ) -> tuple[list[str], list[str]]:
-    """Adopt or quarantine every unrecorded entry under ``runs/<run>/<segment>/``. Returns
-    (adopted tinker paths, quarantined directories relative to the state dir)."""
-    from .store import TinkerPath
+def reconcile_checkpoints(root: Path, segments: dict[str, str], valid_name: re.Pattern,
+                          run_id_of: Callable[[str], str | None], recorded: set[tuple[str, str, str]],
+                          adopt: Callable[[str, str, str, float], str]) -> tuple[list[str], list[str]]:
+    """Adopt or quarantine every unrecorded entry under ``<root>/runs/<run>/<segment>/``.
 
+    ``run_id_of(dirname)``: the known run of a run directory (or None); ``recorded``: the
+    (run id, kind, name) of every recorded checkpoint; ``adopt(run_id, kind, name, mtime)``
+    records one and returns its ``tinker://`` path. Returns (adopted tinker paths, quarantined
+    directories relative to ``root``)."""
     adopted: list[str] = []
     quarantined: list[str] = []
-    recorded = {(r["run_id"], r["kind"], r["name"]) for r in store._rows("SELECT run_id, kind, name FROM checkpoints")}
-    for run_dir in _entries(store.root / "runs"):
+    for run_dir in _entries(root / "runs"):
         try:
-            run_id = store.run_id_of_dirname(run_dir.name) if run_dir.is_dir() and not run_dir.is_symlink() else None
+            run_id = run_id_of(run_dir.name) if run_dir.is_dir() and not run_dir.is_symlink() else None
         except (OSError, ValueError):
             run_id = None
         for segment, kind in segments.items():
@@ -64,15 +63,13 @@ def reconcile_checkpoints(store: Store, segments: dict[str, str], valid_name: re
                     continue  # a save in progress (or its leftovers, cleaned elsewhere), or recorded
                 try:
                     if run_id is not None and valid_name.fullmatch(entry.name) and is_checkpoint_dir(entry):
-                        tp = TinkerPath(run_id, kind, entry.name)
-                        store.add_checkpoint(tp, created_at=entry.stat().st_mtime)
-                        adopted.append(str(tp))
+                        adopted.append(adopt(run_id, kind, entry.name, entry.stat().st_mtime))
                         continue
-                    where = str(entry.relative_to(store.root))
-                    target = store.root / "quarantine" / short_name(entry.name, where)
+                    where = str(entry.relative_to(root))
+                    target = root / "quarantine" / short_name(entry.name, where)
                     target.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(entry, target)
-                    quarantined.append(str(target.relative_to(store.root)))
+                    quarantined.append(str(target.relative_to(root)))
                     logger.warning("moved %r (no record, not a complete checkpoint of a known run) to %s",
                                    where, quarantined[-1])
                 except Exception as exc:  # one entry never stops the start

@@ -389,7 +389,15 @@ class Store:
     def reconcile_checkpoints(self) -> tuple[list[str], list[str]]:
         """(start-up) Adopt or quarantine checkpoint directories without a record (:mod:`.reconcile`).
         Returns (adopted tinker paths, quarantined directories relative to the state dir)."""
-        return reconcile_checkpoints(self, SEGMENT_TO_KIND, _NAME_RE)
+        rows = self._rows("SELECT run_id, kind, name FROM checkpoints")
+        recorded = {(r["run_id"], r["kind"], r["name"]) for r in rows}
+
+        def adopt(run_id: str, kind: str, name: str, mtime: float) -> str:
+            tp = TinkerPath(run_id, kind, name)
+            self.add_checkpoint(tp, created_at=mtime)
+            return str(tp)
+
+        return reconcile_checkpoints(self.root, SEGMENT_TO_KIND, _NAME_RE, self.run_id_of_dirname, recorded, adopt)
 
     def delete_expired(self) -> int:
         """Delete checkpoints whose ``ttl_seconds`` ran out; returns how many."""
