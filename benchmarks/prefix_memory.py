@@ -7,9 +7,10 @@ micro-batches). Each side of each cell runs in a fresh process (``benchmarks.pre
 load, one warm-up call, reset the kernel's peak-RSS mark (``/proc/self/clear_refs``), one
 ``forward_backward``, read the peak (``VmHWM``) minus the RSS before it
 (docs/PLATFORM_NOTES: how memory is measured here). Reported per cell: both peaks, their ratio,
-both times; the target: sharing never raises the peak (shared / unshared <= 1 in every cell).
+both times (wall and process CPU seconds: other jobs on a shared machine disturb the CPU
+seconds less); the target: sharing never raises the peak (shared / unshared <= 1 in every cell).
 
-    python -m benchmarks.prefix_memory            # the sweep, ~5 min on one thread
+    python -m benchmarks.prefix_memory            # the sweep, ~15 min on one thread (the unshared side)
     python -m benchmarks.prefix_memory --smoke    # seconds
 """
 
@@ -59,11 +60,13 @@ def run(ctx) -> dict:
                     "shared_peak_mib": summary(mib["shared"]), "unshared_peak_mib": summary(mib["unshared"]),
                     "shared_s": summary([r["seconds"] for r in samples["shared"]]),
                     "unshared_s": summary([r["seconds"] for r in samples["unshared"]]),
+                    "shared_cpu_s": summary([r["cpu_seconds"] for r in samples["shared"]]),
+                    "unshared_cpu_s": summary([r["cpu_seconds"] for r in samples["unshared"]]),
                     "peak_ratio": summary([a / b for a, b in zip(mib["shared"], mib["unshared"], strict=True)])}
             cells.append(cell)
             ctx.log(f"{NAME}: P={plen} G={group}: peak shared {cell['shared_peak_mib']['median']:.0f} MiB, unshared "
-                    f"{cell['unshared_peak_mib']['median']:.0f} MiB; {cell['shared_s']['median']:.2f} s vs "
-                    f"{cell['unshared_s']['median']:.2f} s")
+                    f"{cell['unshared_peak_mib']['median']:.0f} MiB; CPU {cell['shared_cpu_s']['median']:.2f} s vs "
+                    f"{cell['unshared_cpu_s']['median']:.2f} s")
     worst = max(c["peak_ratio"]["max"] for c in cells)
     return {"model": "tiny", "suffix": SUFFIX, "reps": reps, "threads": ctx.threads,
             "method": "fresh process per side and cell; VmHWM after clear_refs minus the RSS before the call",
@@ -79,11 +82,11 @@ def targets(result: dict) -> list[dict]:
 
 def table(result: dict) -> list[str]:
     lines = ["| prompt tokens | group | tokens | peak shared MiB | peak unshared MiB | shared / unshared | "
-             "time shared s | time unshared s |", "|---|---|---|---|---|---|---|---|"]
+             "CPU s shared | CPU s unshared |", "|---|---|---|---|---|---|---|---|"]
     for c in result["cells"]:
         lines.append(f"| {c['prompt_len']} | {c['group_size']} | {c['tokens']} | {c['shared_peak_mib']['median']:.0f} | "
                      f"{c['unshared_peak_mib']['median']:.0f} | {c['peak_ratio']['median']:.2f} | "
-                     f"{c['shared_s']['median']:.2f} | {c['unshared_s']['median']:.2f} |")
+                     f"{c['shared_cpu_s']['median']:.2f} | {c['unshared_cpu_s']['median']:.2f} |")
     lines.append(f"worst shared / unshared: {result['worst_peak_ratio']:.3f} (<= {result['target']}: {result['verdict']})")
     return lines
 

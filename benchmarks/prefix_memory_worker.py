@@ -42,11 +42,12 @@ def measure(model: str, shared: bool, prompt_len: int, group: int, suffix: int) 
     backend.zero_grad()
     plan = backend.engine.runner.plan(data)
     base = reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     backend.forward_backward(data, "cross_entropy")
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     peak = proc_status("VmHWM")
     return {"side": "shared" if shared else "unshared", "peak_delta_bytes": peak - base, "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
             "micro_batches": len(plan), "shared_rows": sum(mb.prefix is not None for mb in plan),
             "tokens": sum(d.model_input.length for d in data)}
 

@@ -69,10 +69,12 @@ MICRO_BATCH_OVERHEAD_TOKENS = 64
 #: (tests/test_prefix_sharing.py, benchmarks/prefix_memory.py).
 SHARED_ROW_FRACTION = 15 / 16
 #: Expanded prefix slots (keys and values of one position, per query head) a shared row may keep
-#: in place of one token it leaves unused of the unshared micro-batch: a token keeps at least its
-#: normed input, queries, keys, values and attention output per layer (>= 4 x hidden floats), a
-#: slot 2 x hidden (2 x 128 against ~2500 floats on ``tiny``), so two slots cost at most a token.
-KEPT_SLOTS_PER_TOKEN = 2
+#: in place of one token it leaves unused of the unshared micro-batch. Per layer a slot keeps
+#: 2 x hidden floats; a token keeps its two norms' inputs and outputs, queries, attention output
+#: (6 x hidden), keys and values, and 4 x intermediate of its MLP: at least 8 x hidden for any
+#: MLP wider than half the hidden size (2560 floats against a slot's 256 on ``tiny``), so four
+#: slots cost at most a token.
+KEPT_SLOTS_PER_TOKEN = 4
 #: Above this many (datum, cut) candidates the exact cut search falls back to greedy filling.
 _MAX_DP_WORK = 20_000_000
 
