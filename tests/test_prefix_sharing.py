@@ -255,6 +255,18 @@ def test_expansion_rows_bound_what_a_row_keeps():
     assert expansion_rows([(256, 1000, 4)], ExpansionBudget(chunk=8032)) == [(256, True)]  # nothing kept is bounded
 
 
+def test_a_shared_row_repeats_at_most_32_positions_per_unshared_token():
+    """Per-token outputs cover the prefix once per member: a row's positions are bounded too, so
+    a huge group is cut into rows (each computing its prefix once)."""
+    from skyrl_sdk.engines.batching import REPEATED_TOKENS_PER_TOKEN, make_micro_batches
+
+    data = _one_group(200, 256, 4)  # 52224 positions; the unshared layout's micro-batches: 5 x 204
+    batches = make_micro_batches(data, 1024, prefix_min_tokens=16)
+    shared = [mb for mb in batches if mb.prefix is not None]
+    assert len(shared) >= 2 and sum(len(mb.datum_indices) for mb in shared) == 256
+    assert all(mb.flat_index.shape[0] <= REPEATED_TOKENS_PER_TOKEN * 5 * 204 for mb in shared)
+
+
 @pytest.mark.parametrize("engine_config", [{}, {"gradient_checkpointing": True}, {"batching": "pack"}],
                          ids=["plain", "checkpointing", "pack"])
 def test_a_group_run_in_chunks_of_rows_equals_the_unshared_call(engine_config):

@@ -75,6 +75,11 @@ SHARED_ROW_FRACTION = 15 / 16
 #: MLP wider than half the hidden size (2560 floats against a slot's 256 on ``tiny``), so four
 #: slots cost at most a token.
 KEPT_SLOTS_PER_TOKEN = 4
+#: A shared row's per-token outputs (logprobs, losses, their gradients) cover every member's
+#: tokens, its prefix repeated: a few hundred bytes per position, against ~20 KB a token keeps on
+#: ``tiny`` (more on any larger model). So a row holds at most this many positions per token of
+#: the unshared layout's largest micro-batch.
+REPEATED_TOKENS_PER_TOKEN = 32
 #: Above this many (datum, cut) candidates the exact cut search falls back to greedy filling.
 _MAX_DP_WORK = 20_000_000
 
@@ -163,8 +168,10 @@ def make_micro_batches(
         # datums: its peak memory stays within the unshared path's (SHARED_ROW_FRACTION)
         largest = _largest_micro_batch(lengths, budget, layout)
         row_budget = min(budget, int(SHARED_ROW_FRACTION * largest))
-        groups, alone = find_groups(tokens, prefix_min_tokens, row_budget)
-        batches += [_shared_batch(tokens, lengths, part, largest) for part in fill_rows(groups, row_budget)]
+        max_total = REPEATED_TOKENS_PER_TOKEN * largest
+        groups, alone = find_groups(tokens, prefix_min_tokens, row_budget, max_total)
+        batches += [_shared_batch(tokens, lengths, part, largest)
+                    for part in fill_rows(groups, row_budget, max_total)]
         rest = np.asarray(alone, dtype=np.int64)
     for local in _group(lengths[rest], budget, layout) if len(rest) else []:
         group = rest[local].tolist()

@@ -42,9 +42,12 @@ class Group:
     prefix: int
     #: tokens the group's row holds: the prefix once, then every member's suffix
     unique_tokens: int
+    #: the members' tokens, the prefix counted once per member (what per-token outputs hold)
+    tokens: int = 0
 
 
-def find_groups(seqs: Sequence[np.ndarray], min_tokens: int, max_tokens: int) -> tuple[list[Group], list[int]]:
+def find_groups(seqs: Sequence[np.ndarray], min_tokens: int, max_tokens: int, max_total: int | None = None
+                ) -> tuple[list[Group], list[int]]:
     """``(groups, alone)``: the groups worth sharing, and the datums left to the unshared path.
 
     Sorted lexicographically, a sequence's longest common prefix with its predecessor is its
@@ -52,8 +55,9 @@ def find_groups(seqs: Sequence[np.ndarray], min_tokens: int, max_tokens: int) ->
     sequences shares the smallest of its neighbours' common prefixes. One level of groups:
     the runs are chosen to save the most tokens (an exact dynamic programme over the sorted
     order), a run's prefix being at least ``min_tokens`` long. A group whose row would exceed
-    ``max_tokens`` unique tokens is cut into several (each computes the prefix once); a group
-    saving less than :data:`MIN_SAVED_FRACTION` of its tokens is not shared.
+    ``max_tokens`` unique tokens, or ``max_total`` tokens with the prefix counted per member
+    (what its per-token outputs hold), is cut into several (each computes the prefix once); a
+    group saving less than :data:`MIN_SAVED_FRACTION` of its tokens is not shared.
     """
     seqs = [np.asarray(s, dtype=np.int64) for s in seqs]
     n = len(seqs)
@@ -87,47 +91,51 @@ def find_groups(seqs: Sequence[np.ndarray], min_tokens: int, max_tokens: int) ->
         if len(members) == 1:
             alone.extend(members)
         else:
-            _cut(seqs, members, int(lcp[i + 1:j].min()), max_tokens, min_tokens, groups, alone)
+            _cut(seqs, members, int(lcp[i + 1:j].min()), max_tokens, min_tokens, groups, alone, max_total)
         j = i
     return groups[::-1], sorted(alone)
 
 
-def _cut(seqs, members: list[int], prefix: int, max_tokens: int, min_tokens: int, groups: list, alone: list) -> None:
-    """Cut a run into groups of at most ``max_tokens`` unique tokens; keep those worth sharing."""
+def _cut(seqs, members: list[int], prefix: int, max_tokens: int, min_tokens: int, groups: list, alone: list,
+         max_total: int | None = None) -> None:
+    """Cut a run into groups of at most ``max_tokens`` unique tokens (and ``max_total`` tokens);
+    keep those worth sharing."""
 
     def emit(chunk: list[int]) -> None:
         total = sum(len(seqs[m]) for m in chunk)
         unique = total - (len(chunk) - 1) * prefix
         if len(chunk) >= 2 and prefix >= min_tokens and total - unique >= MIN_SAVED_FRACTION * total:
-            groups.append(Group(tuple(chunk), prefix, unique))
+            groups.append(Group(tuple(chunk), prefix, unique, total))
         else:
             alone.extend(chunk)
 
     chunk: list[int] = []
-    used = prefix
+    used, total = prefix, 0
     for m in members:
         suffix = len(seqs[m]) - prefix
-        if chunk and used + suffix > max_tokens:
+        if chunk and (used + suffix > max_tokens or (max_total is not None and total + len(seqs[m]) > max_total)):
             emit(chunk)
-            chunk, used = [], prefix
+            chunk, used, total = [], prefix, 0
         chunk.append(m)
         used += suffix
+        total += len(seqs[m])
     emit(chunk)
 
 
-def fill_rows(groups: Sequence[Group], budget: int) -> list[list[Group]]:
-    """Groups into rows (micro-batches) of at most ``budget`` unique tokens: first fit, largest first."""
+def fill_rows(groups: Sequence[Group], budget: int, max_total: int | None = None) -> list[list[Group]]:
+    """Groups into rows (micro-batches) of at most ``budget`` unique tokens (and ``max_total``
+    tokens with each prefix counted per member): first fit, largest first."""
     rows: list[list[Group]] = []
-    used: list[int] = []
+    used: list[tuple[int, int]] = []
     for g in sorted(groups, key=lambda g: -g.unique_tokens):
-        for r, u in enumerate(used):
-            if u + g.unique_tokens <= budget:
+        for r, (u, t) in enumerate(used):
+            if u + g.unique_tokens <= budget and (max_total is None or t + g.tokens <= max_total):
                 rows[r].append(g)
-                used[r] += g.unique_tokens
+                used[r] = (u + g.unique_tokens, t + g.tokens)
                 break
         else:
             rows.append([g])
-            used.append(g.unique_tokens)
+            used.append((g.unique_tokens, g.tokens))
     return rows
 
 
