@@ -65,6 +65,7 @@ def test_smoke_mode_emits_valid_json(tmp_path):
         assert load["memory"]["ratio"] > -1 and len(load["memory"]["rss"]) == load["memory"]["clients"]
         assert all(f["small_calls_during"] >= 1 for f in load["fairness"].values())
         assert load["connections"]["healthz"]["polls"] > 0
+        assert load["consoles"]["requests"] > 0 and load["consoles"]["healthz"]["polls"] > 0
         assert load["shutdown"]["answers"] and load["bodies"]["statuses"]
 
     metrics = {(t["benchmark"], t["metric"]) for t in doc["targets"]}
