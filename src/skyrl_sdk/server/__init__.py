@@ -1,9 +1,14 @@
 """A Tinker-compatible HTTP server (``skyrl-sdk serve``): the official ``tinker`` client and
 tinker-cookbook recipes train against skyrl-sdk Backends unchanged.
 
-Modules, one job each: ``config`` (settings), ``guard`` (API key -> owner, body limits,
-zstd), ``bodies`` (decompression and parsing off the event loop, the in-flight budget),
-``edge`` (uvicorn with a header timeout and a connection cap, shutdown order),
+Modules, one job each: ``config`` (settings), ``guard`` (what is decided at the headers: head
+size, /healthz, API key -> owner, query integers; then body limits, zstd), ``origins`` (the
+Host / Origin / Content-Type checks of a server without keys), ``bodies`` (decompression and
+parsing off the event loop, the in-flight budget), ``edge`` (uvicorn with a header timeout, a
+connection cap that drops stalled bodies, a short linger, shutdown order), ``statedir`` (one
+server per state dir, a start on a writable one), ``reconcile`` (unrecorded checkpoint
+directories at start-up), ``caps`` (metadata sizes, open sessions), ``visibility`` (what
+``/loaded`` shows whom),
 ``executor`` (the compute thread, fair turns), ``futures`` (jobs, seq_id ordering, long-poll
 results), ``store`` (SQLite records and checkpoint paths), ``wire`` (JSON requests and
 answers), ``proto`` (protobuf messages), ``served`` (served models and their limits),
