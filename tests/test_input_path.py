@@ -131,13 +131,32 @@ def test_official_tinker_objects_read_without_loss_and_extra_fields_are_refused(
 
 
 def test_chunk_types_come_from_one_table():
+    import base64
+
     from skyrl_sdk.types.model_input import CHUNK_TYPES
 
-    assert set(CHUNK_TYPES) == {"encoded_text"}
-    for read in (lambda: tinker_json.model_input_from_json({"chunks": [{"type": "image", "data": "x"}]}),
-                 lambda: types.ModelInput(tt.ModelInput(chunks=[tt.ImageChunk(data=b"x", format="png")]).chunks),
-                 lambda: _proto_datum(image=True)):
-        assert "chunks of type 'image' are not supported; supported types: ['encoded_text']" in _message(read)
+    assert set(CHUNK_TYPES) == {"encoded_text", "image"}
+    png = b"\x89PNG fake"
+    images = [  # JSON (base64), tinker's pydantic chunk (duck-typed), protobuf: the same ImageChunk
+        tinker_json.model_input_from_json({"chunks": [{"type": "image", "data": base64.b64encode(png).decode(),
+                                                       "format": "png", "expected_tokens": 4}]}).chunks[0],
+        types.ModelInput(tt.ModelInput(chunks=[tt.ImageChunk(data=png, format="png", expected_tokens=4)]).chunks
+                         ).chunks[0],
+        _proto_datum(image=True).model_input.chunks[1],
+    ]
+    for image in images:
+        assert isinstance(image, types.ImageChunk)
+        assert (image.data, image.format, image.expected_tokens) == (png, "png", 4)
+    for read in (lambda: tinker_json.model_input_from_json({"chunks": [{"type": "dmel", "dmel": "x"}]}),
+                 lambda: types.ModelInput([tt.DmelChunk(dmel=b"x")])):
+        assert "chunks of type 'dmel' are not supported; supported types: ['encoded_text', 'image']" in _message(read)
+    for read in (lambda: tinker_json.model_input_from_json({"chunks": [{"type": "image_asset_pointer",
+                                                                         "format": "png", "location": "/etc/x"}]}),
+                 lambda: types.ModelInput(tt.ModelInput(chunks=[tt.ImageAssetPointerChunk(
+                     format="png", location="/etc/x")]).chunks)):
+        assert "'image_asset_pointer' chunks are not served" in _message(read)
+    assert "model_input.chunks[0]: image chunk data: not valid base64" in _message(
+        tinker_json.model_input_from_json, {"chunks": [{"type": "image", "data": "**", "format": "png"}]})
 
 
 # ---- every field the real client sends is accepted ----------------------------------------------------
@@ -202,7 +221,9 @@ def _proto_datum(n: int = 3, image: bool = False) -> types.Datum:
     d = msg.data.add()
     d.model_input.add().encoded_text.tokens = np.arange(n, dtype=np.int32).tobytes()
     if image:
-        d.model_input.add().image.data = b"png"
+        chunk = d.model_input.add().image
+        chunk.data, chunk.format, chunk.expected_tokens = b"\x89PNG fake", "png", 4
+        n += 4
     d.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(dense=np.arange(1, n + 1).tobytes(), dtype=pb.DTYPE_INT64,
                                                           shape=[n]))
     req = tinker_proto.forward_backward_from_proto(msg.SerializeToString(), lambda model_id: 8)

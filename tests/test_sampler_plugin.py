@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 import skyrl_sdk
+from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk import errors, types
-from skyrl_sdk.plugins import manager as plugins
 from skyrl_sdk.sampling import TransformersSampler
 
 ECHO_PLUGIN = """
@@ -53,7 +53,7 @@ def test_builtin_transformers_sampler_registers_through_the_hook():
     registry = plugins.get_registry()
     assert registry.samplers["transformers"].factory is TransformersSampler
     assert registry.owners[("sampler", "transformers")] == "skyrl_sdk.sampling"
-    assert "skyrl_sdk.sampling" in plugins.BUILTIN_PLUGINS
+    assert "skyrl_sdk.sampling" in plugins.builtin_plugin_names()
 
 
 def test_a_plugin_sampler_serves_backend_sample(install):

@@ -109,8 +109,10 @@ def data_from_any(data: Any) -> list[Datum]:
     return out
 
 
-def prompts_from_any(prompts: Any) -> list[np.ndarray]:
-    """A non-empty list of prompts, each a ModelInput (ours or tinker's) or a flat list of token ids."""
+def prompts_from_any(prompts: Any) -> list[np.ndarray | ModelInput]:
+    """A non-empty list of prompts, each a ModelInput (ours or tinker's) or a flat list of token ids:
+    each made its token ids, or kept a ``ModelInput`` when it holds images (the model's image
+    processor reads them next)."""
     if isinstance(prompts, ModelInput) or hasattr(prompts, "chunks"):
         raise InputError("prompts: expected a list of prompts, got a single ModelInput (wrap it in a list)")
     if not _is_list_like(prompts) and not isinstance(prompts, np.ndarray):
@@ -123,10 +125,11 @@ def prompts_from_any(prompts: Any) -> list[np.ndarray]:
             raise InputError(f"prompt {i}: expected a ModelInput or a list of token ids, got a string "
                              f"(encode it with backend.tokenizer first)")
         try:
-            tokens = model_input_from_any(prompt).to_numpy()
+            model_input = model_input_from_any(prompt)
+            tokens = model_input if model_input.has_images else model_input.to_numpy()
         except InputError as exc:
             raise InputError(f"prompt {i}: {exc}") from None
-        if tokens.size == 0:
+        if len(model_input.chunks) == 0 or (isinstance(tokens, np.ndarray) and tokens.size == 0):
             raise InputError(f"prompt {i}: expected at least one token")
         out.append(tokens)
     return out

@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 
 from ..errors import InputError, quoted
-from ..types import SamplingParams
+from ..types import ImageChunk, ModelInput, SamplingParams
 from ..types.numbers import check_sample_counts
 from .coerce import prompts_from_any, sampling_params_from_any
 from .tinker_json import model_input_from_json
@@ -30,8 +30,9 @@ CALL_KEYS = ("sampling_params", "num_samples", "prompt_logprobs", "topk_prompt_l
 class SampleRequest:
     """One sample call's checked values."""
 
-    #: each prompt's token ids (1-D int64, at least one token)
-    prompts: tuple[np.ndarray, ...]
+    #: each prompt's token ids (1-D int64, at least one token), or its ``ModelInput`` when it
+    #: holds images (the model's image processor reads them before compute)
+    prompts: tuple[np.ndarray | ModelInput, ...]
     sampling_params: SamplingParams
     #: continuations per prompt (>= 1)
     num_samples: int = 1
@@ -53,6 +54,14 @@ def sample_request(prompts: Any, sampling_params: Any = None, num_samples: Any =
     if not isinstance(prompt_logprobs, bool):
         raise InputError(f"prompt_logprobs: expected true or false, got {quoted(prompt_logprobs)}")
     return SampleRequest(tuple(arrays), params, num_samples, prompt_logprobs, topk)
+
+
+def declared_length(prompt: np.ndarray | ModelInput) -> int:
+    """The positions a prompt declares before any image is read: its tokens, and its images'
+    ``expected_tokens`` (an image without one counts 0 until the image processor counts it)."""
+    if isinstance(prompt, np.ndarray):
+        return int(prompt.size)
+    return sum(c.length if not isinstance(c, ImageChunk) else c.expected_tokens or 0 for c in prompt.chunks)
 
 
 def sample_request_from_json(body: Mapping[str, Any], *, max_num_samples: int | None = None,

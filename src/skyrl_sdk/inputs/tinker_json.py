@@ -2,7 +2,8 @@
 
 (Objects of other shapes go through :mod:`.coerce`, which uses these for mappings.)
 
-``{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [...]}]},
+``{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [...]}, {"type": "image",
+"data": "<base64>", "format": "png", "expected_tokens": 16}]},
 "loss_fn_inputs": {"target_tokens": {"data": [...], "dtype": "int64", "shape": [N]}}}``.
 Sparse-CSR tensors (``sparse_crow_indices`` / ``sparse_col_indices``) are densified.
 Objects of the official ``tinker.types`` are accepted duck-typed (tinker is not imported).
@@ -10,6 +11,7 @@ Objects of the official ``tinker.types`` are accepted duck-typed (tinker is not 
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import attrs
@@ -19,7 +21,9 @@ from ..errors import InputError, refuse_unknown_keys
 from ..types import (
     Datum,
     ForwardBackwardOutput,
+    ImageChunk,
     ModelInput,
+    PreparedImageChunk,
     TensorData,
     dtype_for_key,
 )
@@ -66,8 +70,18 @@ def tensor_from_json(obj: Any, dtype: str | None = None) -> TensorData:
 
 
 # ---- ModelInput ---------------------------------------------------------------------------
+def _unstructure_chunk(c: Any) -> dict[str, Any]:
+    if isinstance(c, ImageChunk):  # Tinker's JSON: the bytes as base64 text
+        return {"type": "image", "data": base64.b64encode(c.data).decode("ascii"), "format": c.format,
+                "expected_tokens": c.expected_tokens}
+    if isinstance(c, PreparedImageChunk):
+        raise InputError("a prepared image (pixels read by a model's image processor) has no Tinker JSON form: "
+                         "send the ImageChunk it was read from")
+    return {"type": "encoded_text", "tokens": c.tokens.tolist()}
+
+
 def _unstructure_model_input(m: ModelInput) -> dict[str, Any]:
-    return {"chunks": [{"type": "encoded_text", "tokens": c.tokens.tolist()} for c in m.chunks]}
+    return {"chunks": [_unstructure_chunk(c) for c in m.chunks]}
 
 
 def model_input_from_json(obj: Any) -> ModelInput:

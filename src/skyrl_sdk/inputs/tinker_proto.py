@@ -96,8 +96,16 @@ def forward_backward_from_proto(body: bytes, max_seq_len: Callable[[str], int | 
 
 
 def _declared_tokens(msg: Any) -> int:
-    """Tokens a proto datum declares (its token bytes / 4), before anything is decoded."""
-    return sum(len(c.encoded_text.tokens) // 4 for c in msg.model_input if c.WhichOneof("chunk") == "encoded_text")
+    """Positions a proto datum declares (its token bytes / 4, and its images' ``expected_tokens``),
+    before anything is decoded."""
+    total = 0
+    for c in msg.model_input:
+        kind = c.WhichOneof("chunk")
+        if kind == "encoded_text":
+            total += len(c.encoded_text.tokens) // 4
+        elif kind == "image":
+            total += c.image.expected_tokens
+    return total
 
 
 def _encoded_text_fields(msg: Any) -> dict[str, Any]:

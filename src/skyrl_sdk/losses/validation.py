@@ -20,7 +20,7 @@ from ..types.numbers import check_representable
 from .base import LossSpec
 from .reduction import PER_TOKEN_REDUCTIONS
 from .resolve import ResolvedLoss
-from .terms import TERM_INPUTS, with_call_normalizers
+from .terms import TERM_INPUT_SOURCES, TERM_INPUTS, with_call_normalizers
 
 
 def check_call(data: Sequence[Datum], resolved: ResolvedLoss, vocab_size: int | None,
@@ -182,9 +182,10 @@ def check_loss_inputs(
         if key == "target_tokens" and not need_targets:
             continue
         if key not in shapes:
+            source = f"; {key}: {TERM_INPUT_SOURCES[key]}" if key in TERM_INPUT_SOURCES else ""
             raise DatumError(
                 f"{label} requires input {key!r} (required: {list(spec.required_inputs)}), "
-                f"got keys {sorted(shapes)}",
+                f"got keys {sorted(shapes)}{source}",
                 index=index,
             )
     for key, shape in shapes.items():

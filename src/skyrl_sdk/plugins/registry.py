@@ -14,16 +14,10 @@ from typing import Any
 import attrs
 
 from ..errors import DuplicateRegistrationError, PluginError, UnknownNameError, did_you_mean
-from ..losses.base import LossSpec
+from ..losses.base import DialectSpec, LossSpec
+from ..losses.resolve import ResolvedLoss, resolve_loss
 
 _ROLES = ("policy", "critic")
-
-
-@attrs.frozen
-class DialectSpec:
-    name: str
-    convert: Callable[[str, Mapping[str, Any] | None, str], tuple[str, dict] | None]
-    description: str = ""
 
 
 @attrs.frozen
@@ -61,6 +55,16 @@ class Registry:
             )
         self.owners[(kind, name)] = plugin
         self.registered_by.setdefault(plugin, []).append(f"{kind}:{name}")
+
+    def add(self, other: Registry) -> None:
+        """Take every entry of ``other`` (what one plugin registered), in its order; a name
+        taken here already raises :class:`DuplicateRegistrationError` naming both plugins."""
+        for (kind, name), plugin in other.owners.items():
+            self._claim(kind, name, plugin)
+            self._table(kind)[name] = other._table(kind)[name]
+
+    def _table(self, kind: str) -> dict[str, Any]:
+        return {"loss": self.losses, "dialect": self.dialects, "engine": self.engines, "sampler": self.samplers}[kind]
 
     # -- losses --------------------------------------------------------------------------
     def register_loss(
@@ -123,6 +127,7 @@ class Registry:
             role=role,  # type: ignore[arg-type]
             prepare=prepare,
             accepts_topk_targets=bool(accepts_topk_targets),
+            plugin=plugin,
         )
         self._claim("loss", name, plugin)
         self.losses[name] = spec
@@ -141,6 +146,12 @@ class Registry:
         """The dialect registered as ``name`` (see :meth:`lookup`)."""
         return self.lookup("dialect", name)
 
+    def resolve(self, loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None, dialect: str = "tinker",
+                role: str = "policy") -> ResolvedLoss:
+        """:func:`~skyrl_sdk.losses.resolve.resolve_loss` with this registry's losses and the
+        dialect registered as ``dialect``."""
+        return resolve_loss(self.losses, self.dialect_spec(dialect), loss_fn, loss_fn_config, role)
+
     # -- engines and samplers: factories ------------------------------------------------
     def register_engine(self, plugin: str, name: str, factory: Callable, *, description: str = "") -> FactorySpec:
         return self._register_factory("engine", self.engines, plugin, name, factory, description)
@@ -152,6 +163,10 @@ class Registry:
                           description: str) -> FactorySpec:
         if not callable(factory):
             raise PluginError(f"plugin {plugin!r}, {kind} {name!r}: factory must be callable")
+        if inspect.isclass(factory) and inspect.isabstract(factory):  # it would fail at every build
+            missing = ", ".join(sorted(factory.__abstractmethods__))
+            raise PluginError(f"plugin {plugin!r}, {kind} {name!r}: {factory.__name__} does not implement the "
+                              f"abstract method(s) {missing}")
         if not isinstance(description, str):
             raise PluginError(f"plugin {plugin!r}, {kind} {name!r}: description must be a string")
         spec = FactorySpec(kind=kind, name=name, factory=factory, description=description)
@@ -171,7 +186,7 @@ class Registry:
         """The ``kind`` ("dialect", "engine" or "sampler") registered as ``name``, or
         :class:`UnknownNameError` listing the available ones with a "did you mean" for a typo:
         the one message the Backend, the server and the CLI give."""
-        table = {"dialect": self.dialects, "engine": self.engines, "sampler": self.samplers}[kind]
+        table = self._table(kind)
         spec = table.get(name) if isinstance(name, str) else None
         if spec is None:
             raise UnknownNameError(f"unknown {kind} {name!r}; available: {sorted(table)}"

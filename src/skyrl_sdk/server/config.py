@@ -270,7 +270,7 @@ class ServerConfig:
             api_key=api_key,
             allowed_hosts=getattr(args, "allowed_host", None) or (),
             host=getattr(args, "host", None) or "127.0.0.1",
-            port=int(getattr(args, "port", None) or 8000),
+            port=8000 if getattr(args, "port", None) is None else int(args.port),  # 0: a free port
         )
 
     def owners(self) -> dict[str, str] | None:

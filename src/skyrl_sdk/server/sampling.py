@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 
 from ..errors import InputError, NotFoundError, quoted
 from ..inputs.coerce import lora_config_from_any
@@ -177,10 +178,11 @@ class Sampling:
             return run_batch([job])[0]
 
         call, key = spec.request, None
-        if call.sampling_params.seed is None:
+        # an image prompt runs alone: its images are read (and may be refused) in its own call
+        if call.sampling_params.seed is None and isinstance(spec.prompt, np.ndarray):
             key = (target_key, snapshot.version if snapshot else None, call.sampling_params, call.num_samples,
                    call.prompt_logprobs, call.topk_prompt_logprobs)
-        cost = call.num_samples * (spec.prompt.size + call.sampling_params.max_tokens)  # roughly: tokens decoded
+        cost = call.num_samples * (spec.prompt_length + call.sampling_params.max_tokens)  # roughly: tokens decoded
         job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=spec, cost=cost)
         return job
 

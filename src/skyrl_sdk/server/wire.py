@@ -27,7 +27,7 @@ from ..inputs.coerce import adam_params_from_any
 from ..inputs.limits import prompt_length_problem
 from ..inputs.sample import SampleRequest
 from ..inputs.tinker_proto import SERVER_LIMIT
-from ..types import AdamParams
+from ..types import AdamParams, ModelInput
 from ..types.numbers import check_number
 from . import caps
 from .store import check_name, check_run_id, iso
@@ -268,13 +268,18 @@ class SampleSpec:
     prompt_logprobs_last_n: int | None = None
 
     @property
-    def prompt(self) -> np.ndarray:
+    def prompt(self) -> np.ndarray | ModelInput:
         return self.request.prompts[0]
+
+    @property
+    def prompt_length(self) -> int:
+        """The prompt's positions as declared (its images' ``expected_tokens`` included)."""
+        return sample_call.declared_length(self.prompt)
 
     def check_length(self, limit: int | None) -> None:
         """The prompt plus ``max_tokens`` must fit the server's limit for the model (checked
         before the request is queued, in ``Backend.sample``'s words)."""
-        problem = prompt_length_problem(self.prompt.size, self.request.sampling_params.max_tokens, limit,
+        problem = prompt_length_problem(self.prompt_length, self.request.sampling_params.max_tokens, limit,
                                         SERVER_LIMIT)
         if problem:
             raise InputError(f"prompt 0: {problem}")
@@ -293,8 +298,8 @@ def parse_sample_request(body: Mapping[str, Any], max_num_samples: int) -> Sampl
     if last_n is not None:
         if not request.prompt_logprobs:
             raise InputError("prompt_logprobs_last_n needs prompt_logprobs")
-        last_n = check_number("prompt_logprobs_last_n", last_n, low=1, high=request.prompts[0].size - 1,
-                              integer=True)
+        last_n = check_number("prompt_logprobs_last_n", last_n, low=1,
+                              high=sample_call.declared_length(request.prompts[0]) - 1, integer=True)
     return SampleSpec(request, last_n)
 
 

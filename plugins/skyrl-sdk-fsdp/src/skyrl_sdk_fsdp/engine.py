@@ -18,14 +18,14 @@ from typing import Any
 import attrs
 import numpy as np
 
-from skyrl_sdk.engines import Engine, EngineConfig, EngineInfo, EngineResult, ResolvedLoss
-from skyrl_sdk.engines.plain import datums_to_plain, loss_to_plain
+from skyrl_sdk.engines import Engine, EngineConfig, EngineInfo, EngineResult, ResolvedLoss, image_inputs
+from skyrl_sdk.engines.plain import datums_to_plain, loss_to_plain, model_input_to_plain
 from skyrl_sdk.engines.state import StateLayout, check_engine_metadata, check_state_files
 from skyrl_sdk.errors import CheckpointError, InputError
 from skyrl_sdk.losses.metrics import MetricAccumulator
 from skyrl_sdk.models import load_tokenizer
 from skyrl_sdk.models.prefix import find_groups
-from skyrl_sdk.types import AdamParams, Datum, LoraConfig, SampleOutput, SamplingParams
+from skyrl_sdk.types import AdamParams, Datum, LoraConfig, ModelInput, SampleOutput, SamplingParams
 
 from .options import FSDP_KEYS, SHARDED_DIR, FSDPOptions, launcher_env
 from .split import split_by_tokens
@@ -104,6 +104,9 @@ class FSDPEngine(Engine):
         self.weights_source = first["weights_source"]
         tok_dir = self.info.tokenizer_dir
         self.tokenizer = load_tokenizer(tok_dir) if tok_dir else None
+        #: a vision-language model's image processor: the Backend reads images through it here,
+        #: and the ranks get the prepared pixels
+        self.images = image_inputs(str(model), self.config)
         logger.info("fsdp engine: %d ranks (%s, %s launcher)", self.world_size, self.device_type, launcher)
 
     def _start_transport(self, env):
@@ -191,13 +194,15 @@ class FSDPEngine(Engine):
 
     # ---- sampling ---------------------------------------------------------------------
     def sample(
-        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
-        topk_prompt_logprobs: int = 0,
+        self, prompts: Sequence[np.ndarray | ModelInput], params: SamplingParams, num_samples: int,
+        prompt_logprobs: bool, topk_prompt_logprobs: int = 0,
     ) -> list[SampleOutput]:
         if self.role != "policy":
             raise InputError("sampling needs a policy model; this Backend's role is 'critic'")
+        plain = [model_input_to_plain(p) if isinstance(p, ModelInput) else (np.asarray(p, dtype=np.int64),)
+                 for p in prompts]
         return self._all(
-            "sample", prompts=[np.asarray(p, dtype=np.int64) for p in prompts], params=attrs.asdict(params),
+            "sample", prompts=plain, params=attrs.asdict(params),
             num_samples=int(num_samples), prompt_logprobs=bool(prompt_logprobs),
             topk_prompt_logprobs=int(topk_prompt_logprobs),
         )[0]
