@@ -765,7 +765,7 @@ def test_checkpoint_directories_without_records_are_adopted_or_quarantined(tmp_p
     (store.checkpoint_dir(half) / "model.safetensors").write_bytes(b"partial")
     stranger = store.root / "runs" / "run-of-no-record" / "sampler_weights" / "x"
     backend.save_weights_for_sampler(stranger)  # complete, but of no run this server knows
-    with caplog.at_level(logging.WARNING, logger="skyrl_sdk.server.store"):
+    with caplog.at_level(logging.WARNING, logger="skyrl_sdk.server"):
         adopted, quarantined = store.reconcile_checkpoints()
     assert adopted == [str(done)]
     assert sorted(q.split("/")[1].split("-")[0] for q in quarantined) == ["half", "x"]  # short, hashed names

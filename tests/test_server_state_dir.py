@@ -103,7 +103,7 @@ def test_no_entry_under_runs_can_stop_a_start(tmp_path, caplog):
     (long / "model.safetensors").write_bytes(b"junk")
     stuck_folder = runs / "run-stuck" / "sampler_weights"
     (stuck_folder / "stuck").mkdir(parents=True)
-    with _read_only(stuck_folder), caplog.at_level(logging.WARNING, logger="skyrl_sdk.server.store"):
+    with _read_only(stuck_folder), caplog.at_level(logging.WARNING, logger="skyrl_sdk.server"):
         with ServerThread(tmp_path / "state") as srv:
             assert srv.runtime is not None
     assert not long.exists() and (stuck_folder / "stuck").exists()

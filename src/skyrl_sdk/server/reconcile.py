@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..models.checkpoint import is_checkpoint_dir
 
-logger = logging.getLogger("skyrl_sdk.server.store")
+logger = logging.getLogger(__name__)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 

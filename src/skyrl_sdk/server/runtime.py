@@ -401,7 +401,9 @@ class Runtime:
     def loaded(self, owner: str) -> dict[str, Any]:
         """What is loaded (bases, adapters, bytes, offloaded adapters, own copies), as ``owner``
         may see it (:mod:`.visibility`)."""
-        return visibility.loaded(self, owner)
+        doc = visibility.loaded(self.served.loaded(with_backends=True), owner, self.config.is_operator(owner),
+                                self.models, self.sampling.targets(), self.redact)
+        return {**doc, "snapshots": self.sampling.snapshots.stats()}
 
     # ---- shutdown ------------------------------------------------------------------------------
     def begin_shutdown(self) -> None:
