@@ -13,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -148,12 +149,16 @@ def banner(config: Any, key_from_env: bool = False, keys_file: str | None = None
 def claim_state_dir(config: Any) -> StateDirLock:
     """Lock the state dir for this server's life (a second server on it is refused, naming this
     one) and check that it can be written (a full disk or a read-only directory is refused now,
-    not answered with a 500 on every write later)."""
-    lock = StateDirLock.acquire(config.state_dir, holder=f"skyrl-sdk serve on {config.host}:{config.port}")
+    not answered with a 500 on every write later). A refused start leaves no directory it made."""
+    root = Path(config.state_dir).expanduser().resolve()
+    existed = root.exists()
+    lock = StateDirLock.acquire(root, holder=f"skyrl-sdk serve on {config.host}:{config.port}")
     try:
         check_writable(lock.root)
     except BaseException:
         lock.release()
+        if not existed:
+            shutil.rmtree(root, ignore_errors=True)
         raise
     return lock
 
@@ -182,8 +187,8 @@ def serve(args: Any) -> int:
     try:
         check_port(getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000))
         config = ServerConfig.from_args(args)
-        state_lock = claim_state_dir(config)
         preflight(config.models, config.engine, config.engine_config, lazy=bool(getattr(args, "lazy", False)))
+        state_lock = claim_state_dir(config)
     except SkyrlError as exc:
         print(f"skyrl-sdk serve: cannot start: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
