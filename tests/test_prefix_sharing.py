@@ -225,6 +225,7 @@ def _one_group(prompt_len: int, group: int, suffix: int, seed: int = 0) -> list[
             for s in seqs]
 
 
+@pytest.mark.slow  # the unshared side computes 25,856 tokens
 @pytest.mark.parametrize("prompt_len, group, suffix", [(400, 64, 4), (120, 48, 30), (40, 8, 4)])
 def test_a_shared_row_keeps_no_more_than_the_unshared_micro_batches(monkeypatch, prompt_len, group, suffix):
     """The attention expands a group's prefix over its G rows (G x (P + S) slots per layer):

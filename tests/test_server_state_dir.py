@@ -77,6 +77,7 @@ def _cannot_start(state, preexec_fn=None) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # a server process
 def test_a_read_only_state_dir_is_one_line_at_start(tmp_path):
     """Before: the server started and answered every write with a 500."""
     state = tmp_path / "state"
@@ -86,6 +87,7 @@ def test_a_read_only_state_dir_is_one_line_at_start(tmp_path):
     assert out.count("\n") == 1 and out.startswith(f"skyrl-sdk serve: cannot start: state dir {state}")
 
 
+@pytest.mark.slow  # a server process
 def test_a_full_disk_is_one_line_at_start(tmp_path):
     """Before: a raw traceback."""
     out = _cannot_start(tmp_path / "state", preexec_fn=_almost_full)
@@ -142,6 +144,7 @@ def test_a_save_whose_record_fails_leaves_nothing_and_can_be_retried(tmp_path):
 
 
 # ---- acknowledged steps survive kill -9 ------------------------------------------------------------------------
+@pytest.mark.slow  # a server process
 def test_every_acknowledged_step_is_in_the_history_after_kill_9(tmp_path):
     """Before: written once a second, so a kill -9 right after an acknowledged step lost it."""
     from skyrl_sdk.server.history import History
