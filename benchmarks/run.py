@@ -37,6 +37,7 @@ from benchmarks import (
     memory,
     optim_step,
     precision,
+    prefix_memory,
     prefix_sharing,
     qwen,
     sampling,
@@ -66,6 +67,7 @@ BENCHMARKS = {
     optim_step.NAME: optim_step,
     call_grads.NAME: call_grads,
     prefix_sharing.NAME: prefix_sharing,
+    prefix_memory.NAME: prefix_memory,
     grpo_prefix.NAME: grpo_prefix,
 }
 
@@ -181,7 +183,7 @@ def targets(results: dict) -> list[dict]:
     elif r:
         rows.append({"benchmark": fsdp_loading.NAME, "metric": "fsdp loading", "target": fsdp_loading.TARGET,
                      "verdict": r.get("status")})
-    for module in (precision, checkpointing, qwen, prefix_sharing, grpo_prefix):  # these report their own rows
+    for module in (precision, checkpointing, qwen, prefix_sharing, prefix_memory, grpo_prefix):  # these report their own rows
         r = results.get(module.NAME, {})
         if r.get("status") == "ok":
             rows.extend(module.targets(r))

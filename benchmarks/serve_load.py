@@ -10,7 +10,8 @@
   a request line and no key, and while clients post bodies that inflate or parse big (zstd
   bombs to ``forward_backward``, 200 MB each when inflated; JSON bodies just under the 4 MiB
   cap), on a server that asks clients to compress (``benchmarks.serve_load_server``); how many
-  stalled connections the header timeout closed.
+  stalled connections the header timeout closed; and while 10 consoles poll the curves (2000
+  points) and the run list of a 100,000-step run.
 - shutdown: seconds from SIGINT to exit while a big call runs and more wait; what they answer.
 """
 
@@ -204,6 +205,53 @@ def _bodies_probe(port: int, bombs: int, bomb_bytes: int, jsons: int, json_bytes
             "json_bodies": jsons, "json_bytes": len(doc), "statuses": sorted(statuses), "healthz": poller.stop()}
 
 
+#: the run whose long history the console probe polls (its owner: the server's --api-key holder)
+CONSOLE_RUN = "sess-bench:train:0"
+
+
+def _seed_history(state_dir: str, steps: int) -> None:
+    """A state dir holding one run of ``steps`` steps of history (before its server starts)."""
+    from skyrl_sdk.server.history import History
+    from skyrl_sdk.server.store import Store
+
+    store = Store(state_dir)
+    store.add_run(CONSOLE_RUN, "default", "sess-bench", "tiny", None, None)
+    history = History(store.root / "server.sqlite3", flush_s=3600, write_through=False)
+    for start in range(0, steps, 5000):
+        for i in range(start, min(steps, start + 5000)):
+            history.optim_step(CONSOLE_RUN, {"step": i + 1.0, "grad_norm": float(i), "learning_rate": 0.1,
+                                             "skipped": 0.0})
+        history.flush()
+    history.close()
+    store.close()
+
+
+def _consoles_probe(port: int, consoles: int, seconds: float) -> dict:
+    """``consoles`` threads poll the run list and the long run's curves; /healthz meanwhile."""
+    stop, requests = threading.Event(), [0]
+
+    def console() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        while not stop.is_set():
+            for path in (f"/console/api/runs/{CONSOLE_RUN}/curves?points=2000", "/console/api/runs"):
+                conn.request("GET", path, headers={"X-API-Key": API_KEY})
+                conn.getresponse().read()
+                requests[0] += 1
+        conn.close()
+
+    threads = [threading.Thread(target=console, daemon=True) for _ in range(consoles)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # every console polling
+    poller = _Poller(port)
+    time.sleep(seconds)
+    healthz = poller.stop()
+    stop.set()
+    for t in threads:
+        t.join(300)
+    return {"consoles": consoles, "seconds": seconds, "requests": requests[0], "healthz": healthz}
+
+
 def _shutdown(server, model: str, vocab: int, rows: int, length: int) -> dict:
     import tinker
 
@@ -272,6 +320,8 @@ def run(ctx) -> dict:
             ctx.log(f"{NAME}: {mb}: small call under a {f['big_call']['seconds']:.1f} s call: max "
                     f"{f['small_call_during_max_s']:.3f} s (idle {f['small_call_idle_s']:.3f} s)")
         header_timeout = 1.0 if ctx.smoke else 10.0  # 10: the default
+        steps = 2_000 if ctx.smoke else 100_000
+        _seed_history(os.path.join(tmp, "probe"), steps)
         probe = ServerProcess(os.path.join(tmp, "probe"), ctx.threads or 1, command=("benchmarks.serve_load_server",),
                               extra=("--client-config", json.dumps({"proto_compress_fwdbwd": True}),
                                      "--header-timeout", str(header_timeout)))
@@ -280,8 +330,10 @@ def run(ctx) -> dict:
             out["connections"] = c = {**_connections_probe(probe.port, n, hold), "header_timeout_s": header_timeout}
             out["bodies"] = b = _bodies_probe(probe.port, *((2, 20 * 2**20, 2, 2**20) if ctx.smoke else
                                                             (6, 200 * 2**20, 6, 4 * 2**20 - 4096)))
+            out["consoles"] = k = {**_consoles_probe(probe.port, 10, 2.0 if ctx.smoke else 20.0), "steps": steps}
             ctx.log(f"{NAME}: worst /healthz {c['healthz']['max_s'] * 1e3:.0f} ms under {c['connections']} stalled "
-                    f"connections ({c['closed_by_server']} closed), {b['healthz']['max_s'] * 1e3:.0f} ms under bodies")
+                    f"connections ({c['closed_by_server']} closed), {b['healthz']['max_s'] * 1e3:.0f} ms under bodies, "
+                    f"{k['healthz']['max_s'] * 1e3:.0f} ms under {k['consoles']} consoles")
         finally:
             probe.stop()
     return out
@@ -308,6 +360,9 @@ def table(result: dict) -> list[str]:
         f"{c['closed_by_server']} closed by the server | < 1 s; closed after the header timeout |",
         f"| worst /healthz under {b['zstd_bombs']} zstd bombs + {b['json_bodies']} JSON bodies | "
         f"{b['healthz']['max_s'] * 1e3:.0f} ms | < 1 s |",
+        f"| worst /healthz (median) while {result['consoles']['consoles']} consoles poll the curves of a "
+        f"{result['consoles']['steps']}-step run | {result['consoles']['healthz']['max_s'] * 1e3:.0f} ms "
+        f"({result['consoles']['healthz']['median_s'] * 1e3:.0f} ms) | < 1 s |",
         f"| SIGINT during a big call with 3 queued | exit after {s['exit_after_sigint_s']:.1f} s; {s['answers']} | "
         f"~10 s |",
     ]

@@ -96,3 +96,67 @@ def next_token_datum(n: int):
     ids = np.arange(1, n + 2)
     return tt.Datum(model_input=tt.ModelInput.from_ints(ids[:-1].tolist()),
                     loss_fn_inputs={"target_tokens": tt.TensorData.from_numpy(ids[1:])})
+
+
+class ServeProcess:
+    """``skyrl-sdk serve`` as users run it: a process of its own (real uvicorn, real sockets), its
+    stderr kept in ``log``. ``with ServeProcess(state_dir, "--api-key", KEY) as srv: srv.url``;
+    ``wait=False`` does not wait for it to answer (a start that is meant to fail)."""
+
+    def __init__(self, state_dir: Path | str, *args: str, port: int | None = None, wait: bool = True,
+                 env: dict | None = None, preexec_fn: Any = None) -> None:
+        import subprocess
+        import sys
+        import tempfile
+
+        self.port = port or free_port()
+        self.log = tempfile.NamedTemporaryFile(prefix="skyrl-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "skyrl_sdk.cli", "serve", "--lazy", "--port", str(self.port), "--state-dir",
+             str(state_dir), *args], stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, preexec_fn=preexec_fn)
+        if wait:
+            self.wait_ready()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + HANG_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"skyrl-sdk serve exited ({self.proc.returncode}): {self.output()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/api/v1/healthz", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("skyrl-sdk serve did not start")
+            time.sleep(0.1)
+
+    def wait_exit(self) -> int:
+        return self.proc.wait(HANG_S)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(HANG_S)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        os.unlink(self.log.name)
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

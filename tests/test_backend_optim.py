@@ -72,3 +72,24 @@ def test_every_adam_field_changes_the_update():
         changed = train({**base, field: value})
         diff = max(float((changed[k] - reference[k]).abs().max()) for k in reference)
         assert diff > 1e-6, f"AdamParams.{field} had no effect"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("learning_rate", 1e39), ("learning_rate", 3.4e38), ("learning_rate", 1e-40), ("eps", 1e39),
+    ("weight_decay", 1e39), ("grad_clip_norm", 1e300), ("grad_clip_norm", 1e-320),
+])
+def test_adam_params_out_of_float32_range_are_refused_before_anything_runs(field, value):
+    """As a loss config's numbers: a value the step's float32 tensors cannot hold is refused when
+    the params are built, naming the field; the pending gradients stay for the next step
+    (learning_rate=1e39 used to be accepted, the step skipped as non-finite, the gradients lost)."""
+    from skyrl_sdk import errors
+
+    with pytest.raises(errors.AdamParamsError, match=f"AdamParams.{field}: expected 0 or a magnitude in"):
+        types.AdamParams(**{field: value})
+    with skyrl_sdk.Backend(seed=0) as b:
+        b.forward_backward(make_sft_data([6], seed=1))
+        pending = grads_of(b)
+        with pytest.raises(errors.AdamParamsError):
+            b.optim_step({field: value})
+        assert_tensors_close(grads_of(b), pending, atol=0)
+        assert b.optim_step(types.AdamParams(learning_rate=1e-3)).metrics["skipped"] == 0.0

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: every benchmark registered in benchmarks/run.py must run in smoke mode
 BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "fsdp_loading", "scaling",
               "sampling", "tenancy", "serve_load", "mixed_precision", "activation_checkpointing", "qwen_0p5b", "grpo",
-              "optim_step", "pending_grads", "prefix_sharing", "grpo_long_prompts"]
+              "optim_step", "pending_grads", "prefix_sharing", "prefix_memory", "grpo_long_prompts"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")
@@ -66,6 +66,7 @@ def test_smoke_mode_emits_valid_json(tmp_path):
         assert load["memory"]["ratio"] > -1 and len(load["memory"]["rss"]) == load["memory"]["clients"]
         assert all(f["small_calls_during"] >= 1 for f in load["fairness"].values())
         assert load["connections"]["healthz"]["polls"] > 0
+        assert load["consoles"]["requests"] > 0 and load["consoles"]["healthz"]["polls"] > 0
         assert load["shutdown"]["answers"] and load["bodies"]["statuses"]
 
     metrics = {(t["benchmark"], t["metric"]) for t in doc["targets"]}
@@ -79,6 +80,10 @@ def test_smoke_mode_emits_valid_json(tmp_path):
         assert ("grpo", "RL step-time ratio (backend / TRL GRPOTrainer)") in metrics
     prefix = doc["benchmarks"]["prefix_sharing"]
     assert prefix["headline"]["unique_tokens"] < prefix["headline"]["tokens"]  # the shared side did share
+    sweep = doc["benchmarks"]["prefix_memory"]
+    assert sweep["cells"] and all(c["shared_rows"] >= 1 for c in sweep["cells"])  # the shared side did share
+    assert all(c["shared_peak_mib"]["median"] >= 0 and c["unshared_peak_mib"]["median"] > 0 for c in sweep["cells"])
+    assert ("prefix_memory", "peak memory, sharing on / off (worst cell of the sweep)") in metrics
     assert prefix["below_minimum"]["unique_tokens"] == prefix["below_minimum"]["tokens"]  # nothing to share there
     assert all(c["speedup"]["median"] > 0 for c in prefix["prompt_len"] + prefix["group_size"])
     assert ("prefix_sharing", "RL training phase, shared prompts (shared / padded hand loop, CPU)") in metrics

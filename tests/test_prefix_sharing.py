@@ -188,6 +188,100 @@ def test_layouts_and_checkpointing(engine_config):
         _compare(shared, plain, data, "regular", {"entropy_coef": 0.01})
 
 
+# ---- memory: what a shared row keeps for backward ------------------------------------------------
+def _kept_bytes_per_micro_batch(backend, data, monkeypatch) -> list[int]:
+    """Per micro-batch of one ``forward_backward``: bytes of the tensors autograd keeps for
+    backward (distinct storages, the model's parameters left out)."""
+    runner = backend.engine.runner
+    params = {p.untyped_storage().data_ptr() for p in runner.scoring.model.parameters()}
+    kept: list[int] = []
+    original = runner._run_micro_batch
+
+    def counting(*args, **kwargs):
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            original(*args, **kwargs)
+        kept.append(sum(seen.values()))
+
+    monkeypatch.setattr(runner, "_run_micro_batch", counting)
+    backend.forward_backward(data, "cross_entropy")
+    monkeypatch.undo()
+    backend.zero_grad()
+    return kept
+
+
+def _one_group(prompt_len: int, group: int, suffix: int, seed: int = 0) -> list[types.Datum]:
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 256, prompt_len)
+    seqs = [np.concatenate([prompt, rng.integers(0, 256, suffix + 1)]) for _ in range(group)]
+    return [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:]})
+            for s in seqs]
+
+
+@pytest.mark.slow  # the unshared side computes 25,856 tokens
+@pytest.mark.parametrize("prompt_len, group, suffix", [(400, 64, 4), (120, 48, 30), (40, 8, 4)])
+def test_a_shared_row_keeps_no_more_than_the_unshared_micro_batches(monkeypatch, prompt_len, group, suffix):
+    """The attention expands a group's prefix over its G rows (G x (P + S) slots per layer):
+    what a row keeps of that is bounded by the micro-batch budget, so no micro-batch of the
+    shared call keeps more than the unshared path's largest (400 tokens x 64: 5.5x more before)."""
+    data = _one_group(prompt_len, group, suffix)
+    cfg = {"micro_batch_tokens": 1024}
+    with skyrl_sdk.Backend(seed=0, engine_config=cfg) as shared, \
+            skyrl_sdk.Backend(seed=0, engine_config={**cfg, **OFF}) as plain:
+        assert _shares(shared, data)
+        kept_shared = _kept_bytes_per_micro_batch(shared, data, monkeypatch)
+        kept_plain = _kept_bytes_per_micro_batch(plain, data, monkeypatch)
+    assert max(kept_shared) <= max(kept_plain), (kept_shared, kept_plain)
+
+
+def test_expansion_rows_bound_what_a_row_keeps():
+    from skyrl_sdk.models.prefix import ExpansionBudget, expansion_rows
+
+    # (count, prefix, width) -> (rows per call, kept): the first two fit what may be kept together,
+    # the third runs in recomputed calls of 2 rows
+    budget = ExpansionBudget(keep=1000, chunk=1000)
+    assert expansion_rows([(4, 100, 10), (3, 50, 10), (40, 400, 20)], budget) == [(4, True), (3, True), (2, False)]
+    # 540 slots do not fit the 160 left: one call of all 9 rows (within the chunk), not kept
+    assert expansion_rows([(4, 100, 10), (9, 50, 10)], ExpansionBudget(keep=600, chunk=600)) == [(4, True), (9, False)]
+    assert expansion_rows([(2, 5000, 1)], ExpansionBudget(keep=0, chunk=1000)) == [(1, False)]  # one row at least
+    assert expansion_rows([(256, 1000, 4)], ExpansionBudget()) == [(256, True)]  # no bound: one call
+    assert expansion_rows([(256, 1000, 4)], ExpansionBudget(chunk=8032)) == [(256, True)]  # nothing kept is bounded
+
+
+def test_a_shared_row_repeats_at_most_32_positions_per_unshared_token():
+    """Per-token outputs cover the prefix once per member: a row's positions are bounded too, so
+    a huge group is cut into rows (each computing its prefix once)."""
+    from skyrl_sdk.engines.batching import REPEATED_TOKENS_PER_TOKEN, make_micro_batches
+
+    data = _one_group(200, 256, 4)  # 52224 positions; the unshared layout's micro-batches: 5 x 204
+    batches = make_micro_batches(data, 1024, prefix_min_tokens=16)
+    shared = [mb for mb in batches if mb.prefix is not None]
+    assert len(shared) >= 2 and sum(len(mb.datum_indices) for mb in shared) == 256
+    assert all(mb.flat_index.shape[0] <= REPEATED_TOKENS_PER_TOKEN * 5 * 204 for mb in shared)
+
+
+@pytest.mark.parametrize("engine_config", [{}, {"gradient_checkpointing": True}, {"batching": "pack"}],
+                         ids=["plain", "checkpointing", "pack"])
+def test_a_group_run_in_chunks_of_rows_equals_the_unshared_call(engine_config):
+    """Rows beyond the budget run in recomputed chunks: outputs, metrics and gradients are still
+    the unshared call's, with model-level activation checkpointing too, and forward only."""
+    data = _only(make_group_data(((60, 12), (40, 9)), seed=14), *RL, "ref_logprobs")
+    cfg = {"micro_batch_tokens": 256, **engine_config}
+    with skyrl_sdk.Backend(seed=0, dialect="native", engine_config=cfg) as shared, \
+            skyrl_sdk.Backend(seed=0, dialect="native", engine_config=OFF) as plain:
+        rows = [g for mb in shared.engine.runner.plan(data) if mb.prefix is not None for g in mb.prefix.groups]
+        assert rows and any(0 < g.rows < g.count and not g.kept for g in rows)  # some group is chunked
+        _compare(shared, plain, data, "regular", {"entropy_coef": 0.01, "kl_coef": 0.05})
+        _outputs_close(shared.forward(data, "importance_sampling"), plain.forward(data, "importance_sampling"))
+
+
 def test_lora():
     data = make_group_data(seed=7)
     lora = types.LoraConfig(rank=4, seed=1)

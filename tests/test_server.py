@@ -503,7 +503,8 @@ def test_restart_keeps_checkpoints(tmp_path):
 
 def test_store_paths_stay_inside(tmp_path):
     from skyrl_sdk.errors import InputError
-    from skyrl_sdk.server.store import Store, TinkerPath
+    from skyrl_sdk.server.store import Store
+    from skyrl_sdk.server.tinker_paths import TinkerPath
 
     store = Store(tmp_path / "s")
     tp = TinkerPath.parse("tinker://sess-1:train:0/weights/ok-1.x")
@@ -761,7 +762,8 @@ def test_checkpoint_directories_without_records_are_adopted_or_quarantined(tmp_p
     adopted, anything else moved to quarantine, both logged; the names are free again."""
     import logging
 
-    from skyrl_sdk.server.store import Store, TinkerPath
+    from skyrl_sdk.server.store import Store
+    from skyrl_sdk.server.tinker_paths import TinkerPath
 
     store = Store(tmp_path / "s")
     run = "sess-1:train:0"
@@ -775,11 +777,13 @@ def test_checkpoint_directories_without_records_are_adopted_or_quarantined(tmp_p
     (store.checkpoint_dir(half) / "model.safetensors").write_bytes(b"partial")
     stranger = store.root / "runs" / "run-of-no-record" / "sampler_weights" / "x"
     backend.save_weights_for_sampler(stranger)  # complete, but of no run this server knows
-    with caplog.at_level(logging.WARNING, logger="skyrl_sdk.server.store"):
+    with caplog.at_level(logging.WARNING, logger="skyrl_sdk.server"):
         adopted, quarantined = store.reconcile_checkpoints()
     assert adopted == [str(done)]
-    assert sorted(q.split("/")[1] for q in quarantined) == sorted([store.run_dirname(run), "run-of-no-record"])
+    assert sorted(q.split("/")[1].split("-")[0] for q in quarantined) == ["half", "x"]  # short, hashed names
     assert "adopted 1 checkpoint" in caplog.text and "quarantine" in caplog.text
+    for where in (f"runs/{store.run_dirname(run)}/weights/half", "runs/run-of-no-record/sampler_weights/x"):
+        assert where in caplog.text  # the log says where each came from
     assert store.checkpoint(done, "default") is not None and store.resolve_checkpoint(str(done), "default")
     assert not store.checkpoint_dir(half).exists() and not stranger.exists()
     assert len(list((store.root / "quarantine").rglob(".skyrl_checkpoint"))) == 1

@@ -46,7 +46,7 @@ def _rows(db, run: str) -> int:
 
 
 def test_a_step_sums_the_forward_backward_calls_since_the_last_one(tmp_path):
-    h = History(tmp_path / "db", flush_s=3600)
+    h = History(tmp_path / "db", flush_s=3600, write_through=False)
     t0 = time.time() - 100.0
     h.forward_backward("r", {"loss:sum": 6.0, "num_tokens:sum": 10.0}, t0, _data([1.0, 0.5, 0.0], [2.5]))
     h.forward_backward("r", {"loss:sum": 3.0, "num_tokens:sum": 5.0}, t0 + 1, _data([0.0, 2.0]))
@@ -91,7 +91,8 @@ def test_a_run_is_bounded_and_its_buckets_equal_numpy_over_the_raw_steps(tmp_pat
 
 def test_how_steps_are_batched_into_writes_changes_nothing(tmp_path):
     values = np.random.default_rng(1).normal(size=40)
-    every, once = History(tmp_path / "a", flush_s=3600, max_rows=4), History(tmp_path / "b", flush_s=3600, max_rows=4)
+    every = History(tmp_path / "a", flush_s=3600, max_rows=4)
+    once = History(tmp_path / "b", flush_s=3600, max_rows=4, write_through=False)
     for i, v in enumerate(values, 1):
         _record(every, "r", [v], first_step=i)
         every.flush()
@@ -165,7 +166,7 @@ def test_writes_wait_for_the_stores_writes_and_a_failed_write_loses_nothing(tmp_
 
 @pytest.mark.slow
 def test_100k_steps_stay_within_the_bounds(tmp_path):
-    h = History(tmp_path / "db", flush_s=3600)
+    h = History(tmp_path / "db", flush_s=3600, write_through=False)  # written 5000 steps at a time
     for start in range(0, 100_000, 5_000):
         for i in range(start, start + 5_000):
             h.optim_step("r", {"step": i + 1.0, "grad_norm": float(i), "learning_rate": 0.1, "skipped": 0.0})
@@ -340,7 +341,8 @@ def test_deleting_a_checkpoint_removes_its_files_off_the_event_loop(tmp_path):
     from _limits import HANG_S
     from skyrl_sdk.errors import NotFoundError
     from skyrl_sdk.server.catalog import Catalog
-    from skyrl_sdk.server.store import Store, TinkerPath
+    from skyrl_sdk.server.store import Store
+    from skyrl_sdk.server.tinker_paths import TinkerPath
 
     store = Store(tmp_path / "state")
     store.add_run("sess-1:train:0", "alice", "sess-1", "tiny", None, None)
@@ -370,3 +372,25 @@ def test_deleting_a_checkpoint_removes_its_files_off_the_event_loop(tmp_path):
     assert not store.checkpoint_dir(tp).exists() and store.checkpoint(tp, "alice") is None
     catalog.history.close()
     store.close()
+
+
+def test_a_step_is_in_the_database_when_its_optim_step_returns(tmp_path):
+    """What the server acknowledges to a client is written: another connection reads every step
+    at once, with no flush and no close (before: written once a second, so a kill -9 right after
+    an acknowledged step lost it)."""
+    h = History(tmp_path / "db", flush_s=3600)
+    _record(h, "r", [3.0, 2.0, 1.0])
+    with sqlite3.connect(tmp_path / "db") as c:
+        assert c.execute("SELECT steps FROM metrics_runs WHERE run_id = 'r'").fetchone() == (3,)
+    assert _rows(tmp_path / "db", "r") == 3
+    h.close()
+
+
+def test_the_banner_and_the_page_say_a_key_link_stays_in_the_browser_history(tmp_path):
+    """The page drops ``#key=`` from the address bar, but the browser has already recorded the
+    link in its history files: said where a user meets the link (before: said nowhere)."""
+    from skyrl_sdk.cli.serve import console_hint
+
+    assert "keeps the link, key and all, in its history" in console_hint("http://h:1", needs_key=True)
+    with ServerThread(tmp_path / "state") as srv, raw_client(srv, api_key=None) as http:
+        assert "keeps the link, key and all, in its" in " ".join(http.get("/").text.split())

@@ -7,6 +7,7 @@ is rate-limited. Loops are bounded; waits only catch hangs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -106,23 +107,56 @@ def test_the_connection_cap_drops_the_oldest_idle_connection(srv):
             s.close()
 
 
-def test_requests_in_progress_are_never_dropped_and_a_slow_body_gets_408(srv):
-    busy = [_connect(srv, _head("/api/v1/create_session", 100) + b"{") for _ in range(12)]  # the whole cap, each with a request in progress
-    try:
-        import h11
+def _in_request(srv) -> int:
+    return sum(c._in_request() for c in list(srv.server.server_state.connections))
 
-        deadline = time.monotonic() + HANG
-        while sum(c.conn.their_state is not h11.IDLE for c in list(srv.server.server_state.connections)) < 12:
-            assert time.monotonic() < deadline  # (the heads are parsed)
-            time.sleep(0.01)
-        late = _connect(srv)
-        assert _wait_closed([late], 1) == 1  # no idle one to drop: the newcomer is turned away
+
+def _wait_in_request(srv, n: int) -> None:
+    deadline = time.monotonic() + HANG
+    while _in_request(srv) < n:  # (the heads are parsed)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_stalled_body_makes_room_for_a_new_client_and_the_others_get_408(srv):
+    """The cap full of requests whose bodies stalled: a newcomer is served; the connection whose
+    body went longest without a byte makes room (closed unanswered); the rest get 408."""
+    busy = []
+    for _ in range(12):  # the whole cap, each with a request in progress, oldest first
+        busy.append(_connect(srv, _head("/api/v1/create_session", 100) + b"{"))
+        _wait_in_request(srv, len(busy))
+    try:
+        assert _healthz(srv) == 200  # before: reset, until the bodies' deadline
+        answers = []
         for s in busy:
             s.settimeout(HANG)
-            assert s.recv(1 << 16).startswith(b"HTTP/1.1 408")  # the body never came
+            answers.append(s.recv(1 << 16))
+        assert answers[0] == b""  # the first stalled: dropped for the newcomer
+        assert all(a.startswith(b"HTTP/1.1 408") for a in answers[1:])  # the body never came
     finally:
         for s in busy:
             s.close()
+
+
+def test_a_request_whose_body_arrived_is_never_dropped(srv):
+    """The cap full of long-polls (whole requests, waiting for a result): a newcomer is turned
+    away; none of them is dropped."""
+    service = srv.service_client()
+    tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
+    with raw_client(srv) as http:  # seq_id 50 waits for 1..49: its result is not ready
+        msg = pb.ForwardBackwardRequest(model_id=tc.model_id, seq_id=50, loss_fn="cross_entropy")
+        waiting = http.post("/api/v1/forward_backward", content=msg.SerializeToString(), headers=PROTO).json()
+    body = json.dumps({"request_id": waiting["request_id"]}).encode()
+    polls = [_connect(srv, _head("/api/v1/retrieve_future", len(body)) + body) for _ in range(12)]
+    try:
+        _wait_in_request(srv, 12)
+        late = _connect(srv)
+        assert _wait_closed([late], 1) == 1  # no idle connection and no stalled body to drop
+        assert not any(_closed_by_server(s) for s in polls)
+    finally:
+        for s in polls:
+            s.close()
+        service.close("success").result()
 
 
 def test_the_in_flight_body_budget_answers_503(srv):

@@ -20,7 +20,10 @@ from _server_harness import ServerThread, next_token_datum
 from skyrl_sdk import Backend
 from skyrl_sdk.server.config import read_api_keys
 from skyrl_sdk.server.exports import DownloadLinks
-from skyrl_sdk.server.store import TinkerPath
+from skyrl_sdk.server.tinker_paths import TinkerPath
+
+#: the client marks some RestClient calls experimental; calling them is what these tests are for
+pytestmark = pytest.mark.filterwarnings("ignore::tinker.ExperimentalWarning")
 
 ALICE, BOB = "tml-alice", "tml-bob"
 TOKENS = [5, 6, 7, 8, 9, 10, 11]

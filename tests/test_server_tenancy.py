@@ -67,9 +67,10 @@ def test_interleaved_clients_equal_solo_backends_and_share_one_base(server):
     resident = [a for a in base["adapters"] if not a["offloaded"]]
     assert 0 < resident[0]["bytes"] < 0.15 * base["base_bytes"]
     assert doc["own_copies"] == []
-    with raw_client(server, api_key=BOB) as http:  # another owner sees the adapters counted, not named
+    assert {a["owner"] for a in base["adapters"]} == {"default"}  # an operator (the --api-key holder) sees owners
+    with raw_client(server, api_key=BOB) as http:  # another owner sees the base's totals, none of the adapters
         other = http.get("/api/v1/loaded").json()
-    assert [a["model_id"] for a in other["bases"][0]["adapters"]] == [None, None]
+    assert other["bases"][0]["adapters"] == [] and other["bases"][0]["adapters_in_memory"] == 1
     sc.close("success").result()
 
 
@@ -101,3 +102,27 @@ def test_loaded_needs_a_key(server):
     with raw_client(server, api_key=None) as http:
         assert http.get("/api/v1/loaded").status_code == 401
     assert API_KEY
+
+
+def test_loaded_lists_only_the_callers_own_models_and_no_server_path(tmp_path):
+    """Bob's sampler of his exported checkpoint is an own copy: Bob sees it, named by its
+    ``tinker://`` path; Carol (another owner, no operator) sees neither it nor his adapter, and
+    no answer holds the state dir's path or his checkpoint's name."""
+    with ServerThread(tmp_path / "state", api_key=None, api_keys={BOB: "bob", "tml-carol": "carol"}) as srv:
+        sc = srv.service_client(api_key=BOB)
+        tc = sc.create_lora_training_client(base_model="tiny", rank=RANK).result()
+        path = tc.save_weights_for_sampler("bobs-secret-export").result().path
+        sampler = sc.create_sampling_client(model_path=path).result()
+        sampler.sample(tt.ModelInput.from_ints([1, 2]), 1, tt.SamplingParams(max_tokens=2)).result()
+        with raw_client(srv, api_key=BOB) as http:
+            bob = http.get("/api/v1/loaded").json()
+        with raw_client(srv, api_key="tml-carol") as http:
+            carol = http.get("/api/v1/loaded")
+        assert [c["model"] for c in bob["own_copies"]] == [path]  # his sampler copy, as its tinker:// path
+        assert [a["model_id"] for a in bob["bases"][0]["adapters"]] == [tc.model_id]
+        doc = carol.json()
+        assert doc["own_copies"] == [] and doc["bases"][0]["adapters"] == []
+        for text in (carol.text, str(bob)):
+            assert str(srv.config.state_dir.resolve()) not in text and "runs/run-" not in text
+        assert "bobs-secret-export" not in carol.text and tc.model_id not in carol.text
+        sc.close("success").result()

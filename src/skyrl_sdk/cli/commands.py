@@ -314,6 +314,9 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=int, default=None, metavar="N",
                    help="open connections; beyond N the oldest idle one is closed (default: 1000, "
                         "at most half the open-file limit)")
+    p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                   help="without an API key the server answers only requests whose Host is a loopback name or "
+                        "--host: allow this name too ('*': any); repeatable (docs/server.md)")
     p.add_argument("--lazy", action="store_true",
                    help="check models and engine config without loading the weights at start "
                         "(big models: they load when a client first asks)")

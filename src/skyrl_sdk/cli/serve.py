@@ -2,16 +2,21 @@
 
 The server itself creates a Backend only when a client asks for a model, so a wrong
 ``--model``, ``--engine`` or ``--engine-config`` would otherwise surface minutes later as a
-failed ``create_model``. Here they are checked first and the process exits with status 2
-and the reason; the banner is printed once the port is bound.
+failed ``create_model``. Here they are checked first, and the state dir is locked for this
+server and written once (docs/server.md, "State dir"); a problem exits with status 2 and one
+``cannot start: ...`` line; the banner is printed once the port is bound. An abnormal end
+(a fatal signal, an exception that ends the server or a thread) leaves a line in the log.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import shutil
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +24,14 @@ from ..errors import InputError, SkyrlError
 from ..server import edge  # uvicorn: the [server] extra, imported here so `skyrl-sdk serve` can say what to install
 from ..server.app import create_app
 from ..server.config import API_KEY_ENV, ServerConfig, is_loopback
+from ..server.statedir import StateDirLock, check_writable
 from .threads import apply as apply_threads
 
 logger = logging.getLogger(__name__)
 
 EXIT_BAD_CONFIG = 2
+#: the server ended by an exception (logged as critical)
+EXIT_FATAL = 3
 
 
 class CannotServe(SkyrlError, ValueError):
@@ -115,7 +123,8 @@ def console_hint(url: str, needs_key: bool) -> str:
     if not needs_key:
         return f"  console in a browser: {url}/"
     return (f"  console in a browser: {url}/ (type an API key there, or open {url}/#key=<key>: "
-            f"the part after # never reaches the server)")
+            f"the part after # never reaches the server, but the browser keeps the link, key and all, "
+            f"in its history)")
 
 
 def bound_port(server: Any) -> int | None:
@@ -137,12 +146,49 @@ def banner(config: Any, key_from_env: bool = False, keys_file: str | None = None
             f"{console_hint(url, config.owners() is not None)}\n  Ctrl-C stops it.")
 
 
+def claim_state_dir(config: Any) -> StateDirLock:
+    """Lock the state dir for this server's life (a second server on it is refused, naming this
+    one) and check that it can be written (a full disk or a read-only directory is refused now,
+    not answered with a 500 on every write later). A refused start leaves no directory it made."""
+    root = Path(config.state_dir).expanduser().resolve()
+    existed = root.exists()
+    lock = StateDirLock.acquire(root, holder=f"skyrl-sdk serve on {config.host}:{config.port}")
+    try:
+        check_writable(lock.root)
+    except BaseException:
+        lock.release()
+        if not existed:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+    return lock
+
+
+def install_crash_reports() -> None:
+    """An abnormal end leaves a line in the log: a fatal signal (SIGSEGV, SIGBUS from a file
+    mapping that cannot grow, SIGABRT) dumps every thread's Python stack (``faulthandler``), and
+    an exception that ends a thread is logged as critical instead of printed bare."""
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor (captured)
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+
+    def thread_died(hook_args: Any) -> None:
+        if hook_args.exc_type is SystemExit:
+            return
+        logger.critical("fatal: thread %s ended with %s: %s", getattr(hook_args.thread, "name", "?"),
+                        hook_args.exc_type.__name__, hook_args.exc_value,
+                        exc_info=(hook_args.exc_type, hook_args.exc_value, hook_args.exc_traceback))
+
+    threading.excepthook = thread_died
+
+
 def serve(args: Any) -> int:
     """The ``serve`` subcommand: validate, bind, announce, run until Ctrl-C / SIGTERM."""
     try:
         check_port(getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000))
         config = ServerConfig.from_args(args)
         preflight(config.models, config.engine, config.engine_config, lazy=bool(getattr(args, "lazy", False)))
+        state_lock = claim_state_dir(config)
     except SkyrlError as exc:
         print(f"skyrl-sdk serve: cannot start: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
@@ -154,7 +200,7 @@ def serve(args: Any) -> int:
     key_from_env = bool(env_key) and config.api_key == env_key
     keys_file = getattr(args, "api_keys", None)
     edge.raise_fd_limit()
-    app = create_app(config)
+    app = create_app(config, state_lock)
 
     class AnnouncingServer(edge.Server):
         async def startup(self, sockets: Any = None) -> None:
@@ -163,10 +209,18 @@ def serve(args: Any) -> int:
                 print(banner(config, key_from_env, keys_file, bound_port(self)), file=sys.stderr, flush=True)
 
     server = AnnouncingServer(edge.server_config(app, config))
+    install_crash_reports()
     try:
         server.run()
     except KeyboardInterrupt:  # a second Ctrl-C while shutting down
         pass
+    except SystemExit as exc:  # uvicorn's own exit (a failed start-up: its reason is logged above)
+        logger.critical("fatal: the server stopped (exit status %s)", exc.code)
+        raise
+    except BaseException as exc:  # whatever ends the server otherwise ends it with a line saying so
+        logger.critical("fatal: the server stopped: %s: %s", type(exc).__name__, exc, exc_info=True)
+        logging.shutdown()
+        os._exit(EXIT_FATAL)
     if not server.started:
         return 1
     # Leave without the interpreter's teardown: after the shutdown every Backend is closed and

@@ -16,7 +16,11 @@ Two layouts, both exact (a datum is never split, so SUM losses add up):
 With ``prefix_min_tokens`` (prefix sharing on), datums that share a head of at least that
 many tokens (the samples of an RL group) are first taken out into shared-prefix rows
 (:mod:`skyrl_sdk.models.prefix`), several groups per micro-batch within the budget of
-*unique* tokens; the rest goes through the layout above.
+*unique* tokens and within 15/16 of the largest micro-batch the unshared layout would make of
+the same datums; of the prefix keys and values their attention expands over the suffix rows,
+a row keeps for backward only what fits the tokens it leaves unused of that micro-batch (the
+rest is recomputed in backward: ``layout_groups(expand=...)``), so sharing never raises the
+peak memory. The rest goes through the layout above.
 
 For a vision-language model (``vision_language``) every micro-batch carries M-RoPE positions,
 computed per datum (:func:`~skyrl_sdk.models.vlm.mrope_positions`), and its images' pixels in
@@ -32,7 +36,7 @@ import attrs
 import numpy as np
 import torch
 
-from ..models.prefix import PrefixPlan, fill_rows, find_groups, layout_groups
+from ..models.prefix import ExpansionBudget, PrefixPlan, fill_rows, find_groups, layout_groups
 from ..models.vlm import image_tensors, mrope_positions
 from ..types import Datum
 
@@ -65,6 +69,24 @@ class MicroBatch:
 #: Cost of one more micro-batch, in padded tokens, when ``bucket`` chooses its cuts: the
 #: fixed per-forward/backward cost (Python, kernel launches) measured on CPU is about this.
 MICRO_BATCH_OVERHEAD_TOKENS = 64
+#: A shared-prefix row holds at most this fraction of the tokens of the largest micro-batch the
+#: unshared layout makes of the same datums: per token it keeps a little more for backward
+#: (the head's hidden states of each distinct (slot, target) pair, rotary tables per slot;
+#: 2-3% on ``tiny``), and within this its peak memory never exceeds the unshared path's
+#: (tests/test_prefix_sharing.py, benchmarks/prefix_memory.py).
+SHARED_ROW_FRACTION = 15 / 16
+#: Expanded prefix slots (keys and values of one position, per query head) a shared row may keep
+#: in place of one token it leaves unused of the unshared micro-batch. Per layer a slot keeps
+#: 2 x hidden floats; a token keeps its two norms' inputs and outputs, queries, attention output
+#: (6 x hidden), keys and values, and 4 x intermediate of its MLP: at least 8 x hidden for any
+#: MLP wider than half the hidden size (2560 floats against a slot's 256 on ``tiny``), so four
+#: slots cost at most a token.
+KEPT_SLOTS_PER_TOKEN = 4
+#: A shared row's per-token outputs (logprobs, losses, their gradients) cover every member's
+#: tokens, its prefix repeated: a few hundred bytes per position, against ~20 KB a token keeps on
+#: ``tiny`` (more on any larger model). So a row holds at most this many positions per token of
+#: the unshared layout's largest micro-batch.
+REPEATED_TOKENS_PER_TOKEN = 32
 #: Above this many (datum, cut) candidates the exact cut search falls back to greedy filling.
 _MAX_DP_WORK = 20_000_000
 
@@ -149,8 +171,14 @@ def make_micro_batches(
     batches: list[MicroBatch] = []
     rest = np.arange(len(data))
     if prefix_min_tokens is not None and len(data) > 1:
-        groups, alone = find_groups(tokens, prefix_min_tokens, budget)
-        batches += [_shared_batch(tokens, lengths, part) for part in fill_rows(groups, budget)]
+        # a shared row holds fewer tokens than the unshared layout's largest micro-batch of these
+        # datums: its peak memory stays within the unshared path's (SHARED_ROW_FRACTION)
+        largest = _largest_micro_batch(lengths, budget, layout)
+        row_budget = min(budget, int(SHARED_ROW_FRACTION * largest))
+        max_total = REPEATED_TOKENS_PER_TOKEN * largest
+        groups, alone = find_groups(tokens, prefix_min_tokens, row_budget, max_total)
+        batches += [_shared_batch(tokens, lengths, part, largest)
+                    for part in fill_rows(groups, row_budget, max_total)]
         rest = np.asarray(alone, dtype=np.int64)
     for local in _group(lengths[rest], budget, layout) if len(rest) else []:
         group = rest[local].tolist()
@@ -188,8 +216,22 @@ def make_micro_batches(
     return batches
 
 
-def _shared_batch(tokens, lengths: np.ndarray, groups) -> MicroBatch:
-    row = layout_groups(tokens, groups)
+def _largest_micro_batch(lengths: np.ndarray, budget: int, layout: Layout) -> int:
+    """Tokens (padded, for buckets) of the largest micro-batch the unshared layout makes of ``lengths``."""
+    groups = _group(lengths, budget, layout)
+    if layout == "pack":
+        return max(int(lengths[g].sum()) for g in groups)
+    return max(int(lengths[g].max()) * len(g) for g in groups)
+
+
+def _shared_batch(tokens, lengths: np.ndarray, groups, largest: int) -> MicroBatch:
+    """One shared row of ``groups``; ``largest``: tokens of the unshared layout's largest
+    micro-batch of the call. What the row's attention keeps of its expanded prefixes fits the
+    tokens the row leaves unused of that (:data:`KEPT_SLOTS_PER_TOKEN` per token); each call
+    holds at most ``largest`` slots."""
+    unique = sum(g.unique_tokens for g in groups)
+    keep = KEPT_SLOTS_PER_TOKEN * max(0, largest - unique)
+    row = layout_groups(tokens, groups, ExpansionBudget(keep=keep, chunk=largest))
     members = tuple(m for g in groups for m in g.members)
     lens = lengths[list(members)]
     flat_index = torch.from_numpy(np.concatenate([row.paths[m] for m in members]))

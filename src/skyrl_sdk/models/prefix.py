@@ -42,9 +42,12 @@ class Group:
     prefix: int
     #: tokens the group's row holds: the prefix once, then every member's suffix
     unique_tokens: int
+    #: the members' tokens, the prefix counted once per member (what per-token outputs hold)
+    tokens: int = 0
 
 
-def find_groups(seqs: Sequence[np.ndarray], min_tokens: int, max_tokens: int) -> tuple[list[Group], list[int]]:
+def find_groups(seqs: Sequence[np.ndarray], min_tokens: int, max_tokens: int, max_total: int | None = None
+                ) -> tuple[list[Group], list[int]]:
     """``(groups, alone)``: the groups worth sharing, and the datums left to the unshared path.
 
     Sorted lexicographically, a sequence's longest common prefix with its predecessor is its
@@ -52,8 +55,9 @@ def find_groups(seqs: Sequence[np.ndarray], min_tokens: int, max_tokens: int) ->
     sequences shares the smallest of its neighbours' common prefixes. One level of groups:
     the runs are chosen to save the most tokens (an exact dynamic programme over the sorted
     order), a run's prefix being at least ``min_tokens`` long. A group whose row would exceed
-    ``max_tokens`` unique tokens is cut into several (each computes the prefix once); a group
-    saving less than :data:`MIN_SAVED_FRACTION` of its tokens is not shared.
+    ``max_tokens`` unique tokens, or ``max_total`` tokens with the prefix counted per member
+    (what its per-token outputs hold), is cut into several (each computes the prefix once); a
+    group saving less than :data:`MIN_SAVED_FRACTION` of its tokens is not shared.
     """
     seqs = [np.asarray(s, dtype=np.int64) for s in seqs]
     n = len(seqs)
@@ -87,47 +91,51 @@ def find_groups(seqs: Sequence[np.ndarray], min_tokens: int, max_tokens: int) ->
         if len(members) == 1:
             alone.extend(members)
         else:
-            _cut(seqs, members, int(lcp[i + 1:j].min()), max_tokens, min_tokens, groups, alone)
+            _cut(seqs, members, int(lcp[i + 1:j].min()), max_tokens, min_tokens, groups, alone, max_total)
         j = i
     return groups[::-1], sorted(alone)
 
 
-def _cut(seqs, members: list[int], prefix: int, max_tokens: int, min_tokens: int, groups: list, alone: list) -> None:
-    """Cut a run into groups of at most ``max_tokens`` unique tokens; keep those worth sharing."""
+def _cut(seqs, members: list[int], prefix: int, max_tokens: int, min_tokens: int, groups: list, alone: list,
+         max_total: int | None = None) -> None:
+    """Cut a run into groups of at most ``max_tokens`` unique tokens (and ``max_total`` tokens);
+    keep those worth sharing."""
 
     def emit(chunk: list[int]) -> None:
         total = sum(len(seqs[m]) for m in chunk)
         unique = total - (len(chunk) - 1) * prefix
         if len(chunk) >= 2 and prefix >= min_tokens and total - unique >= MIN_SAVED_FRACTION * total:
-            groups.append(Group(tuple(chunk), prefix, unique))
+            groups.append(Group(tuple(chunk), prefix, unique, total))
         else:
             alone.extend(chunk)
 
     chunk: list[int] = []
-    used = prefix
+    used, total = prefix, 0
     for m in members:
         suffix = len(seqs[m]) - prefix
-        if chunk and used + suffix > max_tokens:
+        if chunk and (used + suffix > max_tokens or (max_total is not None and total + len(seqs[m]) > max_total)):
             emit(chunk)
-            chunk, used = [], prefix
+            chunk, used, total = [], prefix, 0
         chunk.append(m)
         used += suffix
+        total += len(seqs[m])
     emit(chunk)
 
 
-def fill_rows(groups: Sequence[Group], budget: int) -> list[list[Group]]:
-    """Groups into rows (micro-batches) of at most ``budget`` unique tokens: first fit, largest first."""
+def fill_rows(groups: Sequence[Group], budget: int, max_total: int | None = None) -> list[list[Group]]:
+    """Groups into rows (micro-batches) of at most ``budget`` unique tokens (and ``max_total``
+    tokens with each prefix counted per member): first fit, largest first."""
     rows: list[list[Group]] = []
-    used: list[int] = []
+    used: list[tuple[int, int]] = []
     for g in sorted(groups, key=lambda g: -g.unique_tokens):
-        for r, u in enumerate(used):
-            if u + g.unique_tokens <= budget:
+        for r, (u, t) in enumerate(used):
+            if u + g.unique_tokens <= budget and (max_total is None or t + g.tokens <= max_total):
                 rows[r].append(g)
-                used[r] += g.unique_tokens
+                used[r] = (u + g.unique_tokens, t + g.tokens)
                 break
         else:
             rows.append([g])
-            used.append(g.unique_tokens)
+            used.append((g.unique_tokens, g.tokens))
     return rows
 
 
@@ -143,6 +151,11 @@ class GroupSlots:
     gather: torch.Tensor | None
     #: positions of the real suffix tokens in the padded (G * Smax) order
     unpad: torch.Tensor | None
+    #: suffix rows per attention call (see :func:`expansion_rows`)
+    rows: int = 0
+    #: whether autograd keeps the calls' expanded prefix keys and values (else each call is
+    #: recomputed in backward, so nothing of size G x P is kept)
+    kept: bool = True
 
 
 class PrefixPlan:
@@ -192,8 +205,44 @@ class SharedRow:
     plan: PrefixPlan
 
 
-def layout_groups(seqs: Sequence[np.ndarray], groups: Sequence[Group]) -> SharedRow:
-    """One row holding ``groups`` one after the other (see the module docstring)."""
+@attrs.frozen
+class ExpansionBudget:
+    """How much of the attention's prefix expansion a shared row may keep for backward (``keep``
+    slots) and hold at once (``chunk`` slots per call); None: no bound. See :func:`expansion_rows`."""
+
+    keep: int | None = None
+    chunk: int | None = None
+
+
+def expansion_rows(counts_and_widths: Sequence[tuple[int, int, int]], budget: ExpansionBudget
+                   ) -> list[tuple[int, bool]]:
+    """Per group ``(count, prefix, width)``: ``(rows, kept)``, the suffix rows of one attention
+    call and whether autograd keeps what the calls expand.
+
+    The attention expands a group's prefix keys and values over its G suffix rows:
+    G x (P + Smax) slots per layer (:mod:`.prefix_attention`), which a 1000-token prompt with
+    256 samples makes 256 times the prefix, while the micro-batch budget counts each distinct
+    token once. So the expansions one row keeps add up to at most ``budget.keep`` slots, groups
+    in order, each in one call; a group that does not fit runs in calls of
+    ``budget.chunk // (P + Smax)`` rows (at least one) whose expansion is recomputed in
+    backward, never kept."""
+    left = budget.keep
+    out = []
+    for count, prefix, width in counts_and_widths:
+        slots = count * (prefix + width)
+        if left is None or slots <= left:
+            out.append((count, True))
+            left = None if left is None else left - slots
+        else:
+            rows = count if budget.chunk is None else budget.chunk // (prefix + width)
+            out.append((max(1, min(count, rows)), False))
+    return out
+
+
+def layout_groups(seqs: Sequence[np.ndarray], groups: Sequence[Group], expand: ExpansionBudget | None = None
+                  ) -> SharedRow:
+    """One row holding ``groups`` one after the other (see the module docstring); the
+    attention's expansion of each group's prefix is bounded by ``expand`` (:func:`expansion_rows`)."""
     tokens: list[np.ndarray] = []
     positions: list[np.ndarray] = []
     paths: dict[int, np.ndarray] = {}
@@ -215,6 +264,8 @@ def layout_groups(seqs: Sequence[np.ndarray], groups: Sequence[Group]) -> Shared
                 suffixes.append((n, s))
             n += s
         slots.append(_group_slots(start, p, suffixes))
+    rows = expansion_rows([(g.count, g.prefix, g.width) for g in slots], expand or ExpansionBudget())
+    slots = [attrs.evolve(g, rows=r, kept=kept) for g, (r, kept) in zip(slots, rows, strict=True)]
     ids = torch.from_numpy(np.concatenate(tokens)).unsqueeze(0)
     pos = torch.from_numpy(np.concatenate(positions)).unsqueeze(0)
     return SharedRow(ids, pos, paths, PrefixPlan(slots, n))

@@ -4,10 +4,19 @@ For each group of a :class:`~.prefix.PrefixPlan` (the "Prefix Grouper" split):
 
 1. the prefix attends to itself, causally (SDPA with ``is_causal``: no mask, flash on CUDA);
 2. the G suffixes, right-padded into a (G, Smax) batch, attend to the prefix's keys and
-   values (expanded over the G rows, not copied) followed by their own, lower-right causal:
+   values (expanded over the G rows) followed by their own, lower-right causal:
    suffix token i sits at position P + i and sees keys 0 .. P + i (torch's
    ``causal_lower_right`` bias: no mask tensor, SDPA's fused kernels on CUDA). The padding
    lies to the right of every real query, so it needs no mask of its own.
+
+Memory: concatenating the expanded prefix with the suffixes' own keys and values copies it,
+G x (P + Smax) slots per layer, and autograd keeps that copy for backward. A 1000-token
+prompt with 256 four-token samples made that 256 prefixes' keys and values per layer, twice
+the peak of the unshared path (whose micro-batch budget bounds what it holds). So a plan
+says how many suffix rows each call takes (:func:`~.prefix.expansion_rows`: what one row
+keeps is bounded by its budget); a group beyond it runs in calls of that many rows under
+non-reentrant activation checkpointing, which keeps only their inputs and recomputes the
+expansion in backward (measured in docs/performance.md, "Prefix sharing's memory").
 
 Per-layer sliding windows (the ``sliding_window`` keyword every family passes, ``None`` on
 full-attention layers) are applied on positions; attention soft-capping (Gemma2's
@@ -53,9 +62,9 @@ def _model_eager(module):
     return fn
 
 
-def _attend(q, k, v, mask, scaling, softcap, math: bool, dropout: float):
+def _attend(q, k, v, mask, scaling, softcap, math: bool, dropout, gqa: bool = False):
     """(B, H, Q, d) attention; ``mask`` bool (True = may attend), or None for plain causal
-    (SDPA only)."""
+    (SDPA only). ``gqa``: ``k`` and ``v`` have fewer heads, each shared by H / Hkv queries."""
     if not math:
         device = q.device.type
         if torch.is_autocast_enabled(device):
@@ -63,7 +72,9 @@ def _attend(q, k, v, mask, scaling, softcap, math: bool, dropout: float):
             dtype = torch.get_autocast_dtype(device)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
-                                              scale=scaling)
+                                              scale=scaling, enable_gqa=gqa)
+    if gqa:
+        k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
     w = torch.matmul(q, k.transpose(-1, -2)) * scaling
     if softcap is not None:
         w = torch.tanh(w / softcap) * softcap
@@ -72,39 +83,62 @@ def _attend(q, k, v, mask, scaling, softcap, math: bool, dropout: float):
     return torch.matmul(F.dropout(w, p=dropout), v)
 
 
-def _padded(t: torch.Tensor, g) -> torch.Tensor:
-    """(H, N, d) -> (G, H, Smax, d): a group's suffixes, right-padded."""
-    return t.index_select(1, g.gather).view(t.shape[0], g.count, g.width, t.shape[2]).transpose(0, 1)
+def _suffixes(q, k, v, g, rows: slice, a: int, p: int, *, scaling, softcap, window, math: bool, dropout, plan):
+    """Attention of suffix rows ``rows`` of group ``g``: (R, H, Smax, d). ``k`` and ``v`` have
+    the model's key-value heads; the prefix's are expanded over the R rows and to the query
+    heads here, so that only this call's copy exists (see the module docstring)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[2]
+    width = g.width
+    index = g.gather[rows.start * width:rows.stop * width]
+    count = rows.stop - rows.start
+
+    def padded(t: torch.Tensor) -> torch.Tensor:  # (h, N, d) -> (R, h, Smax, d), right-padded
+        return t.index_select(1, index).view(t.shape[0], count, width, dim).transpose(0, 1)
+
+    def keys(t: torch.Tensor) -> torch.Tensor:  # the prefix's and the row's own, per query head
+        out = torch.cat([t[:, a:a + p].unsqueeze(0).expand(count, kv_heads, p, dim), padded(t)], dim=2)
+        return out if kv_heads == heads else out.repeat_interleave(heads // kv_heads, dim=1)
+
+    if window is None and not math:  # no mask tensor: SDPA's own lower-right causal kernels
+        smask = causal_lower_right(width, p + width)
+    else:
+        smask = plan.mask(width, p, p + width, window, q.device)
+    return _attend(padded(q), keys(k), keys(v), smask, scaling, softcap, math, dropout)
 
 
 def _two_part(module, query, key, value, plan: PrefixPlan, *, scaling, softcap, window, math: bool, dropout):
-    # imported here: torch.nn.attention.bias loads torch._dynamo, transformers' attention its registries
-    from torch.nn.attention.bias import causal_lower_right
-    from transformers.integrations.sdpa_attention import repeat_kv
+    # imported here: torch.utils.checkpoint loads torch._dynamo
+    from torch.utils.checkpoint import checkpoint
 
-    n_rep = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q, k, v = query[0], key[0], value[0]  # (H, N, d): a shared row is one batch row
+    # (H, N, d) and (Hkv, N, d): a shared row is one batch row; keys and values keep the model's
+    # own heads (what the unshared path keeps too), repeated per query head only where expanded
+    q, k, v = query[0], key[0], value[0]
     heads, _, dim = q.shape
+    gqa = k.shape[0] != heads
     device = q.device
+    keeps_graph = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    options = dict(scaling=scaling, softcap=softcap, window=window, math=math, dropout=dropout, plan=plan)
     outs = []
     for g in plan.groups:
         a, p = g.start, g.prefix
         qp, kp, vp = q[:, a:a + p], k[:, a:a + p], v[:, a:a + p]
         pmask = plan.mask(p, 0, p, window, device) if window is not None or math else None
-        outs.append(_attend(qp[None], kp[None], vp[None], pmask, scaling, softcap, math, dropout)[0])
+        outs.append(_attend(qp[None], kp[None], vp[None], pmask, scaling, softcap, math, dropout, gqa)[0])
         if g.count == 0:
             continue
-        count, width = g.count, g.width
-        ks = torch.cat([kp.unsqueeze(0).expand(count, heads, p, dim), _padded(k, g)], dim=2)
-        vs = torch.cat([vp.unsqueeze(0).expand(count, heads, p, dim), _padded(v, g)], dim=2)
-        if window is None and not math:  # no mask tensor: SDPA's own lower-right causal kernels
-            smask = causal_lower_right(width, p + width)
-        else:
-            smask = plan.mask(width, p, p + width, window, device)
-        o = _attend(_padded(q, g), ks, vs, smask, scaling, softcap, math, dropout)  # (G, H, Smax, d)
-        outs.append(o.transpose(0, 1).reshape(heads, count * width, dim).index_select(1, g.unpad))
+        step = g.rows if 0 < g.rows < g.count else g.count
+        parts = []
+        for r in range(0, g.count, step):
+            rows = slice(r, min(g.count, r + step))
+            if not g.kept and keeps_graph:  # recomputed in backward: no G x P expansion is kept
+                parts.append(checkpoint(_suffixes, q, k, v, g, rows, a, p, use_reentrant=False, **options))
+            else:
+                parts.append(_suffixes(q, k, v, g, rows, a, p, **options))
+        o = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # (G, H, Smax, d)
+        outs.append(o.transpose(0, 1).reshape(heads, g.count * g.width, dim).index_select(1, g.unpad))
     out = torch.cat(outs, dim=1)  # (H, N, d), in row order
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 

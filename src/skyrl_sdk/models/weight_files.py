@@ -54,3 +54,49 @@ def read_rows(files: dict[str, Path], name: str, start: int | None = None, stop:
         if start is None:
             return handle.get_tensor(name)
         return handle.get_slice(name)[start:stop]
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """What is wrong with a safetensors file, from its header and size alone (no tensor read):
+    missing, not safetensors, or shorter than its header says (a truncated copy); else None."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{file.name} is truncated ({size} bytes)"
+            length = int.from_bytes(head, "little")
+            if length > min(size - 8, 100 * 2**20):
+                return f"{file.name} is truncated or not safetensors (a {length}-byte header in {size} bytes)"
+            header = json.loads(f.read(length))
+    except FileNotFoundError:
+        return f"{file.name} is missing"
+    except OSError as exc:
+        return f"{file.name} cannot be read: {(exc.strerror or str(exc)).lower()}"
+    except (ValueError, UnicodeDecodeError):
+        return f"{file.name} is not safetensors (its header is not JSON)"
+    if not isinstance(header, dict):
+        return f"{file.name} is not safetensors (its header is not an object)"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+            and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2]
+    need = 8 + length + max(ends, default=0)
+    if size < need:
+        return f"{file.name} is truncated ({size} of its {need} bytes)"
+    return None
+
+
+def weights_problem(directory: Path) -> str | None:
+    """What is wrong with a directory's safetensors weights (every file its index names, or each
+    ``*.safetensors``), read from headers and sizes only; None when they look whole."""
+    index = directory / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return f"{WEIGHTS_INDEX} is not a safetensors index"
+        files = [directory / n for n in names]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            return "it holds no safetensors weights"
+    return next((p for p in map(safetensors_problem, files) if p is not None), None)

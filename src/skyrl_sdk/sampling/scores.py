@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..models.logprobs import CHUNK_SIZE_ELEMENTS, CHUNK_THRESHOLD_ELEMENTS, target_logprobs
-from ..models.prefix import fill_rows, find_groups, layout_groups
+from ..models.prefix import ExpansionBudget, fill_rows, find_groups, layout_groups
 from ..models.prefix_attention import enabled, shared_hidden
 from ..models.vlm import as_model_input, padded_rows_inputs
 from ..types import EncodedTextChunk, ModelInput
@@ -90,7 +90,8 @@ def _rescore_shared(backbone, head, vocab_size, rows, lengths, min_tokens, devic
     keys = list(datums)
     groups, alone = find_groups([datums[r] for r in keys], min_tokens, RESCORE_TOKENS)
     for part in fill_rows(groups, RESCORE_TOKENS):
-        row = layout_groups([datums[r] for r in keys], part)
+        # no gradients: nothing is kept, and each attention call expands at most RESCORE_TOKENS slots
+        row = layout_groups([datums[r] for r in keys], part, ExpansionBudget(keep=0, chunk=RESCORE_TOKENS))
         hidden = shared_hidden(backbone, row.input_ids.to(device), row.position_ids.to(device), row.plan.to(device))
         members = [m for g in part for m in g.members]
         counts = [lengths[keys[m]] for m in members]  # each row's sampled tokens: the last slots of its path

@@ -13,29 +13,31 @@ from fastapi.responses import JSONResponse
 
 from ..errors import InputError, NotFoundError, clipped, quoted
 from ..version import __version__
-from . import console, rest, routes
+from . import console, origins, rest, routes
 from .bodies import Bodies
 from .config import ServerConfig
 from .guard import Guard
 from .runtime import Runtime
+from .statedir import StateDirLock
 
 logger = logging.getLogger(__name__)
 
 
-def create_app(config: ServerConfig | None = None) -> Any:
+def create_app(config: ServerConfig | None = None, state_lock: StateDirLock | None = None) -> Any:
     """A Tinker-compatible ASGI app serving ``config.models``.
 
     The returned object is the FastAPI app wrapped in the auth / body-limit middleware;
     the FastAPI app itself is its ``.fastapi`` attribute (its ``state.runtime`` holds the
     live :class:`~.runtime.Runtime` while the app runs), and ``.begin_shutdown()`` fails the
     work that has not run and answers waiting long-polls (the server calls it at the first
-    signal, before it drains connections)."""
+    signal, before it drains connections). ``state_lock``: the state dir's lock, taken by
+    ``skyrl-sdk serve`` before its checks (else the runtime takes it at start-up)."""
     config = config or ServerConfig()
     bodies = Bodies.of(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.runtime = Runtime(config, asyncio.get_running_loop(), bodies)
+        app.state.runtime = Runtime(config, asyncio.get_running_loop(), bodies, state_lock)
         logger.info("skyrl-sdk serve: models %s, state dir %s", list(config.models), config.state_dir)
         try:
             yield
@@ -74,8 +76,9 @@ def create_app(config: ServerConfig | None = None) -> Any:
     app.include_router(routes.router)
     app.include_router(console.router)
     guarded = Guard(app, config.owners(), config.max_body_bytes, bodies, max_json_body_bytes=config.max_json_body_bytes,
-                    body_timeout_s=config.body_timeout_s,
-                    zstd=bool(config.client_config.get("proto_compress_fwdbwd")))
+                    body_timeout_s=config.body_timeout_s, body_idle_timeout_s=config.body_idle_timeout_s,
+                    zstd=bool(config.client_config.get("proto_compress_fwdbwd")),
+                    allowed_hosts=origins.allowed_hosts(config.host, config.allowed_hosts))
     guarded.fastapi = app  # type: ignore[attr-defined]
 
     def begin_shutdown() -> None:

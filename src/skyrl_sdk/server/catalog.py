@@ -24,7 +24,8 @@ from ..types.numbers import check_number
 from . import session_search, wire
 from .history import History
 from .sessions import TrainingModel
-from .store import Store, TinkerPath, iso
+from .store import Store
+from .tinker_paths import TinkerPath, iso
 
 #: a model whose worker had work within this many seconds is "live", else "idle"
 LIVE_S = 30.0
@@ -133,14 +134,14 @@ class Catalog:
 
     async def console_runs(self, owner: str, limit: int, offset: int) -> dict[str, Any]:
         rows, total = self.store.list_runs(owner, limit, offset)
-        summaries = await asyncio.to_thread(self.history.summaries, [r["run_id"] for r in rows])
+        summaries = await self.history.summaries_off_loop([r["run_id"] for r in rows])
         sessions = self._sessions_by_run()
         return {"runs": [self._console_run(r, summaries[r["run_id"]], sessions.get(r["run_id"], [])) for r in rows],
                 "total": total, "limit": limit, "offset": offset}
 
     async def console_run(self, owner: str, run_id: str) -> dict[str, Any]:
         run = self.run(owner, run_id)
-        summary = (await asyncio.to_thread(self.history.summaries, [run_id]))[run_id]
+        summary = (await self.history.summaries_off_loop([run_id]))[run_id]
         sessions = self._sessions_by_run().get(run_id, [])
         return {**self._console_run(run, summary, sessions), "sampling_session_ids": sorted(sessions)[-50:],
                 "checkpoints": self.store.list_checkpoints(owner, run_id)[0]}
@@ -149,6 +150,8 @@ class Catalog:
         """Metric points the history dropped (its writer fell behind): the operators' view shows it."""
         return self.history.dropped
 
-    async def curves(self, owner: str, run_id: str, points: int) -> dict[str, Any]:
+    async def curves_body(self, owner: str, run_id: str, points: int) -> bytes:
+        """One run's curves as JSON bytes, computed on the history's reader thread (shared by
+        identical concurrent requests, cached per step count)."""
         self.run(owner, run_id)
-        return await asyncio.to_thread(self.history.curves, run_id, points)
+        return await self.history.curves_body(run_id, points)

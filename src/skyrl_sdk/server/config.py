@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from ..errors import InputError, quoted
+from .caps import DEFAULT_MAX_SESSIONS_PER_OWNER
 from .memory import parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -204,6 +205,8 @@ class ServerConfig:
     max_tokens_per_request: int = DEFAULT_MAX_TOKENS_PER_REQUEST
     #: requests of one owner accepted and not yet finished; more are refused up front
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    #: sessions of one owner open at once (neither finished nor expired); more are refused
+    max_sessions_per_owner: int = DEFAULT_MAX_SESSIONS_PER_OWNER
     #: a job of at most this many tokens may run between another job's micro-batches
     #: (docs/server.md, Fairness)
     turn_tokens: int = 8192
@@ -216,6 +219,11 @@ class ServerConfig:
     keep_alive_s: float = 5.0
     #: a request body must arrive within this (else 408)
     body_timeout_s: float = 120.0
+    #: nor may it pause longer than this between two pieces (else 408; nginx's client_body_timeout)
+    body_idle_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    #: ``--allowed-host``: names a server without API keys answers besides the loopback names and
+    #: its ``--host`` (``*``: any; see ``server/origins.py``)
+    allowed_hosts: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     #: a JSON body, after zstd (the protobuf forward_backward keeps ``max_body_bytes``); the
     #: largest real one, a sample request's prompt, is under 1 MB even at 131072 tokens
     max_json_body_bytes: int = 4 * 2**20
@@ -241,7 +249,7 @@ class ServerConfig:
         """From ``skyrl-sdk serve``'s argparse namespace (host, port, model, engine,
         engine_config, state_dir, api_key, api_keys, session_timeout, max_seq_len,
         max_num_samples, max_lora_adapters, max_memory, snapshot_memory, max_tokens_per_request,
-        max_queued_requests, header_timeout, max_connections). The API key falls back to
+        max_queued_requests, header_timeout, max_connections, allowed_host). The API key falls back to
         $SKYRL_SDK_API_KEY."""
         api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
         keys_file = getattr(args, "api_keys", None)
@@ -270,6 +278,7 @@ class ServerConfig:
             engine_config=getattr(args, "engine_config", None),
             state_dir=getattr(args, "state_dir", None) or "./skyrl-server-state",
             api_key=api_key,
+            allowed_hosts=getattr(args, "allowed_host", None) or (),
             host=getattr(args, "host", None) or "127.0.0.1",
             port=8000 if getattr(args, "port", None) is None else int(args.port),  # 0: a free port
         )

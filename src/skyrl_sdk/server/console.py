@@ -86,9 +86,10 @@ async def run_detail(run_id: str, request: Request) -> dict:
 
 
 @router.get("/console/api/runs/{run_id}/curves")
-async def curves(run_id: str, request: Request, points: int = 1000) -> dict:
+async def curves(run_id: str, request: Request, points: int = 1000) -> Response:
     points = _in_range("points", points, 2, MAX_POINTS)
-    return await runtime(request).catalog.curves(owner(request), run_id, points)
+    body = await runtime(request).catalog.curves_body(owner(request), run_id, points)
+    return Response(body, media_type="application/json")
 
 
 # ---- the server (operators) -----------------------------------------------------------------------
@@ -139,6 +140,7 @@ async def server(request: Request):
         return JSONResponse({"detail": "the server view is for operators (the --api-key holder, or owners marked "
                                        "'operator' in --api-keys)"}, status_code=403)
     loaded = rt.served.loaded()
-    return {"bases": _bases(rt, loaded), "own_copies": loaded["own_copies"], "memory": loaded["memory"],
+    copies = [{**c, "model": rt.redact(str(c["model"]))} for c in loaded["own_copies"]]  # tinker:// paths only
+    return {"bases": _bases(rt, loaded), "own_copies": copies, "memory": loaded["memory"],
             "snapshots": rt.sampling.snapshots.stats(), "work": _work(rt), "limits": _limits(rt),
             "history_dropped": rt.catalog.history_dropped()}

@@ -9,10 +9,14 @@ connections, which turns such a client into a denial of service for everyone (he
 included); ``http="auto"`` picks httptools when installed, which has no header size limit. So
 h11 is forced, with :class:`GuardedH11Protocol` (a subclass of uvicorn's, hence the upper
 bound on uvicorn in pyproject.toml): a connection must send its request line and headers
-within ``header_timeout_s`` of connecting or of its last answer, else it is dropped; beyond
-``max_connections`` the oldest connection with no request in progress is dropped to make
-room (or, with none, the new one). Hypercorn has header timeouts but no connection cap and
-cost ~35% more per request here.
+within ``header_timeout_s`` of connecting or of its last answer, else it is dropped; one
+answered before its body was read (the guard refuses at the headers) may send the rest of
+it, discarded, for :data:`LINGER_S`, then is closed (uvicorn would drain it for as long as it
+trickles in); beyond ``max_connections`` the oldest connection with no request in progress is
+dropped to make room, else the one whose body has gone longest without a byte (16 bodies of
+one byte each used to hold a 16-connection server until their 120 s deadline, resetting
+every health check), and only with neither the new one. Hypercorn has header timeouts but no
+connection cap and cost ~35% more per request here.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ def default_max_connections() -> int:
                                                                                       soft // 2))
 
 
+#: how long a connection answered before its request body was read (401, 413, an open path)
+#: may go on sending that body, discarded, before it is closed
+LINGER_S = 2.0
+
+
 def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a header timeout and a connection cap (module docstring)."""
 
@@ -63,30 +72,60 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
         #: the end when a request head arrives and when it is answered; a dict: ordered, O(1))
         _open: dict[GuardedH11Protocol, None] = {}
         _rejected = False
-        _header_timer: asyncio.TimerHandle | None = None
+        _timer: asyncio.TimerHandle | None = None
+        #: what the armed timer waits for: "head" (a request line and headers) or "linger"
+        _waiting: str | None = None
+        #: loop time of the last bytes received (a stalled body is the first to go at the cap)
+        _last_data = 0.0
 
+        # ---- a connection's state -------------------------------------------------------------
+        def _in_request(self) -> bool:
+            """A request head arrived and its answer is not complete."""
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _body_arriving(self) -> bool:
+            """In a request whose body has not all arrived."""
+            return self._in_request() and self.conn.their_state is h11.SEND_BODY
+
+        def _retime(self) -> None:
+            """Arm the timer the connection's state calls for: none in a request; the header
+            timeout when idle; a short linger when answered before its body was read."""
+            if self.transport.is_closing() or self._in_request():
+                self._disarm()
+            elif self.conn.their_state is h11.SEND_BODY:  # the rest of a body no one will read
+                if self._waiting != "linger":
+                    self._arm(LINGER_S, "linger")
+            elif self._waiting != "head":
+                self._arm(self.HEADER_TIMEOUT_S, "head")
+
+        # ---- uvicorn's callbacks ----------------------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= self.MAX_CONNECTIONS:
-                self._evict_idle()
+                self._make_room()
             if len(self.connections) >= self.MAX_CONNECTIONS:
                 self._rejected = True  # closed before anything is parsed; never counted
                 transport.abort()
                 return
             super().connection_made(transport)
+            self._last_data = self.loop.time()
             self._open[self] = None
-            self._arm()
+            self._retime()
 
-        def _evict_idle(self) -> None:
-            """Drop the least recently served connection that has no request in progress, if any:
-            one that never sent a whole request head before one that keeps asking (least recent
-            first, so usually the first one looked at: a burst of connections costs no scan)."""
-            for c in self._open:
-                if c.conn.their_state is h11.IDLE and (c.cycle is None or c.cycle.response_complete):
-                    del self._open[c]
-                    c._disarm()
-                    c.transport.abort()
-                    self.connections.discard(c)
-                    return
+        def _make_room(self) -> None:
+            """Drop one connection: the least recently served one with no request in progress
+            (one that never sent a whole request head, or is lingering, before one that keeps
+            asking: least recent first, so usually the first one looked at), else the one whose
+            request body has gone longest without a byte (a trickled body must not lock out
+            new clients; a request whose body has arrived is never dropped)."""
+            victim = next((c for c in self._open if not c._in_request()), None)
+            if victim is None:
+                readers = [c for c in self._open if c._body_arriving()]
+                victim = min(readers, key=lambda c: c._last_data) if readers else None
+            if victim is not None:
+                del self._open[victim]
+                victim._disarm()
+                victim.transport.abort()
+                self.connections.discard(victim)
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._rejected:
@@ -102,34 +141,36 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
         def data_received(self, data: bytes) -> None:
             if self._rejected:
                 return
+            self._last_data = self.loop.time()
+            was_in_request = self._in_request()
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE and self._header_timer is not None:  # a whole head arrived
-                self._disarm()
+            if self._in_request() and not was_in_request:  # a whole head arrived
                 self._served()
+            self._retime()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._served()
-                if self.conn.their_state is h11.IDLE:
-                    self._arm()  # the next request's head, within the same time
+                self._retime()  # the next request's head within the same time, or a short linger
 
         def _served(self) -> None:
             if self._open.pop(self, True) is None:
                 self._open[self] = None
 
-        def _arm(self) -> None:
+        def _arm(self, delay: float, waiting: str) -> None:
             self._disarm()
-            self._header_timer = self.loop.call_later(self.HEADER_TIMEOUT_S, self._header_timeout)
+            self._waiting = waiting
+            self._timer = self.loop.call_later(delay, self._timed_out)
 
         def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._waiting = None, None
 
-        def _header_timeout(self) -> None:
-            self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        def _timed_out(self) -> None:
+            self._timer, self._waiting = None, None
+            if not self._in_request() and not self.transport.is_closing():
                 self.transport.abort()  # no request to answer; frees the fd at once
 
     return GuardedH11Protocol

@@ -26,7 +26,7 @@ import attrs
 
 from ..errors import InputError, NotFoundError
 from ..models.checkpoint import atomic_directory
-from .store import iso
+from .tinker_paths import iso
 
 #: how long a signed download link works
 LINK_TTL_S = 3600.0

@@ -1,18 +1,34 @@
-"""ASGI middleware in front of every route: API key -> owner, body limits, zstd bodies.
+"""ASGI middleware in front of every route: headers first, then the key, then the body.
 
-- With API keys configured, a request without a known ``X-API-Key`` header gets 401
-  (every key compared in constant time; ASGI header names arrive lower-cased, so any
-  casing the client used matches). ``GET /api/v1/healthz`` stays open for health checks.
-  The key's owner is put in the ASGI scope (``OWNER_SCOPE_KEY``) for the routes.
+In order, each answered by the guard itself before anything else runs:
+
+- Request line and headers over :data:`MAX_HEADER_BYTES` (16 KiB): 431. (h11 limits only a
+  head that arrives in pieces; a whole 64 KiB head in one read passed it.)
+- ``/api/v1/healthz``: answered here, touching nothing (no route, no SQLite, no compute), so
+  it answers however busy the rest is. Open paths never read a body.
+- Without API keys: the ``Host`` / ``Origin`` / ``Content-Type`` checks of :mod:`.origins`
+  (DNS rebinding, cross-site pages): 403 / 415.
+- With API keys configured, a request without a known ``X-API-Key`` header gets 401 before
+  its body is read (every key compared in constant time; ASGI header names arrive
+  lower-cased, so any casing the client used matches). The console's page and files stay
+  open. The key's owner is put in the ASGI scope (``OWNER_SCOPE_KEY``) for the routes.
+- A query parameter that is an integer outside int64: 400 naming it (SQLite would overflow).
 - The body is read here, before any route runs, and handed on in the scope
   (``BODY_SCOPE_KEY``, no copy): larger than the route's cap (declared, sent, chunked, or
-  after zstd) gets 413; not all of it within ``body_timeout_s`` gets 408; when the bodies
-  in flight over all connections would pass their byte budget, 503 (the client retries).
-  The cap is ``max_body_bytes`` for the protobuf ``forward_backward`` and
-  ``max_json_body_bytes`` for the JSON routes.
+  after zstd) gets 413; a pause of more than ``body_idle_timeout_s`` between two pieces, or
+  not all of it within ``body_timeout_s``, gets 408 (connection closed); when the bodies in
+  flight over all connections would pass their byte budget, 503 (the client retries); a
+  client that disconnects mid-body gets nothing and no route runs. The cap is
+  ``max_body_bytes`` for the protobuf ``forward_backward`` and ``max_json_body_bytes`` for
+  the JSON routes.
 - ``Content-Encoding: zstd`` is accepted on ``forward_backward`` only, and only when the
   server asks clients to compress (``proto_compress_fwdbwd`` in its client config); it is
   decompressed off the event loop, capped while it streams (:mod:`.bodies`). Else 415.
+
+Every answer, the guard's and the routes', carries ``X-Content-Type-Options: nosniff`` and
+``Cache-Control: no-store`` (:data:`SECURITY_HEADERS`). A request answered before its body
+was read leaves the rest of the body to the connection edge (:mod:`.edge`), which discards
+it for a short while, then closes.
 """
 
 from __future__ import annotations
@@ -20,15 +36,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
+import urllib.parse
 from typing import Any
 
+from . import origins
 from .bodies import Bodies
 from .config import DEFAULT_OWNER
 
 #: the console's page and its static files: they carry no data, so they need no key (what the
 #: page shows comes from /console/api/*, behind the key like every other route)
 CONSOLE_STATIC = frozenset({"/", "/console/console.js", "/console/console.css"})
-OPEN_PATHS = frozenset({"/api/v1/healthz"}) | CONSOLE_STATIC
+HEALTHZ = "/api/v1/healthz"
+OPEN_PATHS = frozenset({HEALTHZ}) | CONSOLE_STATIC
 #: signed download links: the unguessable, expiring token in the path is the credential
 #: (the client fetches them with urllib, without its key; :mod:`.exports`)
 OPEN_PREFIXES = ("/api/v1/downloads/",)
@@ -37,6 +57,13 @@ OWNER_SCOPE_KEY = "skyrl_sdk.owner"
 BODY_SCOPE_KEY = "skyrl_sdk.body"
 #: the one route whose body is protobuf (and may be large, and compressed)
 PROTOBUF_PATHS = frozenset({"/api/v1/forward_backward"})
+#: request line + headers, as docs/server.md states (h11's own limit applies only to a head
+#: that arrives in pieces)
+MAX_HEADER_BYTES = 16 * 1024
+#: on every answer: no content sniffing, nothing cached (answers hold an owner's data)
+SECURITY_HEADERS = ((b"x-content-type-options", b"nosniff"), (b"cache-control", b"no-store"))
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 async def _send_json(send: Any, status: int, obj: dict, extra_headers: list | None = None) -> None:
@@ -44,6 +71,39 @@ async def _send_json(send: Any, status: int, obj: dict, extra_headers: list | No
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
     await send({"type": "http.response.body", "body": body})
+
+
+def _with_security_headers(send: Any) -> Any:
+    async def secured(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            have = {k.lower() for k, _ in message.get("headers", [])}
+            extra = [(k, v) for k, v in SECURITY_HEADERS if k not in have]
+            if extra:
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
+
+    return secured
+
+
+def header_bytes(scope: dict) -> int:
+    """Bytes of the request line and headers as sent (names, values, separators)."""
+    line = len(scope.get("method", "")) + len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + 12
+    return line + sum(len(k) + len(v) + 4 for k, v in scope.get("headers", []))
+
+
+def out_of_range_query_integer(query_string: bytes) -> str | None:
+    """What is wrong with the first query parameter whose value is an integer outside int64
+    (none fits in more than 20 characters: no 4300-digit string is ever converted); else None."""
+    for name, value in urllib.parse.parse_qsl(query_string.decode("latin-1"), keep_blank_values=True):
+        value = value.strip()
+        if _INTEGER.fullmatch(value) and (len(value) > 20 or not _INT64[0] <= int(value) <= _INT64[1]):
+            shown = value if len(value) <= 40 else f"{value[:40]}... ({len(value)} characters)"
+            return f"query parameter {name[:100]!r}: expected an integer in {_INT64[0]}..{_INT64[1]}, got {shown}"
+    return None
+
+
+class _Gone(Exception):
+    """The client disconnected before its whole body arrived: nothing to answer."""
 
 
 class _Refused(Exception):
@@ -54,17 +114,26 @@ class _Refused(Exception):
         self.status, self.detail, self.headers = status, detail, headers or []
 
 
+def _is_open(path: str) -> bool:
+    """Paths that need no key and take no body (health, the console's page, signed downloads)."""
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
 class Guard:
     def __init__(self, app: Any, owners: dict[str, str] | None, max_body_bytes: int, bodies: Bodies | None = None,
                  *, max_json_body_bytes: int | None = None, body_timeout_s: float | None = None,
-                 zstd: bool = False) -> None:
+                 body_idle_timeout_s: float | None = None, zstd: bool = False,
+                 allowed_hosts: frozenset[str] | None = None) -> None:
         self.app = app
         self.owners = {k.encode(): v for k, v in owners.items()} if owners else None
         self.max_body_bytes = max_body_bytes
         self.max_json_body_bytes = min(max_json_body_bytes or max_body_bytes, max_body_bytes)
         self.bodies = bodies or Bodies(4 * max_body_bytes)
         self.body_timeout_s = body_timeout_s
+        self.body_idle_timeout_s = body_idle_timeout_s
         self.zstd = zstd
+        #: Host names a keyless server answers (None: any; see :mod:`.origins`)
+        self.allowed_hosts = allowed_hosts
 
     def owner_of(self, given: bytes) -> str | None:
         """The owner of API key ``given`` (None if unknown); compares with every key."""
@@ -74,25 +143,52 @@ class Guard:
                 found = owner
         return found
 
+    def _at_the_headers(self, scope: dict, headers: dict[str, bytes]) -> tuple[int, str, list] | str:
+        """Everything decided from the request line and headers: the owner, or an answer
+        (status, detail, extra headers)."""
+        path, method = scope.get("path"), scope.get("method", "GET")
+        if header_bytes(scope) > MAX_HEADER_BYTES:
+            return 431, f"request line and headers larger than {MAX_HEADER_BYTES} bytes", [(b"connection", b"close")]
+        if path == HEALTHZ:
+            if method in ("GET", "HEAD"):
+                return 200, "", []
+            return 405, "method not allowed", [(b"allow", b"GET")]
+        owner = DEFAULT_OWNER
+        if self.owners is None:
+            refused = origins.refusal(method, path, headers, self.allowed_hosts, PROTOBUF_PATHS)
+            if refused is not None:
+                return (*refused, [])
+        elif not _is_open(path):
+            owner = self.owner_of(headers.get("x-api-key", b""))
+            if owner is None:
+                return 401, "missing or unknown X-API-Key", [(b"www-authenticate", b"X-API-Key")]
+        if (bad := out_of_range_query_integer(scope.get("query_string", b""))) is not None:
+            return 400, bad, []
+        return owner
+
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _with_security_headers(send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        owner = DEFAULT_OWNER
-        path = scope.get("path") or ""
-        if self.owners is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
-            owner = self.owner_of(headers.get("x-api-key", b""))
-            if owner is None:
-                await _send_json(send, 401, {"detail": "missing or unknown X-API-Key"},
-                                 [(b"www-authenticate", b"X-API-Key")])
-                return
+        owner = self._at_the_headers(scope, headers)
+        if not isinstance(owner, str):
+            status, detail, extra = owner
+            await _send_json(send, status, {"status": "ok"} if status == 200 else {"detail": detail}, extra)
+            return
         held = [0]  # bytes of this request counted in the in-flight budget
         try:
-            body, new_headers = await self._body(scope, headers, receive, held)
+            if _is_open(scope.get("path") or ""):  # no data, no body: whatever was sent is never read
+                body, new_headers = b"", scope.get("headers", [])
+            else:
+                body, new_headers = await self._body(scope, headers, receive, held)
         except _Refused as r:
             self.bodies.release(held[0])
             await _send_json(send, r.status, {"detail": r.detail}, r.headers)
+            return
+        except _Gone:
+            self.bodies.release(held[0])
             return
         sent = False
 
@@ -142,12 +238,19 @@ class Guard:
         return body, new_headers
 
     async def _read(self, receive: Any, cap: int, held: list) -> bytes:
-        """The whole body; :class:`_Refused` once more than ``cap`` bytes arrived."""
+        """The whole body; :class:`_Refused` once more than ``cap`` bytes arrived or when it
+        pauses longer than ``body_idle_timeout_s`` (nginx's ``client_body_timeout``: a body that
+        trickles in holds a connection, which the edge needs for others), :class:`_Gone` when
+        the client went away."""
         chunks, total = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_idle_timeout_s)
+            except asyncio.TimeoutError:
+                raise _Refused(408, f"the request body paused for more than {self.body_idle_timeout_s:g} s",
+                               [(b"connection", b"close")]) from None
             if message["type"] != "http.request":
-                break
+                raise _Gone
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > cap:

@@ -1,6 +1,8 @@
 """Each training run's metrics over its steps, for the console's curves: recorded on the
-model's worker thread when a job's result is known, written to SQLite by a writer thread of
-its own (never in a request handler), bounded per run, downsampled when read.
+model's worker thread when a job's result is known, each step written to SQLite before it is
+acknowledged to the client (so a ``kill -9`` loses no acknowledged step; a write that fails
+is retried by a writer thread of its own), never in a request handler; bounded per run,
+downsampled when read.
 
 A **step** is one ``optim_step``: the ``forward_backward`` calls since the previous one are
 summed into it (``loss:sum``, ``num_tokens:sum``, and the data's weights, ones where a datum has
@@ -22,6 +24,8 @@ point is the mean, min and max of its steps, so a spike stays visible).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import math
@@ -41,6 +45,8 @@ SERIES = ("loss_per_token", "loss_sum", "grad_norm", "learning_rate", "skipped",
 MAX_ROWS = 2048
 #: most points one curves answer holds
 MAX_POINTS = 2000
+#: curves answers kept (encoded) for runs polled again
+CURVES_CACHE = 64
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS metrics_runs (run_id TEXT PRIMARY KEY, stride INTEGER NOT NULL, steps INTEGER NOT NULL,
                                          last TEXT);
@@ -105,20 +111,26 @@ def curves_json(run_id: str, steps: int, stride: int, buckets: list[dict[str, An
 
 
 class History:
-    """Steps recorded by workers, written every ``flush_s`` seconds by one writer thread.
+    """Steps recorded by workers, written at each ``optim_step`` (and every ``flush_s`` seconds by
+    one writer thread, for what a failed write left pending).
 
     Two locks: ``_pending_lock`` (workers append; held for microseconds) and ``_db_lock``
     (the writer's transaction, and readers, who take it first and then ``_pending_lock`` so a
     step is always either in the database or still pending, never in neither)."""
 
     def __init__(self, db_path: Path, flush_s: float = 1.0, max_rows: int = MAX_ROWS,
-                 max_pending: int = 100_000) -> None:
+                 max_pending: int = 100_000, write_through: bool = True) -> None:
         self.flush_s = flush_s
+        #: write each step at its optim_step (else only every ``flush_s``: bulk loads in tests)
+        self.write_through = write_through
         self.max_rows = max_rows
         self.max_pending = max_pending
         self.dropped = 0
         self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
+        # a commit survives the process's death (kill -9) without an fsync per step; a power cut
+        # may lose the last steps
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
         self._db_lock = threading.Lock()
         self._pending_lock = threading.Lock()
@@ -127,6 +139,14 @@ class History:
         self._open: dict[str, dict[str, Any]] = {}
         self._wake = threading.Event()
         self._closed = False
+        #: steps recorded per run by this process (a curves answer is cached per count)
+        self._steps_recorded: dict[str, int] = {}
+        #: (run id, points, steps recorded) -> the curves answer, JSON
+        self._curves_cache: dict[tuple, bytes] = {}
+        #: (event loop) curves answers being computed, awaited by every request for the same key
+        self._curves_computing: dict[tuple, asyncio.Future] = {}
+        #: the one thread that reads curves and summaries for request handlers
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="skyrl-history-reader")
         self._writer = threading.Thread(target=self._loop, name="skyrl-metrics-writer", daemon=True)
         self._writer.start()
 
@@ -162,6 +182,14 @@ class History:
                 self._pending.pop(0)
                 self.dropped += 1
             self._pending.append((run_id, point))
+            self._steps_recorded[run_id] = self._steps_recorded.get(run_id, 0) + 1
+        # written before the step is acknowledged (a kill -9 right after it used to lose the last
+        # second of steps); a write that fails leaves them pending for the writer thread
+        if self.write_through:
+            try:
+                self.flush()
+            except Exception as exc:
+                logger.warning("writing the metrics history failed (kept for the next write): %s", exc)
 
     # ---- writing (the writer thread) ------------------------------------------------------------
     def _loop(self) -> None:
@@ -248,6 +276,35 @@ class History:
         merged = downsample([buckets[b] for b in sorted(buckets)], min(max(1, points), MAX_POINTS))
         return curves_json(run_id, steps, stride, merged)
 
+    async def curves_body(self, run_id: str, points: int) -> bytes:
+        """:meth:`curves` as JSON bytes, for a request handler: computed and encoded on one reader
+        thread (never on the event loop, and never several at once: ten consoles polling a
+        100,000-step run used to keep ten threads busy against the loop, and encoding the
+        answers on it delayed /healthz by 0.7 s), and computed once per run, ``points`` and
+        step count (the same run polled again is a dictionary look-up)."""
+        key = (run_id, points, self._steps_recorded.get(run_id, 0))
+        if (body := self._curves_cache.get(key)) is not None:
+            return body
+        if (computing := self._curves_computing.get(key)) is None:  # the first asks; the others wait for it
+            computing = asyncio.get_running_loop().run_in_executor(self._reader, self._encode_curves, run_id, points)
+            self._curves_computing[key] = computing
+            computing.add_done_callback(lambda done: self._computed(key, done))
+        return await asyncio.shield(computing)  # a caller that goes away cancels nothing for the others
+
+    def _computed(self, key: tuple, done: asyncio.Future) -> None:
+        self._curves_computing.pop(key, None)
+        if not done.cancelled() and done.exception() is None:
+            self._curves_cache[key] = done.result()
+            while len(self._curves_cache) > CURVES_CACHE:
+                self._curves_cache.pop(next(iter(self._curves_cache)))
+
+    def _encode_curves(self, run_id: str, points: int) -> bytes:
+        return json.dumps(self.curves(run_id, points), separators=(",", ":"), allow_nan=False).encode()
+
+    async def summaries_off_loop(self, run_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """:meth:`summaries` on the reader thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._reader, self.summaries, run_ids)
+
     def summaries(self, run_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """Run id -> ``{"steps", "last"}`` (its step count and its last step's values)."""
         ids = list(run_ids)
@@ -268,6 +325,7 @@ class History:
     def close(self) -> None:
         """Write what is pending and stop the writer."""
         self._closed = True
+        self._reader.shutdown(wait=True)
         self._wake.set()
         self._writer.join(30)
         self.flush()

@@ -68,9 +68,9 @@ class MemoryBudget:
         with self._lock:
             return {b: n for b, n in self._copies.items() if not getattr(b, "closed", False)}
 
-    def copies(self) -> list[dict[str, Any]]:
+    def copies(self, with_backends: bool = False) -> list[dict[str, Any]]:
         return [{"model": getattr(b, "model_name", "?"), "lora": getattr(b, "lora", None) is not None,
-                 "bytes": n} for b, n in self._live_copies().items()]
+                 "bytes": n, **({"backend": b} if with_backends else {})} for b, n in self._live_copies().items()]
 
     def check(self, what: str, needed: int, shared_bytes: int) -> None:
         """InputError (nothing loaded) when ``needed`` more bytes would exceed the budget."""

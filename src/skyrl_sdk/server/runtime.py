@@ -25,7 +25,7 @@ from ..errors import InputError, NotFoundError, quoted
 from ..inputs import tinker_proto
 from ..inputs.coerce import lora_config_from_any
 from ..losses.stability import SequenceRecords
-from . import proto, wire
+from . import proto, visibility, wire
 from .bodies import Bodies
 from .catalog import Catalog
 from .config import ServerConfig
@@ -36,6 +36,7 @@ from .history import History
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
+from .statedir import StateDirLock
 from .store import Store
 from .weights import EXPIRY_SWEEP_S, WeightRequests
 
@@ -47,11 +48,12 @@ class _ShuttingDown(Exception):
 
 
 class Runtime(WeightRequests):
-    def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, bodies: Bodies | None = None) -> None:
+    def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, bodies: Bodies | None = None,
+                 state_lock: StateDirLock | None = None) -> None:
         self.config = config
         self.loop = loop
         self.bodies = bodies or Bodies.of(config)
-        self.store = Store(config.state_dir)
+        self.store = Store(config.state_dir, state_lock)
         self.history = History(self.store.root / "server.sqlite3")  # the console's curves
         self.futures = FutureStore(loop, redact=self.redact, max_failed_bytes=config.max_failed_bytes)
         self.served = ServedModels(config, offload_root=self.store.scratch_dir("offload"))
@@ -392,16 +394,11 @@ class Runtime(WeightRequests):
 
     # ---- visibility ----------------------------------------------------------------------------
     def loaded(self, owner: str) -> dict[str, Any]:
-        """What is loaded (bases, adapters, bytes, offloaded adapters, own copies). Adapters of
-        another owner's models are counted but not named."""
-        doc = self.served.loaded()
-        for base in doc["bases"]:
-            for row in base["adapters"]:
-                model = self.models.get(row["label"])
-                row["model_id"] = row["label"] if model is not None and model.owner == owner else None
-                del row["label"], row["adapter"]
-        doc["snapshots"] = self.sampling.snapshots.stats()
-        return doc
+        """What is loaded (bases, adapters, bytes, offloaded adapters, own copies), as ``owner``
+        may see it (:mod:`.visibility`)."""
+        doc = visibility.loaded(self.served.loaded(with_backends=True), owner, self.config.is_operator(owner),
+                                self.models, self.sampling.targets(), self.redact)
+        return {**doc, "snapshots": self.sampling.snapshots.stats()}
 
     # ---- shutdown ------------------------------------------------------------------------------
     def begin_shutdown(self) -> None:

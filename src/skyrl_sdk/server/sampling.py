@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import InputError, NotFoundError, quoted
 from ..inputs.coerce import lora_config_from_any
+from ..models.weight_files import weights_problem
 from . import proto
 from .config import ServerConfig
 from .executor import Executors, Queue
@@ -37,7 +38,8 @@ from .futures import Job, Result
 from .served import RNG_LOCK, ServedModels
 from .sessions import TrainingModel
 from .snapshots import SnapshotCache, WeightsSnapshot, load_tensors, supports_memory_snapshots, take_tensors
-from .store import Store, TinkerPath
+from .store import Store
+from .tinker_paths import TinkerPath
 from .wire import SampleSpec
 
 
@@ -69,6 +71,8 @@ class SamplerTarget:
     key: tuple
     worker: Queue
     loader: Callable[[], Any]
+    #: whose request made it (what ``/api/v1/loaded`` shows whom: :mod:`.visibility`)
+    owner: str = ""
     backend: Any = None
 
     def get(self):
@@ -112,10 +116,14 @@ class Sampling:
 
     def session_from(self, owner: str, model_path: Any, base_model: Any, sid: str) -> SamplingSession:
         if model_path:
-            tp, _ = self.store.resolve_checkpoint(model_path, owner, readable=True)
+            tp, directory = self.store.resolve_checkpoint(model_path, owner, readable=True)
             if tp.kind == "external":
                 raise InputError(f"{model_path}: external weights are for download (RestClient."
                                  f"get_external_weights_urls); sample from a weights or sampler_weights path")
+            # checked now (headers and sizes), so a damaged checkpoint is a user error naming it here,
+            # not a server error inside the first sample
+            if (problem := weights_problem(directory)) is not None:
+                raise InputError(f"checkpoint {tp} cannot be sampled: {problem}; save it again")
             run = self.store.run(tp.run_id, None)  # the caller's, or another owner's published checkpoint
             return SamplingSession(sid, owner, run["base_model"], str(tp), "path")
         if base_model:
@@ -317,12 +325,17 @@ class Sampling:
                 return target
             worker = self.executors.queue(f"sampler-{uuid.uuid4().hex[:8]}", owner, self.config.max_sample_batch,
                                           self.config.sample_batch_wait_s)
-            target = SamplerTarget(key, worker, load)
+            target = SamplerTarget(key, worker, load, owner)
             self._targets[key] = target
             evict = list(self._targets)[: max(0, len(self._targets) - self.config.max_sampler_backends)]
         for old_key in evict:
             self._evict(old_key)
         return target
+
+    def targets(self) -> list[SamplerTarget]:
+        """The sampler Backends' targets (any thread)."""
+        with self._targets_lock:
+            return list(self._targets.values())
 
     def _evict(self, key: tuple) -> None:
         with self._targets_lock:

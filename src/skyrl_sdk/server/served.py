@@ -170,12 +170,13 @@ class ServedModels:
         return backend
 
     # ---- visibility -------------------------------------------------------------------------------
-    def loaded(self) -> dict[str, Any]:
-        """Shared bases (with their adapters), own copies, and the memory budget."""
+    def loaded(self, with_backends: bool = False) -> dict[str, Any]:
+        """Shared bases (with their adapters), own copies (with their Backend objects under
+        ``backend`` when asked: :mod:`.visibility` finds their owners), and the memory budget."""
         with self._pools_lock:
             pools = list(self._pools.values())
         bases = [p.stats() for p in pools]
-        copies = self.budget.copies()
+        copies = self.budget.copies(with_backends)
         used = sum(b["base_bytes"] + b["adapter_bytes"] for b in bases) + sum(c["bytes"] for c in copies)
         return {"bases": bases, "own_copies": copies,
                 "memory": {"used_bytes": used, "max_memory_bytes": self.config.max_memory}}

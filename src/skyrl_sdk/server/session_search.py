@@ -12,7 +12,8 @@ from typing import Any
 
 from ..errors import InputError, quoted, refuse_unknown_keys
 from ..types.numbers import check_number
-from .store import Store, iso
+from .store import Store
+from .tinker_paths import iso
 
 #: the one project every session of this server is in
 PROJECT_ID = "default"

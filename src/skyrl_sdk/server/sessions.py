@@ -22,7 +22,7 @@ import attrs
 
 from ..errors import InputError, NotFoundError, quoted
 from ..types import LoraConfig
-from . import wire
+from . import caps, wire
 from .config import ServerConfig
 from .executor import Queue
 from .futures import Sequencer
@@ -43,21 +43,19 @@ class Sessions:
         self.on_end = on_end
         self.busy = busy
         self._last_seen: dict[str, float] = {}  # session id -> monotonic time of its last sign of life
+        self._owners: dict[str, str] = {}  # open session id -> its owner (caps.check_open_sessions)
         self._reaper: asyncio.TimerHandle | None = None
         self._schedule_reap()
 
     def create(self, owner: str, body: dict) -> str:
-        tags, metadata, sdk = body.get("tags"), body.get("user_metadata"), body.get("sdk_version")
-        if tags is not None and not isinstance(tags, list):
-            raise InputError(f"tags: expected a list, got {type(tags).__name__}")
-        if metadata is not None and not isinstance(metadata, dict):
-            raise InputError(f"user_metadata: expected an object, got {type(metadata).__name__}")
-        name = body.get("display_name")
-        if name is not None and not isinstance(name, str):
-            raise InputError(f"display_name: expected a string, got {type(name).__name__}")
+        tags, metadata, sdk = caps.tags(body.get("tags")), caps.metadata(body.get("user_metadata")), \
+            body.get("sdk_version")
+        name = caps.display_name(body.get("display_name"))
+        caps.check_open_sessions(sum(o == owner for o in self._owners.values()), self.config.max_sessions_per_owner)
         sid = f"sess-{uuid.uuid4().hex[:16]}"
-        self.store.add_session(sid, owner, tags, metadata, sdk if isinstance(sdk, str) else None, name)
+        self.store.add_session(sid, owner, tags, metadata, sdk[:100] if isinstance(sdk, str) else None, name)
         self._last_seen[sid] = time.monotonic()
+        self._owners[sid] = owner
         return sid
 
     def open(self, owner: str, session_id: str) -> dict:
@@ -71,6 +69,7 @@ class Sessions:
                                  f"(--session-timeout), so its models were freed; create a new ServiceClient")
             raise InputError(f"session {session_id} was finished; create a new ServiceClient")
         self.seen(session_id)
+        self._owners[session_id] = owner
         return row
 
     def seen(self, session_id: str) -> None:
@@ -98,6 +97,7 @@ class Sessions:
     def _end(self, session_id: str, reason: Any, why: str) -> None:
         self.store.finish_session(session_id, reason)
         self._last_seen.pop(session_id, None)
+        self._owners.pop(session_id, None)
         self.on_end(session_id, why)
 
     def _schedule_reap(self) -> None:

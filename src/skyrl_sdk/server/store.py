@@ -10,29 +10,23 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import sqlite3
 import threading
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
-
-from ..errors import InputError, NotFoundError, quoted
-from ..models.checkpoint import clean_interrupted_saves, is_checkpoint_dir, protect_directory
+from ..errors import InputError, NotFoundError
+from ..models.checkpoint import clean_interrupted_saves, protect_directory
 from .config import DEFAULT_OWNER
+from .reconcile import reconcile_checkpoints
+from .statedir import StateDirLock
+from .tinker_paths import KIND_TO_SEGMENT, NAME_RE, SEGMENT_TO_KIND, TinkerPath, check_name, check_run_id, iso
 
 logger = logging.getLogger(__name__)
-
-#: tinker path segment -> checkpoint type (Tinker's names)
-SEGMENT_TO_KIND = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-KIND_TO_SEGMENT = {v: k for k, v in SEGMENT_TO_KIND.items()}
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
-_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,199}")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -86,56 +80,6 @@ _ADDED_COLUMNS = (("sessions", "display_name", "TEXT"), ("checkpoints", "public"
 _LIVE = "(c.expires_at IS NULL OR c.expires_at > ?)"
 
 
-def check_name(name: Any, what: str = "checkpoint name") -> str:
-    """A checkpoint name: letters, digits, ``_ . -``; no slashes, no leading dot."""
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
-        raise InputError(
-            f"invalid {what} {quoted(name)}: use 1-200 characters from A-Z a-z 0-9 _ . - "
-            f"(no '/', no '..', not starting with '.' or '-')"
-        )
-    return name
-
-
-def check_run_id(run_id: Any, what: str = "training run id") -> str:
-    """An id made of letters, digits and ``_ . : -`` (session, model and run ids)."""
-    if not isinstance(run_id, str) or not _ID_RE.fullmatch(run_id) or ".." in run_id:
-        raise InputError(f"invalid {what} {quoted(run_id)}: use 1-200 characters from A-Z a-z 0-9 _ . : -")
-    return run_id
-
-
-def iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc).isoformat()
-
-
-@attrs.frozen
-class TinkerPath:
-    """A parsed ``tinker://<run_id>/<weights|sampler_weights>/<name>``."""
-
-    run_id: str
-    kind: str  # "training" | "sampler"
-    name: str
-
-    @classmethod
-    def parse(cls, path: Any) -> TinkerPath:
-        if not isinstance(path, str) or not path.startswith("tinker://"):
-            raise InputError(f"expected a tinker:// path, got {quoted(path)}")
-        parts = path[len("tinker://"):].split("/")
-        if len(parts) != 3 or parts[1] not in SEGMENT_TO_KIND:
-            raise InputError(
-                f"invalid tinker path {quoted(path)}: expected tinker://<training_run_id>/weights/<name>, "
-                f"tinker://<training_run_id>/sampler_weights/<name> or "
-                f"tinker://<training_run_id>/external_weights/<name>"
-            )
-        return cls(check_run_id(parts[0]), SEGMENT_TO_KIND[parts[1]], check_name(parts[2]))
-
-    def __str__(self) -> str:
-        return f"tinker://{self.run_id}/{KIND_TO_SEGMENT[self.kind]}/{self.name}"
-
-    @property
-    def checkpoint_id(self) -> str:
-        return f"{KIND_TO_SEGMENT[self.kind]}/{self.name}"
-
-
 def _dumps(obj: Any) -> str | None:
     return None if obj is None else json.dumps(obj, sort_keys=True)
 
@@ -151,26 +95,32 @@ class Store:
     #: every training request touches its run); the latest lives in memory, where ``run`` reads it
     TOUCH_INTERVAL_S = 5.0
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, lock: StateDirLock | None = None) -> None:
         self.root = Path(state_dir).expanduser().resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._path_re = re.compile(re.escape(str(self.root)) + r"(/[^\s'\"]*)?")
-        (self.root / "runs").mkdir(exist_ok=True)
-        self._lock = threading.RLock()
-        #: run id -> (last request time, the one last written)
-        self._touched: dict[str, tuple[float, float]] = {}
-        self._db = sqlite3.connect(str(self.root / "server.sqlite3"), check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(_SCHEMA)
-            for table in _OWNED_TABLES:
-                columns = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
-                if "owner" not in columns:
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT '{DEFAULT_OWNER}'")
-            for table, column, declaration in _ADDED_COLUMNS:
-                if column not in {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}:
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+        #: the state dir is this server's alone while it runs (statedir.py); released at close
+        self.lock = lock if lock is not None and lock.held else StateDirLock.acquire(self.root)
+        try:
+            self._path_re = re.compile(re.escape(str(self.root)) + r"(/[^\s'\"]*)?")
+            (self.root / "runs").mkdir(exist_ok=True)
+            self._lock = threading.RLock()
+            #: run id -> (last request time, the one last written)
+            self._touched: dict[str, tuple[float, float]] = {}
+            self._db = sqlite3.connect(str(self.root / "server.sqlite3"), check_same_thread=False, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            with self._lock:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.executescript(_SCHEMA)
+                for table in _OWNED_TABLES:
+                    columns = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
+                    if "owner" not in columns:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL "
+                                         f"DEFAULT '{DEFAULT_OWNER}'")
+                for table, column, declaration in _ADDED_COLUMNS:
+                    if column not in {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+        except BaseException:
+            self.lock.release()
+            raise
 
     def tidy(self) -> None:
         """(start-up) Saves interrupted by a crash leave temp/.old directories: remove them (only
@@ -198,10 +148,13 @@ class Store:
 
     def close(self) -> None:
         with self._lock:
-            for run_id, (last, written) in self._touched.items():
-                if last > written:
-                    self._write_touch(run_id, last)
-            self._db.close()
+            try:
+                for run_id, (last, written) in self._touched.items():
+                    if last > written:
+                        self._write_touch(run_id, last)
+                self._db.close()
+            finally:
+                self.lock.release()
 
     def _exec(self, sql: str, params: tuple = ()) -> sqlite3.Cursor:
         with self._lock:
@@ -337,6 +290,22 @@ class Store:
         self._exec(f"UPDATE checkpoints SET {assignments} WHERE run_id = ? AND kind = ? AND name = ?",
                    (*values.values(), tp.run_id, tp.kind, tp.name))
 
+    def save_recorded(self, tp: TinkerPath, write: Callable[[Path], Any], ttl_seconds: Any = None,
+                      user_metadata: Any = None) -> None:
+        """A save of ``tp``: ``write(directory)``, then its record. When the record cannot be
+        written (a full or read-only disk, a locked database), a directory this save created is
+        removed again: no unrecorded checkpoint is left for a retry to trip over ("already
+        exists") or the next start to adopt, after the client was told the save failed."""
+        directory = self.checkpoint_dir(tp)
+        existed = directory.exists()
+        write(directory)
+        try:
+            self.add_checkpoint(tp, ttl_seconds, user_metadata)
+        except BaseException:
+            if not existed:
+                shutil.rmtree(directory, ignore_errors=True)
+            raise
+
     def checkpoint(self, tp: TinkerPath, owner: str, readable: bool = False) -> dict[str, Any] | None:
         """``owner``'s live checkpoint ``tp``; with ``readable``, another owner's published one too."""
         rows = self._rows(
@@ -387,40 +356,17 @@ class Store:
         return found
 
     def reconcile_checkpoints(self) -> tuple[list[str], list[str]]:
-        """(start-up) Checkpoint directories without a record: a save that died between writing
-        its directory and recording it, or a state dir copied without its database. Left alone,
-        such a directory blocks its name forever (a save refuses to replace it, a load finds no
-        record). A complete checkpoint (written by a save of ours) of a known run is adopted;
-        anything else is moved to ``<state-dir>/quarantine/``. Both are logged. Returns
-        (adopted tinker paths, quarantined directories relative to the state dir)."""
-        adopted, quarantined = [], []
+        """(start-up) Adopt or quarantine checkpoint directories without a record (:mod:`.reconcile`).
+        Returns (adopted tinker paths, quarantined directories relative to the state dir)."""
         rows = self._rows("SELECT run_id, kind, name FROM checkpoints")
         recorded = {(r["run_id"], r["kind"], r["name"]) for r in rows}
-        for run_dir in sorted((self.root / "runs").iterdir()):
-            run_id = self.run_id_of_dirname(run_dir.name) if run_dir.is_dir() else None
-            for segment, kind in SEGMENT_TO_KIND.items():
-                folder = run_dir / segment
-                if run_dir.is_symlink() or folder.is_symlink() or not folder.is_dir():
-                    continue
-                for entry in sorted(folder.iterdir()):
-                    if entry.name.startswith(".") or (run_id, kind, entry.name) in recorded:
-                        continue  # a save in progress (or its leftovers, cleaned elsewhere), or recorded
-                    if run_id is not None and _NAME_RE.fullmatch(entry.name) and is_checkpoint_dir(entry):
-                        tp = TinkerPath(run_id, kind, entry.name)
-                        self.add_checkpoint(tp, created_at=entry.stat().st_mtime)
-                        adopted.append(str(tp))
-                        continue
-                    target = self.root / "quarantine" / run_dir.name / segment / f"{entry.name}-{int(time.time())}"
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(entry, target)
-                    quarantined.append(str(target.relative_to(self.root)))
-        if adopted:
-            logger.warning("adopted %d checkpoint directories that had no record (a save interrupted before it was "
-                           "recorded): %s", len(adopted), ", ".join(adopted))
-        if quarantined:
-            logger.warning("moved %d checkpoint directories without a record that are not complete checkpoints of a "
-                           "known run to <state-dir>/quarantine: %s", len(quarantined), ", ".join(quarantined))
-        return adopted, quarantined
+
+        def adopt(run_id: str, kind: str, name: str, mtime: float) -> str:
+            tp = TinkerPath(run_id, kind, name)
+            self.add_checkpoint(tp, created_at=mtime)
+            return str(tp)
+
+        return reconcile_checkpoints(self.root, SEGMENT_TO_KIND, NAME_RE, self.run_id_of_dirname, recorded, adopt)
 
     def delete_expired(self, now: float | None = None) -> int:
         """Delete checkpoints whose ``ttl_seconds`` ran out (records and files); returns how many."""

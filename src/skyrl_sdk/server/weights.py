@@ -15,7 +15,7 @@ from . import wire
 from .exports import age_recipients, export_external
 from .futures import FutureRecord, Result
 from .sessions import TrainingModel
-from .store import TinkerPath
+from .tinker_paths import TinkerPath
 
 #: how often expired checkpoints are deleted (an expired one is gone from every answer at once)
 EXPIRY_SWEEP_S = 60.0
@@ -28,12 +28,13 @@ class WeightRequests:
         def make(model: TrainingModel):
             save = wire.parse_save(body)
             tp = TinkerPath(model.model_id, "training", save.name)
-            directory = self.store.checkpoint_dir(tp)
+            self.store.checkpoint_dir(tp)  # a path inside the state dir, checked now
 
             def run() -> Result:
                 self.store.delete_expired()
-                model.require_backend().save_state(directory, overwrite=save.overwrite)
-                self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
+                backend = model.require_backend()
+                self.store.save_recorded(tp, lambda d: backend.save_state(d, overwrite=save.overwrite),
+                                         save.ttl_seconds, save.user_metadata)
                 return Result.json({"path": str(tp), "type": "save_weights"})
 
             return run
@@ -46,13 +47,15 @@ class WeightRequests:
             save, raw_recipients = wire.parse_external_save(body)
             recipients = age_recipients(raw_recipients)
             tp = TinkerPath(model.model_id, "external", save.name)
-            directory = self.store.checkpoint_dir(tp)
+            self.store.checkpoint_dir(tp)  # a path inside the state dir, checked now
 
             def run() -> Result:
                 self.store.delete_expired()
                 scratch = self.store.scratch_dir("exports", uuid.uuid4().hex)
-                export_external(model.require_backend(), model.lora is not None, directory, scratch, recipients)
-                self.store.add_checkpoint(tp, save.ttl_seconds)
+                backend = model.require_backend()
+                self.store.save_recorded(
+                    tp, lambda d: export_external(backend, model.lora is not None, d, scratch, recipients),
+                    save.ttl_seconds)
                 return Result.json({"path": str(tp), "type": "save_weights_external"})
 
             return run
@@ -70,11 +73,12 @@ class WeightRequests:
             req = wire.parse_sampler_save(body)
             if (save := req.save) is not None:
                 tp = TinkerPath(model.model_id, "sampler", save.name)
-                directory = self.store.checkpoint_dir(tp)
+                self.store.checkpoint_dir(tp)  # a path inside the state dir, checked now
 
                 def run_named() -> Result:
-                    model.require_backend().save_weights_for_sampler(directory, overwrite=True)
-                    self.store.add_checkpoint(tp, save.ttl_seconds, save.user_metadata)
+                    backend = model.require_backend()
+                    self.store.save_recorded(tp, lambda d: backend.save_weights_for_sampler(d, overwrite=True),
+                                             save.ttl_seconds, save.user_metadata)
                     return Result.json({"path": str(tp), "type": "save_weights_for_sampler"})
 
                 return run_named

@@ -29,7 +29,8 @@ from ..inputs.sample import SampleRequest
 from ..inputs.tinker_proto import SERVER_LIMIT
 from ..types import AdamParams, ModelInput
 from ..types.numbers import check_number
-from .store import check_name, check_run_id, iso
+from . import caps
+from .tinker_paths import check_name, check_run_id, iso
 
 #: widest ``topk_prompt_logprobs``, ``topk_sample_logprobs`` and ``prompt_alt_tokens_k`` one sample
 #: request may ask for (Tinker's top-k width bound)
@@ -147,7 +148,7 @@ def parse_new_model(body: Mapping[str, Any], from_state: bool = False) -> NewMod
     _check_optimizer(body)
     return NewModel(
         session_id=sid, model_id=check_run_id(f"{sid}:train:{seq}", "model id"), base_model=body.get("base_model"),
-        lora_config=_object(body, "lora_config"), user_metadata=_object(body, "user_metadata"),
+        lora_config=_object(body, "lora_config"), user_metadata=caps.metadata(body.get("user_metadata")),
         path=body.get("path") if from_state else None, optimizer=flag(body, "optimizer"),
     )
 
@@ -173,7 +174,8 @@ class Save:
 
 
 def parse_save(body: Mapping[str, Any]) -> Save:
-    return Save(check_name(body.get("path")), flag(body, "overwrite"), _ttl(body), _object(body, "user_metadata"))
+    return Save(check_name(body.get("path")), flag(body, "overwrite"), _ttl(body),
+                caps.metadata(body.get("user_metadata")))
 
 
 def parse_external_save(body: Mapping[str, Any]) -> tuple[Save, Any]:

@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 
 from ..errors import AdamParamsError, InputError
-from .numbers import check_number, number_validator, to_float
+from .numbers import check_number, check_representable, number_validator, to_float
 
 #: The smallest eps AdamW may use: float32's (and bfloat16's) smallest normal number. Below
 #: it ``sqrt(v) + eps`` can round to 0 and the update becomes NaN.
@@ -38,6 +38,11 @@ class AdamParams:
     grad_clip_norm: float = attrs.field(default=0.0, converter=to_float, validator=_adam(0.0))
 
     def __attrs_post_init__(self) -> None:
+        # every value meets float32 tensors in the step, as a loss config's numbers do: refused up
+        # front (learning_rate=1e39 used to pass, the step was skipped as non-finite and the
+        # pending gradients were lost)
+        for field in attrs.fields(type(self)):
+            check_representable(f"AdamParams.{field.name}", getattr(self, field.name), error=AdamParamsError)
         if self.learning_rate * self.weight_decay > 1.0:
             raise AdamParamsError(
                 f"AdamParams: learning_rate * weight_decay must be <= 1 (the weights are multiplied by "
