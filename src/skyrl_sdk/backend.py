@@ -33,6 +33,7 @@ from .losses.run import add_prepared_inputs
 from .losses.validation import check_call, check_prompts, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
 from .plugins.manager import get_registry
+from .plugins.samplers import Sampler, SampleRequest, check_sampler
 from .types import (
     AdamParams,
     Datum,
@@ -95,6 +96,7 @@ class Backend:
         self.sampler_name = sampler
         self._sampler_config = dict(sampler_config or {})
         self._sampler = None  # built on the first sample(): a sampler may hold a second model
+        self._source = None  # what the sampler reads: the engine's weights_source(), built with it
         self.model_name = str(model)
         self.role = role
         self.dialect = dialect
@@ -224,6 +226,7 @@ class Backend:
             if self.grad_accumulation == "mean" and self._calls_since_step > 1:
                 scale = 1.0 / self._calls_since_step
             metrics = self.engine.optim_step(params, scale)
+            self.weights_changed()
             metrics["num_forward_backward_calls"] = float(self._calls_since_step)
             self._calls_since_step = 0
             return OptimStepOutput(metrics=metrics)
@@ -246,7 +249,8 @@ class Backend:
         """Sample continuations of each prompt (token lists or ModelInputs) from the current weights.
 
         ``topk_prompt_logprobs=k`` also returns, per prompt position, the k most likely tokens
-        and their logprobs (Tinker's field). Served by this Backend's sampler (``sampler=``).
+        and their logprobs (Tinker's field). Served by this Backend's sampler (``sampler=``),
+        built on the first call with the engine's weights (``Engine.weights_source()``).
         """
         params = sampling_params_from_any(sampling_params)
         num_samples, topk_prompt_logprobs = check_sample_counts(num_samples, topk_prompt_logprobs)
@@ -254,13 +258,27 @@ class Backend:
             raise InputError(f"prompt_logprobs: expected true or false, got {prompt_logprobs!r}")
         arrays = prompts_from_any(prompts)
         check_prompts(arrays, self.vocab_size, self.engine.info.max_positions, params.max_tokens)
+        request = SampleRequest(arrays, params, num_samples, prompt_logprobs, topk_prompt_logprobs)
         with self._lock:
             self._check_open()
-            if self._sampler is None:
-                factory = get_registry().sampler_spec(self.sampler_name).factory
-                self._sampler = factory(engine=self.engine, config=dict(self._sampler_config))
-            return self._sampler.sample(arrays, params, num_samples, prompt_logprobs=prompt_logprobs,
-                                        topk_prompt_logprobs=topk_prompt_logprobs)
+            return self._built_sampler().sample(request)
+
+    def _built_sampler(self) -> Sampler:
+        """(holding the lock) The sampler, built on first use with the engine's weights source."""
+        if self._sampler is None:
+            factory = get_registry().sampler_spec(self.sampler_name).factory
+            source = self.engine.weights_source()
+            sampler = check_sampler(factory(source=source, config=dict(self._sampler_config)), self.sampler_name)
+            self._source, self._sampler = source, sampler
+            logger.info("sampler of %s: %s", self.model_name, sampler.describe())
+        return self._sampler
+
+    def weights_changed(self) -> None:
+        """Tell the sampler the engine's weights changed, so it samples the new ones. ``optim_step``
+        and ``load_state`` call it; call it after changing the weights any other way."""
+        with self._lock:
+            if self._source is not None:
+                self._source.weights_changed()
 
     # ---- saving -----------------------------------------------------------------------
     def save_weights_for_sampler(
@@ -324,6 +342,7 @@ class Backend:
                         f"{mine.get(key)!r} here"
                     )
             self.engine.load_state(directory, meta["engine_state"], optimizer)
+            self.weights_changed()
             self._calls_since_step = 0
             return LoadStateOutput(path=str(directory.resolve()), optimizer_loaded=optimizer)
 
@@ -338,6 +357,7 @@ class Backend:
             lora_rank=self.lora.rank if self.lora is not None else None,
             role=self.role,
             engine=self.engine_name,
+            sampler=self.sampler_name,
             num_parameters=info.num_parameters,
             num_trainable_parameters=info.num_trainable_parameters,
             # an in-process engine's runner knows it now (its self-test runs at the first call)

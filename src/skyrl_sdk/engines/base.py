@@ -5,10 +5,11 @@ An engine owns a model and its optimizer. The Backend validates and converts eve
 *before* calling an engine, so an engine may assume well-formed input. To write one,
 subclass :class:`Engine`: set :attr:`~Engine.info` and :attr:`~Engine.tokenizer` in
 ``__init__`` and implement :meth:`~Engine.run`, :meth:`~Engine.optim_step` and
-:meth:`~Engine.zero_grad`; saving, exporting and sampling are optional (the defaults refuse
-with a message naming the engine). An engine that runs a model in its own process builds it
-with :func:`scoring_model`, :func:`runner_options` and :meth:`EngineInfo.of`, as the local,
-shared-base and FSDP rank engines do.
+:meth:`~Engine.zero_grad`; saving, exporting and sampling (:meth:`~Engine.weights_source`, what
+a sampler reads) are optional (the defaults refuse with a message naming the engine). An
+engine that runs a model in its own process builds it with :func:`scoring_model`,
+:func:`runner_options` and :meth:`EngineInfo.of`, as the local, shared-base and FSDP rank
+engines do.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from ..losses.base import scores_key  # noqa: F401  (part of the engine API)
 from ..losses.resolve import ResolvedLoss
 from ..models.loading import LoadedModel, max_positions
 from ..models.scoring import ScoringModel, count_parameters
-from ..types import AdamParams, Datum, SampleOutput, SamplingParams
+from ..plugins.samplers import WeightsSource
+from ..types import AdamParams, Datum
 from .config import EngineConfig
 
 
@@ -109,12 +111,10 @@ class Engine:
         """Write a Hugging Face model directory (config, safetensors, tokenizer)."""
         raise self.unsupported("export weights")
 
-    def sample(
-        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
-        topk_prompt_logprobs: int = 0,
-    ) -> list[SampleOutput]:
-        """Generate ``num_samples`` continuations per prompt from the current weights (the built-in
-        ``transformers`` sampler calls this; ``topk_prompt_logprobs=k`` adds Tinker's top-k prompt logprobs)."""
+    def weights_source(self) -> WeightsSource:
+        """The current weights as a sampler sees them (``skyrl_sdk.sampling.WeightsSource``): built
+        once per Backend, on its first ``sample``. In-process engines return
+        :class:`~.weights.EngineWeights`."""
         raise self.unsupported("sample")
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ import attrs
 
 from ..errors import DuplicateRegistrationError, PluginError, UnknownNameError, did_you_mean
 from ..losses.base import LossSpec
+from .samplers import Sampler
 
 _ROLES = ("policy", "critic")
 
@@ -146,6 +147,18 @@ class Registry:
         return self._register_factory("engine", self.engines, plugin, name, factory, description)
 
     def register_sampler(self, plugin: str, name: str, factory: Callable, *, description: str = "") -> FactorySpec:
+        """A sampler class must subclass :class:`~.samplers.Sampler` and implement its abstract
+        methods (refused here, naming them); any other callable's result is checked when the
+        Backend builds it (:func:`~.samplers.check_sampler`)."""
+        if inspect.isclass(factory):
+            where = f"plugin {plugin!r}, sampler {name!r}"
+            if not issubclass(factory, Sampler):
+                raise PluginError(f"{where}: {factory.__qualname__} must subclass skyrl_sdk.sampling.Sampler "
+                                  f"(docs/engines.md, Samplers)")
+            missing = sorted(getattr(factory, "__abstractmethods__", ()))
+            if missing:
+                raise PluginError(f"{where}: {factory.__qualname__} does not implement {missing} of "
+                                  f"skyrl_sdk.sampling.Sampler")
         return self._register_factory("sampler", self.samplers, plugin, name, factory, description)
 
     def _register_factory(self, kind: str, table: dict, plugin: str, name: str, factory: Callable,

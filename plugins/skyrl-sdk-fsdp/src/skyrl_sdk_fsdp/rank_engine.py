@@ -84,7 +84,7 @@ class RankEngine:
         )
         materialize(self.loaded, source, self.device, full)
         del full
-        self.weights_source = source
+        self.weights_loaded_from = source
         # FSDP2's mixed precision casts the gathered parameters: no autocast on the ranks. A
         # failure mid-call stops the engine (the ranks may be out of step in their collectives),
         # so keeping pending gradients apart during a call would cost a gradient buffer for nothing.
@@ -102,7 +102,7 @@ class RankEngine:
             engine_info=self.engine_info,
             state_layout=self.state_layout.to_plain(),
             aliases=self.aliases,
-            weights_source=self.weights_source,
+            weights_loaded_from=self.weights_loaded_from,
             world_size=self.session.world_size,
             device=str(self.device),
             pid=os.getpid(),
