@@ -263,6 +263,12 @@ class Backend:
             self._check_open()
             return self._built_sampler().sample(request)
 
+    @property
+    def sampler(self) -> Sampler | None:
+        """The sampler serving :meth:`sample` once the first call built it (None before): its
+        ``describe()`` says what it is."""
+        return self._sampler
+
     def _built_sampler(self) -> Sampler:
         """(holding the lock) The sampler, built on first use with the engine's weights source."""
         if self._sampler is None:

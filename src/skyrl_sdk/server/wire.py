@@ -290,6 +290,8 @@ def model_info_json(model_id: str, base_model: str, info: Any) -> dict[str, Any]
         "is_lora": info.is_lora,
         "lora_rank": info.lora_rank,
         "model_name": base_model,
+        # not in tinker's GetInfoResponse (its client ignores it): which sampler serves this model
+        "sampler": info.sampler,
     }
 
 
