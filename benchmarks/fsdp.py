@@ -27,7 +27,7 @@ WORLD_SIZE = 2
 
 def available() -> str | None:
     try:
-        from skyrl_sdk.plugins.manager import get_registry
+        from skyrl_sdk import get_registry
 
         engines = get_registry().engines
     except Exception as exc:
@@ -50,11 +50,7 @@ def local_memory(backend) -> dict:
         if id(p) not in seen:
             seen.add(id(p))
             params += _local_bytes(p)
-    optim = 0
-    if runner.optimizer is not None:
-        for state in runner.optimizer.state.values():
-            optim += sum(_local_bytes(v) for v in state.values() if hasattr(v, "numel"))
-    return {"rank": 0, "param_bytes": params, "optimizer_bytes": optim}
+    return {"rank": 0, "param_bytes": params, "optimizer_bytes": runner.optimizer.state_bytes()}
 
 
 def run(ctx) -> dict:

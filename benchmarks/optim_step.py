@@ -24,8 +24,9 @@ from .common import (
 )
 
 NAME = "optim_step"
-#: ours / bare, per mode (issue 22: at most 1.3x, no temporary larger than the largest tensor)
-TARGETS = {"full": 1.3, "lora": 1.3}
+#: ours / bare, per mode (issue 22: at most 1.3x, no temporary larger than the largest tensor;
+#: issue 29, with the optimizer a component of its own: at most 1.15x)
+TARGETS = {"full": 1.15, "lora": 1.15}
 CLIP = 1.0
 
 
@@ -40,7 +41,7 @@ def _case(model_dir, lora: bool, ctx) -> dict:
     try:
         rows = make_sft_rows([48, 32, 64, 40], ctx.model_spec["vocab"], seed=11)
         backend.forward_backward(rows_to_datums(rows), "cross_entropy")
-        params = [p for _, p in backend.engine.runner.named_trainable()]
+        params = [p for _, p in backend.engine.runner.named_trainable()]  # what runner.optimizer steps
         grads = [p.grad.detach().clone() for p in params]
         backend.optim_step(adam)  # moments exist from here on, on both sides
         bare = [p.detach().clone().requires_grad_() for p in params]

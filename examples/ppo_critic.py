@@ -73,9 +73,8 @@ def ppo_step(policy: Backend, critic: Backend, reference: Backend, batch, gamma:
 
     # the frozen reference's logprobs of the same tokens (forward changes no state)
     ref = reference.forward([datum(x, {"target_tokens": y}) for x, y, *_ in shaped], "cross_entropy")
-    # the critic's values; 'value' needs values/returns inputs even for a forward: zeros do
-    zeros = [np.zeros(len(x), np.float32) for x, *_ in shaped]
-    values = critic.forward([datum(x, {"values": z, "returns": z}) for (x, *_), z in zip(shaped, zeros, strict=True)])
+    # the critic's values V (a critic's forward without values/returns reads them)
+    values = critic.forward([datum(x, {}) for x, *_ in shaped])
 
     policy_data, critic_data = [], []
     for (x, y, start, logprobs, reward), r_out, v_out in zip(shaped, ref.loss_fn_outputs, values.loss_fn_outputs,

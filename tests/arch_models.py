@@ -35,15 +35,13 @@ def make_family_dir(family: str, path: Path, seed: int = 0, **overrides) -> Path
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from skyrl_sdk.models.loading import TINY_DIR
+    from skyrl_sdk.models.tiny_vlm import perturb_norms
 
     cls_name, extra = FAMILIES[family]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms start at exactly 1 (or 0): perturb them so they are really loaded
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_norms(model)
     model.save_pretrained(str(path))
     PreTrainedTokenizerFast.from_pretrained(str(TINY_DIR)).save_pretrained(str(path))
     return path

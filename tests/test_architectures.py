@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 import skyrl_sdk
 from arch_models import FAMILIES, make_family_dir
-from skyrl_sdk import types
+from skyrl_sdk import errors, types
 from skyrl_sdk.testing import make_sft_data
 
 TOL = 1e-4
@@ -98,7 +98,8 @@ def test_critic_trains_exports_and_loads_back(family_dir, tmp_path):
             critic.optim_step(types.AdamParams(learning_rate=1e-3))
         assert losses[-1] < losses[0]
         trained = _values(critic, data)
-        critic.save_weights_for_sampler(tmp_path / "critic")
+        with pytest.warns(errors.CriticExportWarning):  # no lm_head: says how to load it
+            critic.save_weights_for_sampler(tmp_path / "critic")
     export = tmp_path / "critic"
     with safe_open(str(export / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())

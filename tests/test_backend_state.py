@@ -184,6 +184,105 @@ def test_critic_value_loss_falls_and_forward_returns_values():
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_lora_on_a_tied_head_warns_nothing_and_exports_it_untied(tmp_path):
+    """LoRA on the head of a model whose head is its input embedding: no warning (peft's about
+    the tie is handled), the merged export writes the adapted head beside the embedding with
+    ``tie_word_embeddings: false`` (a loader would tie the delta away), and reproduces the
+    trained logprobs; the shared base's export too. Without the head adapted, it stays tied."""
+    import warnings
+
+    from arch_models import make_family_dir
+    from skyrl_sdk import SharedBase
+    from skyrl_sdk.models.checkpoint import load_tensors
+
+    model = str(make_family_dir("mistral", tmp_path / "tied", tie_word_embeddings=True))
+    data = make_sft_data([6, 5], seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with skyrl_sdk.Backend(model=model, lora=types.LoraConfig(rank=2)) as solo, SharedBase(model) as base, \
+                base.backend(types.LoraConfig(rank=2)) as shared, \
+                skyrl_sdk.Backend(model=model, lora=types.LoraConfig(rank=2, train_unembed=False)) as no_head:
+            for name, backend in (("solo", solo), ("shared", shared), ("no_head", no_head)):
+                backend.forward_backward(data)
+                backend.optim_step(types.AdamParams(learning_rate=1e-2))
+                trained = [o["logprobs"].to_numpy() for o in backend.forward(data).loss_fn_outputs]
+                backend.save_weights_for_sampler(tmp_path / name)
+                config = json.loads((tmp_path / name / "config.json").read_text())
+                weights = load_tensors(tmp_path / name / "model.safetensors")
+                assert config["tie_word_embeddings"] is (name == "no_head"), name
+                assert ("lm_head.weight" in weights) is (name != "no_head"), name
+                with skyrl_sdk.Backend(model=str(tmp_path / name)) as again:
+                    for got, expected in zip(again.forward(data).loss_fn_outputs, trained, strict=True):
+                        np.testing.assert_allclose(got["logprobs"].to_numpy(), expected, atol=2e-5)
+
+
+def test_a_critic_export_says_what_it_is_and_never_loads_as_a_policy(tmp_path):
+    """A critic's save_weights_for_sampler writes its backbone and value head (no lm_head),
+    warns how to load it, and leaves a README.md saying the same; skyrl-sdk refuses it as a
+    policy (a random lm_head otherwise) and loads it back as a critic. A policy's export:
+    no warning, no README."""
+    import warnings
+
+    from transformers import AutoModel
+
+    data = _critic_data()
+    with skyrl_sdk.Backend(seed=0, role="critic") as critic:
+        critic.forward_backward(data)
+        critic.optim_step(types.AdamParams(learning_rate=1e-2))
+        values = [o["values"].to_numpy() for o in critic.forward(data).loss_fn_outputs]
+        with pytest.warns(errors.CriticExportWarning) as caught:
+            critic.save_weights_for_sampler(tmp_path / "critic")
+    message = str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the caller's line
+    for part in (str(tmp_path / "critic"), "no lm_head", "role='critic'", "AutoModel", "random lm_head"):
+        assert part in message, message
+    card = (tmp_path / "critic" / "README.md").read_text()
+    assert "This directory is a critic (value model) export" in card and "role='critic'" in card
+    with pytest.raises(errors.ModelLoadError, match=r"is a critic export .*load it with role='critic'"):
+        skyrl_sdk.Backend(model=str(tmp_path / "critic"))
+    AutoModel.from_pretrained(str(tmp_path / "critic"))  # the backbone alone, as the note says
+    with skyrl_sdk.Backend(model=str(tmp_path / "critic"), role="critic") as again:
+        for got, expected in zip(again.forward(data).loss_fn_outputs, values, strict=True):
+            np.testing.assert_allclose(got["values"].to_numpy(), expected, atol=1e-6)
+    with warnings.catch_warnings(), skyrl_sdk.Backend(seed=0) as policy:
+        warnings.simplefilter("error")
+        policy.save_weights_for_sampler(tmp_path / "policy")
+    assert not (tmp_path / "policy" / "README.md").exists()
+
+
+def test_a_critic_forward_reads_the_values_without_value_inputs():
+    """``critic.forward([datum])`` with no ``values`` / ``returns``: the values (as a forward
+    with them gives), no loss, no state change; a policy's datums as they are work too.
+    ``forward_backward`` still requires them, and half of them is refused."""
+    data = _critic_data()
+    bare = [types.Datum(model_input=d.model_input, loss_fn_inputs={}) for d in data]
+    policy_like = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": np.ones(d.model_input.length, np.int64), "weights": np.ones(d.model_input.length, np.float32),
+        "logprobs": np.zeros(d.model_input.length, np.float32), "advantages": np.ones(d.model_input.length, np.float32)})
+        for d in data]
+    with skyrl_sdk.Backend(seed=0, role="critic") as critic:
+        critic.forward_backward(data)
+        critic.optim_step(types.AdamParams(learning_rate=1e-2))  # values no longer ~0
+        before = weights_of(critic)
+        with_inputs = critic.forward(data)
+        for datums in (bare, policy_like):
+            out = critic.forward(datums)
+            assert out.metrics == {"num_tokens:sum": float(sum(d.model_input.length for d in data))}
+            for got, expected in zip(out.loss_fn_outputs, with_inputs.loss_fn_outputs, strict=True):
+                assert set(got) == {"values"}
+                np.testing.assert_array_equal(got["values"].to_numpy(), expected["values"].to_numpy())
+        assert_tensors_close(weights_of(critic), before, atol=0.0)
+        assert not critic.engine.runner.has_pending_grads()
+        with pytest.raises(errors.DatumError, match=r"loss 'value' requires input 'values'"):
+            critic.forward_backward(bare)
+        half = [types.Datum(model_input=d.model_input, loss_fn_inputs={"returns": d.loss_fn_inputs["returns"]})
+                for d in data]
+        with pytest.raises(errors.DatumError, match=r"requires input 'values'"):
+            critic.forward(half)  # one of the two: the call computes the loss and needs both
+        with pytest.raises(errors.DatumError, match="differ from datum 0"):
+            critic.forward(bare[:1] + data[1:])
+
+
 
 def test_load_state_with_a_missing_optimizer_file_changes_nothing(tmp_path):
     with skyrl_sdk.Backend(seed=0) as a:

@@ -104,9 +104,9 @@ def _snapshot(backend):
     runner = backend.engine.runner
     return {
         "weights": {k: v.clone() for k, v in backend.engine.loaded.module.state_dict().items()},
-        "optimizer": {k: v.clone() for k, v in runner.optimizer_tensors().items()},
+        "optimizer": {k: v.clone() for k, v in runner.optimizer.state_items()},
         "grads": {n: p.grad.clone() for n, p in runner.named_trainable() if p.grad is not None},
-        "step": runner.step_count,
+        "step": runner.optimizer.step_count,
     }
 
 
@@ -169,4 +169,4 @@ def test_weights_only_load_ignores_a_corrupt_optimizer_file(good_state, tmp_path
         want = load_file(str(good_state / "model.safetensors"))
         got = b.engine.loaded.module.state_dict()
         assert all(torch.equal(got[k], want[k]) for k in want)
-        assert b.engine.runner.optimizer is None and b.engine.runner.step_count == 0
+        assert b.engine.runner.optimizer.torch_optimizer is None and b.engine.runner.optimizer.step_count == 0

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types as pytypes
+from pathlib import Path
 
 import pytest
 
 from _limits import HANG_S
+from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk.cli import commands as cli
 from skyrl_sdk.losses.base import LossSpec
 from skyrl_sdk.losses.dialects import convert_tinker
-from skyrl_sdk.plugins import manager as plugins
 from skyrl_sdk.plugins.registry import DialectSpec
 
 
@@ -45,7 +47,7 @@ def test_plugins_json_lists_builtins_and_reinforce():
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     by_name = {r["name"]: r for r in rows}
-    for name in plugins.BUILTIN_PLUGINS:
+    for name in plugins.builtin_plugin_names():
         assert by_name[name]["builtin"] is True and by_name[name]["package"] == "skyrl-sdk"
         assert by_name[name]["error"] is None
     assert "loss:cross_entropy" in by_name["skyrl_sdk.losses.sft"]["registered"]
@@ -73,13 +75,13 @@ def test_losses_json_lists_inputs_config_and_dialect_names():
 
 
 def test_human_output_is_an_aligned_table_and_env_restricts():
-    proc = run_cli("plugins", env={plugins.ENV_VAR: ""})
+    proc = run_cli("plugins", env={"SKYRL_SDK_PLUGINS": ""})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["NAME", "PACKAGE", "VERSION", "BUILTIN", "REGISTERED"]
     column = lines[0].index("PACKAGE")
     assert all(line[column - 2:column] == "  " and line[column] != " " for line in lines[1:])
-    assert "reinforce" not in proc.stdout and len(lines) == 1 + len(plugins.BUILTIN_PLUGINS)
+    assert "reinforce" not in proc.stdout and len(lines) == 1 + len(plugins.builtin_plugin_names())
 
 
 # ---- in-process ------------------------------------------------------------------------------
@@ -285,6 +287,22 @@ def test_serve_help_says_how_to_point_the_client():
     assert "base_url=" in text and "--lazy" in text
 
 
+def test_serve_help_describes_the_api_keys_file_with_its_real_columns(tmp_path):
+    """--api-keys's help names the columns the file reader accepts, the operator mark too."""
+    from skyrl_sdk.server.config import OPERATOR_MARK, read_api_keys
+
+    help_text = " ".join(_subcommands()["serve"][0].format_help().split())
+    columns = re.search(r"--api-keys FILE .*?one '(KEY \[OWNER \[(\w+)\]\])' per line", help_text)
+    assert columns and columns.group(2) == OPERATOR_MARK, help_text
+    keys, operators = tmp_path / "keys", set()
+    keys.write_text(f"tml-aaaaaaaaaaaaaaaa alice {OPERATOR_MARK}\ntml-bbbbbbbbbbbbbbbb\n")
+    keys.chmod(0o600)
+    assert read_api_keys(keys, operators)["tml-aaaaaaaaaaaaaaaa"] == "alice" and operators == {"alice"}
+    index = (Path(__file__).resolve().parents[1] / "docs" / "index.md").read_text()
+    summary = re.search(r"## The command line\n\n```\n(.*?)```", index, re.S).group(1)
+    assert "--api-keys FILE" in summary
+
+
 @pytest.mark.slow
 def test_losses_fit_100_columns_by_default_and_wide_is_one_line_each():
     proc = run_cli("losses", env={"COLUMNS": "250"})
@@ -310,6 +328,7 @@ def test_a_closed_pipe_is_not_a_traceback():
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # like `| head` exiting before the command writes
     err = proc.stderr.read().decode()
+    proc.stderr.close()
     assert proc.wait(timeout=HANG_S) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
@@ -324,7 +343,7 @@ def test_a_closed_pipe_is_not_a_traceback():
         (["--engine", "fsdpp"], "--engine: unknown engine 'fsdpp'; available: ["),
         (["--engine-config", '{"devcie": "cpu"}'], "engine_config: unknown key 'devcie'"),
         (["--lazy", "--engine-config", '{"devcie": "cpu"}'], "engine_config: unknown key 'devcie'"),
-        (["--sampler", "vlm"], "--sampler: unknown sampler 'vlm'; available: ['transformers']"),
+        (["--sampler", "nope"], "--sampler: unknown sampler 'nope'; available: ['transformers'"),
         (["--sampler-config", '{"n": 1}'], "with sampler 'transformers': InputError: sampler_config: "
                                             "the 'transformers' sampler takes no options, got ['n']"),
         (["--lazy", "--sampler-config", '{"n": 1}'], "sampler 'transformers' with these configs: InputError"),
@@ -343,11 +362,12 @@ def test_serve_refuses_to_start_with_the_reason(argv, expected, tmp_path, capsys
     assert not (tmp_path / "s").exists()
 
 
-@pytest.mark.parametrize("port", ["99999", "0", "-1"])
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
 def test_serve_port_out_of_range_is_one_line_exit_2(port, tmp_path, capsys):
     assert cli.main(["serve", "--port", port, "--state-dir", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
-    assert err == f"skyrl-sdk serve: cannot start: --port: expected a TCP port from 1 to 65535, got {port}\n"
+    assert err == ("skyrl-sdk serve: cannot start: --port: expected a TCP port from 1 to 65535, or 0 for a free "
+                   f"one, got {port}\n")
 
 
 def test_serve_port_in_use_is_one_line_exit_2_before_any_model_loads(tmp_path, capsys, monkeypatch):
@@ -446,6 +466,32 @@ def test_serve_with_a_missing_model_exits_2_before_loading_anything(tmp_path):
 
 
 @pytest.mark.slow
+def test_serve_port_0_binds_a_free_port_and_prints_it(tmp_path):
+    """``serve --port 0``: the system picks a free port; the banner names it (not 0) and the
+    server answers there."""
+    import socket
+    import urllib.request
+
+    proc = _serve(tmp_path, 0)
+    try:
+        first = proc.stderr.readline()
+        match = re.match(r"skyrl-sdk serve: listening on http://127\.0\.0\.1:(\d+) ", first)
+        assert match, first
+        port = int(match.group(1))
+        assert port != 0
+        hint = "".join(proc.stderr.readline() for _ in range(2))
+        assert f"TINKER_BASE_URL=http://127.0.0.1:{port} " in hint, hint
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=HANG_S) as answer:
+            assert answer.status == 200 and isinstance(json.loads(answer.read()), dict)
+        with socket.socket() as taken, pytest.raises(OSError):  # the port is really in use
+            taken.bind(("127.0.0.1", port))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=HANG_S)
+        proc.stderr.close()
+
+
+@pytest.mark.slow
 def test_serve_banner_comes_after_the_bind(tmp_path):
     import socket
 
@@ -467,3 +513,4 @@ def test_serve_banner_comes_after_the_bind(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=HANG_S)
+        proc.stderr.close()

@@ -58,3 +58,33 @@ def test_readme_tour_runs_twice_in_the_same_directory(tmp_path, monkeypatch):
     for _ in range(2):
         exec(compile(tour, "README.md", "exec"), {})
     assert (tmp_path / "exported" / "model.safetensors").is_file()
+
+
+#: the import names of what the extras (``[lora]``, ``[vision]``, ``[server]``, ``[test]``, ``[bench]``) add
+EXTRAS_MODULES = ("peft", "PIL", "fastapi", "uvicorn", "tinker", "google.protobuf", "httpx", "pytest", "hypothesis",
+                  "matplotlib", "psutil", "trl", "datasets", "pandas", "pyarrow")
+WITHOUT_EXTRAS = """
+import sys
+for name in sys.argv[1].split(","):  # as if not installed: import fails, find_spec says None
+    sys.modules[name] = None
+from skyrl_sdk.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_the_readmes_first_line_installs_only_what_the_demo_needs(tmp_path):
+    """README line 1 installs the package without extras or plugins, and the demo runs with
+    none of the extras' modules importable (as after that install in a fresh venv)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    first = readme.split("```bash\n", 1)[1].splitlines()[0]
+    install, run = first.split(" && ")
+    assert install.split() == ["pip", "install", "torch==2.13.0", "-e", "."] and run == "skyrl-sdk demo"
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_EXTRAS, ",".join(EXTRAS_MODULES), "demo", "--short", "--json",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=HANG_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["sft_loss_last"] < json.loads(proc.stdout)["sft_loss_first"]
+    check = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS, ",".join(EXTRAS_MODULES), "serve"],
+                           capture_output=True, text=True, timeout=HANG_S)  # the blocking works:
+    assert check.returncode == 2 and "pip install 'skyrl-sdk[server]'" in check.stderr, check.stderr

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import skyrl_sdk
+from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk import types
 from skyrl_sdk.errors import DatumError, InputError
-from skyrl_sdk.plugins import manager as plugins
 from skyrl_sdk.rl import datum_from_sample, with_ref_logprobs
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

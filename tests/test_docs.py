@@ -13,24 +13,20 @@ from pathlib import Path
 import attrs
 import pytest
 
+from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk import hooks as hookspecs
-from skyrl_sdk.plugins import manager as plugins
+from skyrl_sdk.plugins import manager
 from skyrl_sdk.plugins.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
-#: hook -> the Registry method its ``register`` callback is bound to (see plugins.py)
-REGISTER_METHODS = {
-    "skyrl_sdk_register_losses": Registry.register_loss,
-    "skyrl_sdk_register_dialects": Registry.register_dialect,
-    "skyrl_sdk_register_engines": Registry.register_engine,
-    "skyrl_sdk_register_samplers": Registry.register_sampler,
-}
+#: hook -> the Registry method its ``register`` callback is bound to (see plugins/manager.py)
+REGISTER_METHODS = {hook: getattr(Registry, method) for hook, method in manager.REGISTRATION_HOOKS.items()}
 
 
 def hookspec_functions() -> dict[str, object]:
-    marker = f"{plugins.ENTRY_POINT_GROUP}_spec"  # the attribute pluggy's HookspecMarker sets
+    marker = f"{manager.ENTRY_POINT_GROUP}_spec"  # the attribute pluggy's HookspecMarker sets
     return {name: fn for name, fn in vars(hookspecs).items() if callable(fn) and hasattr(fn, marker)}
 
 
@@ -77,7 +73,7 @@ def builtin_losses() -> dict:
     registry = plugins.get_registry()
     return {
         name: spec for name, spec in sorted(registry.losses.items())
-        if registry.owners[("loss", name)] in plugins.BUILTIN_PLUGINS
+        if registry.owners[("loss", name)] in plugins.builtin_plugin_names()
     }
 
 

@@ -41,7 +41,7 @@ def backend():
 def _snapshot(backend):
     runner = backend.engine.runner
     grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in runner.named_trainable()}
-    return weights_of(backend), grads, runner.step_count
+    return weights_of(backend), grads, runner.optimizer.step_count
 
 
 def _assert_same(before, backend):

@@ -195,7 +195,7 @@ def test_plugin_loss_with_elementwise_loss_gets_reductions():
 
     lp0 = torch.tensor([-1.0, -2.0, -0.5, -3.0])
     w = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    with mock.patch("skyrl_sdk.plugins.manager.get_registry", return_value=registry):
+    with mock.patch("skyrl_sdk.builtin_plugins.get_registry", return_value=registry):
         for name in ("neg_lp", "sum_only"):
             for reduction, expected in (("token_mean", 4.5 / 3), ("seq_mean_token_sum", 4.5),
                                         ("seq_mean_token_sum_norm", 4.5 / 8)):

@@ -12,13 +12,12 @@ import math
 import pytest
 import torch
 
+from skyrl_sdk import get_registry
 from skyrl_sdk.evaluate import evaluate_loss
 from skyrl_sdk.losses import LossInput
 from skyrl_sdk.losses.dialects import convert_tinker_loss_config
 from skyrl_sdk.losses.metrics import MetricAccumulator
-from skyrl_sdk.losses.resolve import resolve_loss
 from skyrl_sdk.losses.run import run_loss
-from skyrl_sdk.plugins.manager import get_registry
 
 POLICY_LOSSES = (
     "importance_sampling", "regular", "dual_clip", "gspo", "cispo", "sapo", "dro", "clip_cov", "kl_cov",
@@ -648,7 +647,7 @@ def packed_data(seed, *, weights: bool, offsets=(-0.4, 0.0, 0.4)):
 
 def run_packed(name, cfg, lp, inputs, seg, role="policy", prepared=None):
     """run_loss on a packed LossInput; returns (loss, grad, metric accumulator state)."""
-    resolved = resolve_loss(get_registry(), name, cfg, dialect="native", role=role)
+    resolved = get_registry().resolve(name, cfg, dialect="native", role=role)
     leaf = lp.clone().requires_grad_(True)
     segs = torch.unique(seg)
     ids = torch.searchsorted(segs, seg)
@@ -721,7 +720,7 @@ def test_cov_losses_prepare_whole_call_then_split(name, cfg, weights):
     lp, inputs, seg = packed_data(3, weights=weights)
     inputs["advantages"] = inputs["advantages"] * 3.0
     spec = get_registry().losses[name]
-    resolved = resolve_loss(get_registry(), name, cfg, dialect="native")
+    resolved = get_registry().resolve(name, cfg, dialect="native")
     whole = LossInput(inputs=inputs, segment_ids=seg, num_segments=3, target_logprobs=lp.detach())
     prepared = spec.prepare(whole, resolved.config)
     key = f"{name}_selected"

@@ -12,8 +12,9 @@ import sys
 import attrs
 import pytest
 
+from skyrl_sdk import builtin_plugins
 from skyrl_sdk.errors import DuplicateRegistrationError, PluginError
-from skyrl_sdk.plugins import manager as plugins
+from skyrl_sdk.plugins import manager
 from skyrl_sdk.plugins.registry import Registry
 
 HOOKS = ("skyrl_sdk_register_losses", "skyrl_sdk_register_dialects", "skyrl_sdk_register_engines")
@@ -45,16 +46,16 @@ def loss_plugin(name: str, extra: str = "") -> str:
     """
 
 
-def info_of(name: str) -> plugins.PluginInfo:
-    return next(p for p in plugins.get_plugins().plugins if p.name == name)
+def info_of(name: str) -> manager.PluginInfo:
+    return next(p for p in builtin_plugins.get_plugins().plugins if p.name == name)
 
 
 # ---- built-ins ---------------------------------------------------------------------------
 
 
 def test_builtins_are_registered_through_the_same_hooks():
-    loaded = plugins.get_plugins()
-    for module_name in plugins.BUILTIN_PLUGINS:
+    loaded = builtin_plugins.get_plugins()
+    for module_name in builtin_plugins.builtin_plugin_names():
         module = sys.modules[module_name]
         assert loaded.manager.get_plugin(module_name) is module
         info = info_of(module_name)
@@ -69,19 +70,20 @@ def test_builtins_are_registered_through_the_same_hooks():
 
 
 def test_builtins_come_first_and_are_cached():
-    loaded = plugins.get_plugins()
+    loaded = builtin_plugins.get_plugins()
     names = [p.name for p in loaded.plugins]
-    assert names[: len(plugins.BUILTIN_PLUGINS)] == list(plugins.BUILTIN_PLUGINS)
-    assert plugins.get_plugins() is loaded
-    plugins.reset()
-    assert plugins.get_plugins() is not loaded
+    assert names[: len(builtin_plugins.builtin_plugin_names())] == list(builtin_plugins.builtin_plugin_names())
+    assert builtin_plugins.get_plugins() is loaded
+    manager.reset()
+    assert builtin_plugins.get_plugins() is not loaded
 
 
-def test_a_failing_builtin_is_not_hidden(site, monkeypatch):
+def test_a_failing_builtin_is_not_hidden(site):
     site("unused-dist", {"skyrl_fake_builtin": loss_plugin("fake_builtin", "raise RuntimeError('boom')")}, {})
-    monkeypatch.setattr(plugins, "BUILTIN_PLUGINS", (*plugins.BUILTIN_PLUGINS, "skyrl_fake_builtin"))
+    import skyrl_fake_builtin
+
     with pytest.raises(RuntimeError, match="boom"):
-        plugins.load_plugins()
+        manager.load_plugins((*builtin_plugins.builtin_plugins(), skyrl_fake_builtin))
 
 
 # ---- real entry points -------------------------------------------------------------------
@@ -93,7 +95,7 @@ def test_reinforce_found_through_its_real_entry_point():
     assert (info.package, info.builtin, info.error) == ("skyrl-sdk-reinforce", False, None)
     assert info.version == "0.1.0"
     assert info.registered == ("loss:reinforce",)
-    assert plugins.get_registry().owners[("loss", "reinforce")] == "reinforce"
+    assert builtin_plugins.get_registry().owners[("loss", "reinforce")] == "reinforce"
 
 
 def test_installed_plugin_registers_all_three_kinds(site):
@@ -119,7 +121,7 @@ def test_installed_plugin_registers_all_three_kinds(site):
     info = info_of("fake_all")
     assert (info.package, info.version, info.builtin, info.error) == ("skyrl-fake-all", "4.5.6", False, None)
     assert info.registered == ("loss:fake_all_loss", "dialect:fake_dialect", "engine:fake_engine")
-    registry = plugins.get_registry()
+    registry = builtin_plugins.get_registry()
     assert registry.dialects["fake_dialect"].convert("alias", None, "policy") == ("fake_all_loss", {})
     assert registry.engines["fake_engine"].factory(model="m") == {"model": "m"}
 
@@ -132,7 +134,7 @@ def test_entry_point_may_name_an_object(site):
         holder = Holder()
     """
     site("skyrl-fake-obj", {"skyrl_fake_obj": source}, {"fake_obj": "skyrl_fake_obj:holder"})
-    assert "fake_obj_loss" in plugins.get_registry().losses
+    assert "fake_obj_loss" in builtin_plugins.get_registry().losses
 
 
 # ---- failure isolation -------------------------------------------------------------------
@@ -148,7 +150,7 @@ def test_plugin_that_fails_to_import_is_reported_and_skipped(site):
     )
     assert "import failed" in broken.error and "needs libfoo" in broken.error
     assert info_of("good").error is None
-    assert "fake_good_loss" in plugins.get_registry().losses
+    assert "fake_good_loss" in builtin_plugins.get_registry().losses
 
 
 def test_plugin_that_raises_while_registering_is_rolled_back(site):
@@ -156,7 +158,7 @@ def test_plugin_that_raises_while_registering_is_rolled_back(site):
     site("skyrl-fake-partial", {"skyrl_fake_partial": partial}, {"a_partial": "skyrl_fake_partial"})
     # Loads after a_partial (sorted by name) and claims the same name: fine once rolled back.
     site("skyrl-fake-after", {"skyrl_fake_after": loss_plugin("fake_partial")}, {"b_after": "skyrl_fake_after"})
-    loaded = plugins.get_plugins()
+    loaded = builtin_plugins.get_plugins()
     info = info_of("a_partial")
     assert info.registered == () and info.package == "skyrl-fake-partial"
     assert "registration failed" in info.error and "half way" in info.error
@@ -177,7 +179,7 @@ def test_plugin_with_a_wrong_hook_signature_is_isolated(site):
     site("skyrl-fake-badsig", {"skyrl_fake_badsig": bad}, {"badsig": "skyrl_fake_badsig"})
     site("skyrl-fake-fine", {"skyrl_fake_fine": loss_plugin("fake_fine_loss")}, {"fine": "skyrl_fake_fine"})
     assert "registration failed" in info_of("badsig").error
-    assert "fake_fine_loss" in plugins.get_registry().losses
+    assert "fake_fine_loss" in builtin_plugins.get_registry().losses
 
 
 def test_malformed_registration_in_a_plugin_is_reported(site):
@@ -192,7 +194,149 @@ def test_malformed_registration_in_a_plugin_is_reported(site):
     site("skyrl-fake-bad", {"skyrl_fake_bad": bad}, {"bad": "skyrl_fake_bad"})
     error = info_of("bad").error
     assert "PluginError" in error and "role" in error
-    assert "fake_bad_role" not in plugins.get_registry().losses
+    assert "fake_bad_role" not in builtin_plugins.get_registry().losses
+
+
+def test_a_plugin_that_breaks_the_hook_call_does_not_stop_the_plugins_called_after_it(site):
+    """pluggy stops a hook call at the first implementation that raises: the call runs again
+    without the broken plugin, so plugins (and built-ins) pluggy would call after it register."""
+    site("skyrl-fake-first", {"skyrl_fake_first": loss_plugin("fake_first", "raise RuntimeError('first fails')")
+                              .replace("@skyrl_sdk.hookimpl", "@skyrl_sdk.hookimpl(tryfirst=True)")},
+         {"zz_first": "skyrl_fake_first"})
+    site("skyrl-fake-then", {"skyrl_fake_then": loss_plugin("fake_then")}, {"then": "skyrl_fake_then"})
+    loaded = builtin_plugins.get_plugins()
+    assert "first fails" in info_of("zz_first").error and "fake_first" not in loaded.registry.losses
+    assert loaded.registry.owners[("loss", "fake_then")] == "then"
+    assert "cross_entropy" in loaded.registry.losses
+
+
+def test_a_wrapper_that_never_yields_is_found_and_skipped(site):
+    """pluggy's own error names no frame of the plugin: each plugin is then called alone."""
+    no_yield = """
+        import skyrl_sdk
+
+        @skyrl_sdk.hookimpl(wrapper=True)
+        def skyrl_sdk_register_losses(register):
+            if False:
+                yield
+    """
+    site("skyrl-fake-noyield", {"skyrl_fake_noyield": no_yield}, {"noyield": "skyrl_fake_noyield"})
+    site("skyrl-fake-fine2", {"skyrl_fake_fine2": loss_plugin("fake_fine2")}, {"fine2": "skyrl_fake_fine2"})
+    assert "did not yield" in info_of("noyield").error
+    assert builtin_plugins.get_registry().owners[("loss", "fake_fine2")] == "fine2"
+
+
+# ---- hooks are called through pluggy -------------------------------------------------------
+
+
+def test_hookwrappers_old_and_new_style_run_around_the_other_implementations(site):
+    log = "EVENTS = []\n"
+    wrappers = """
+        import skyrl_sdk
+        from skyrl_fake_log import EVENTS
+
+        def fn(batch, config):
+            return None
+
+        @skyrl_sdk.hookimpl(hookwrapper=True)
+        def skyrl_sdk_register_losses(register):
+            EVENTS.append("old-style before")
+            outcome = yield
+            EVENTS.append(f"old-style after ({len(outcome.get_result())} results)")
+            register("from_old_style_wrapper", fn, description="x", required_inputs=())
+    """
+    new_style = """
+        import skyrl_sdk
+        from skyrl_fake_log import EVENTS
+
+        def fn(batch, config):
+            return None
+
+        class Plugin:
+            @skyrl_sdk.hookimpl(wrapper=True)
+            def skyrl_sdk_register_losses(self, register):
+                EVENTS.append("new-style before")
+                results = yield
+                EVENTS.append("new-style after")
+                register("from_new_style_wrapper", fn, description="x", required_inputs=())
+                return results
+
+        plugin = Plugin()
+    """
+    plain = """
+        import skyrl_sdk
+        from skyrl_fake_log import EVENTS
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_losses(register):
+            EVENTS.append("plain")
+    """
+    site("skyrl-fake-log", {"skyrl_fake_log": log}, {})
+    site("skyrl-fake-old", {"skyrl_fake_old": wrappers}, {"old": "skyrl_fake_old"})
+    site("skyrl-fake-new", {"skyrl_fake_new": new_style}, {"new": "skyrl_fake_new:plugin"})
+    site("skyrl-fake-plain", {"skyrl_fake_plain": plain}, {"plain": "skyrl_fake_plain"})
+    registry = builtin_plugins.get_registry()
+    events = sys.modules["skyrl_fake_log"].EVENTS
+    # wrappers: the later registered runs outermost; both around every plain implementation
+    assert events == ["old-style before", "new-style before", "plain", "new-style after",
+                      "old-style after (0 results)"], events
+    assert registry.owners[("loss", "from_old_style_wrapper")] == "old"
+    assert registry.owners[("loss", "from_new_style_wrapper")] == "new"
+    assert info_of("new").registered == ("loss:from_new_style_wrapper",)
+
+
+def test_tryfirst_and_trylast_order_the_calls(site):
+    site("skyrl-fake-log2", {"skyrl_fake_log2": "EVENTS = []\n"}, {})
+
+    def plugin(name: str, mark: str = "") -> str:
+        return loss_plugin(f"fake_{name}", f"import skyrl_fake_log2; skyrl_fake_log2.EVENTS.append({name!r})") \
+            .replace("@skyrl_sdk.hookimpl", f"@skyrl_sdk.hookimpl({mark})")
+
+    # loaded a, b, c, d; pluggy calls tryfirst, then the rest latest-registered first, then trylast
+    for name, mark in (("a", ""), ("b", "tryfirst=True"), ("c", "trylast=True"), ("d", "")):
+        site(f"skyrl-fake-{name}", {f"skyrl_fake_{name}": plugin(name, mark)}, {name: f"skyrl_fake_{name}"})
+    registry = builtin_plugins.get_registry()
+    assert sys.modules["skyrl_fake_log2"].EVENTS == ["b", "d", "a", "c"]
+    assert [registry.owners[("loss", f"fake_{n}")] for n in "abcd"] == list("abcd")
+    # the registry keeps load order, whatever order the calls ran in
+    assert [n for n in registry.losses if n.startswith("fake_")] == ["fake_a", "fake_b", "fake_c", "fake_d"]
+
+
+def test_a_registration_made_through_a_helper_belongs_to_the_calling_plugin(site):
+    helper = """
+        def fn(batch, config):
+            return None
+
+        def register_all(register, prefix):
+            register(prefix + "_via_helper", fn, description="x", required_inputs=())
+    """
+    caller = """
+        import skyrl_sdk
+        from skyrl_fake_helper import register_all
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_losses(register):
+            register_all(register, "fake_caller")
+    """
+    site("skyrl-fake-helper", {"skyrl_fake_helper": helper}, {})
+    site("skyrl-fake-caller", {"skyrl_fake_caller": caller}, {"caller": "skyrl_fake_caller"})
+    assert builtin_plugins.get_registry().owners[("loss", "fake_caller_via_helper")] == "caller"
+
+
+def test_register_kept_and_called_after_the_hook_is_refused(site):
+    keeper = """
+        import skyrl_sdk
+
+        KEPT = []
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_losses(register):
+            KEPT.append(register)
+    """
+    site("skyrl-fake-keeper", {"skyrl_fake_keeper": keeper}, {"keeper": "skyrl_fake_keeper"})
+    builtin_plugins.get_plugins()
+    with pytest.raises(PluginError, match="outside a skyrl_sdk hook implementation"):
+        sys.modules["skyrl_fake_keeper"].KEPT[0]("late", lambda b, c: None, description="x", required_inputs=())
 
 
 # ---- duplicates --------------------------------------------------------------------------
@@ -202,7 +346,7 @@ def test_two_plugins_registering_one_loss_name_raise_naming_both(site):
     site("skyrl-fake-one", {"skyrl_fake_one": loss_plugin("fake_dup")}, {"first": "skyrl_fake_one"})
     site("skyrl-fake-two", {"skyrl_fake_two": loss_plugin("fake_dup")}, {"second": "skyrl_fake_two"})
     with pytest.raises(DuplicateRegistrationError) as excinfo:
-        plugins.get_plugins()
+        builtin_plugins.get_plugins()
     message = str(excinfo.value)
     assert "'fake_dup'" in message and "'first'" in message and "'second'" in message
 
@@ -210,7 +354,7 @@ def test_two_plugins_registering_one_loss_name_raise_naming_both(site):
 def test_plugin_reusing_a_builtin_name_raises_naming_both(site):
     site("skyrl-fake-shadow", {"skyrl_fake_shadow": loss_plugin("cross_entropy")}, {"shadow": "skyrl_fake_shadow"})
     with pytest.raises(DuplicateRegistrationError, match="skyrl_sdk.losses.sft.*shadow"):
-        plugins.get_plugins()
+        builtin_plugins.get_plugins()
 
 
 def test_duplicate_engine_and_dialect_names_raise():
@@ -233,7 +377,7 @@ def two_plugins(site):
 
 
 def _third_party() -> set[str]:
-    return {p.name for p in plugins.get_plugins().plugins if not p.builtin}
+    return {p.name for p in builtin_plugins.get_plugins().plugins if not p.builtin}
 
 
 def test_env_unset_loads_every_plugin(two_plugins):
@@ -241,16 +385,16 @@ def test_env_unset_loads_every_plugin(two_plugins):
 
 
 def test_env_empty_loads_builtins_only(two_plugins, monkeypatch):
-    monkeypatch.setenv(plugins.ENV_VAR, "")
+    monkeypatch.setenv(manager.ENV_VAR, "")
     assert _third_party() == set()
-    assert "cross_entropy" in plugins.get_registry().losses
+    assert "cross_entropy" in builtin_plugins.get_registry().losses
 
 
 def test_env_names_restrict_by_entry_point_or_distribution(two_plugins, monkeypatch):
-    monkeypatch.setenv(plugins.ENV_VAR, "a")
+    monkeypatch.setenv(manager.ENV_VAR, "a")
     assert _third_party() == {"a"}
-    assert "fake_b_loss" not in plugins.get_registry().losses
-    monkeypatch.setenv(plugins.ENV_VAR, " skyrl-fake-b , a ")
+    assert "fake_b_loss" not in builtin_plugins.get_registry().losses
+    monkeypatch.setenv(manager.ENV_VAR, " skyrl-fake-b , a ")
     assert _third_party() == {"a", "b"}
 
 
@@ -325,7 +469,7 @@ def test_non_callable_engine_or_dialect_raises(method):
 
 
 def test_plugin_info_to_dict_is_json_ready():
-    info = plugins.PluginInfo("n", "pkg", "1", False, ("loss:x",), None)
+    info = manager.PluginInfo("n", "pkg", "1", False, ("loss:x",), None)
     assert info.to_dict() == {
         "name": "n", "package": "pkg", "version": "1", "builtin": False, "registered": ["loss:x"], "error": None,
     }
@@ -342,7 +486,7 @@ def test_plugin_with_a_misspelt_hook_is_reported(site):
     site("skyrl-fake-typo", {"skyrl_fake_typo": typo}, {"typo": "skyrl_fake_typo"})
     error = info_of("typo").error
     assert "unknown hook" in error and "skyrl_sdk_register_loss'" in error and "skyrl_sdk_register_losses" in error
-    assert plugins.get_plugins().manager.get_plugin("typo") is None
+    assert builtin_plugins.get_plugins().manager.get_plugin("typo") is None
 
 
 # ---- decorators: sugar over the hooks ------------------------------------------------------
@@ -352,7 +496,7 @@ def test_a_decorated_loss_in_this_process_is_registered_under_its_module():
     from skyrl_sdk.losses import LossOutput
     from skyrl_sdk.testing import make_sft_data
 
-    before = plugins.get_registry()
+    before = builtin_plugins.get_registry()
     assert "decorated_ce" not in before.losses
 
     @skyrl_sdk.register_loss("decorated_ce", description="test", required_inputs=("target_tokens",),
@@ -360,7 +504,7 @@ def test_a_decorated_loss_in_this_process_is_registered_under_its_module():
     def decorated_ce(batch, config):
         return LossOutput(loss=-(batch.target_logprobs * batch.mask()).sum())
 
-    registry = plugins.get_registry()  # a new declaration rebuilds the registry
+    registry = builtin_plugins.get_registry()  # a new declaration rebuilds the registry
     assert registry.losses["decorated_ce"].fn is decorated_ce
     assert registry.owners[("loss", "decorated_ce")] == __name__
     info = info_of(__name__)
@@ -370,7 +514,7 @@ def test_a_decorated_loss_in_this_process_is_registered_under_its_module():
         ours = backend.forward(data, "decorated_ce").metrics["loss:sum"]
         theirs = backend.forward(data, "cross_entropy").metrics["loss:sum"]
     assert ours == pytest.approx(theirs, rel=1e-6)
-    assert plugins.get_registry() is registry  # no new declaration: the same registry
+    assert builtin_plugins.get_registry() is registry  # no new declaration: the same registry
 
 
 def test_an_entry_point_plugin_may_declare_with_decorators_only(site, monkeypatch):
@@ -387,15 +531,15 @@ def test_an_entry_point_plugin_may_declare_with_decorators_only(site, monkeypatc
             return ("decorated_plugin_loss", {}) if loss_fn == "alias" else None
     """
     site("skyrl-fake-decorated", {"skyrl_fake_decorated": source}, {"decorated": "skyrl_fake_decorated"})
-    registry = plugins.get_registry()
+    registry = builtin_plugins.get_registry()
     assert registry.owners[("loss", "decorated_plugin_loss")] == "decorated"
     assert registry.dialect_spec("decorated_dialect").convert("alias", None, "policy") == ("decorated_plugin_loss", {})
     info = info_of("decorated")
     assert (info.package, info.error) == ("skyrl-fake-decorated", None)
     assert info.registered == ("loss:decorated_plugin_loss", "dialect:decorated_dialect")
     # left out by SKYRL_SDK_PLUGINS: its declarations are left out too, though its module was imported
-    monkeypatch.setenv(plugins.ENV_VAR, "")
-    assert "decorated_plugin_loss" not in plugins.get_registry().losses
+    monkeypatch.setenv(manager.ENV_VAR, "")
+    assert "decorated_plugin_loss" not in builtin_plugins.get_registry().losses
 
 
 def test_a_malformed_declaration_fails_its_module_alone():
@@ -403,7 +547,7 @@ def test_a_malformed_declaration_fails_its_module_alone():
 
     skyrl_sdk.register_loss("bad_decl", description="test", required_inputs="target_tokens")(lambda b, c: None)
     skyrl_sdk.register_loss("good_decl_same_module", description="test", required_inputs=())(lambda b, c: None)
-    registry = plugins.get_registry()
+    registry = builtin_plugins.get_registry()
     assert "bad_decl" not in registry.losses and "good_decl_same_module" not in registry.losses
     assert "required_inputs must be a list" in info_of(__name__).error
     assert "cross_entropy" in registry.losses

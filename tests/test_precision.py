@@ -77,7 +77,7 @@ def test_masters_gradients_moments_and_outputs_are_float32():
         for name, p in runner.named_trainable():
             assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
         mixed.optim_step(SMALL_LR)
-        for state in runner.optimizer.state.values():
+        for state in runner.optimizer.torch_optimizer.state.values():
             assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
         for got, want in zip(out.loss_fn_outputs, ref.loss_fn_outputs, strict=True):
             lp, lp32 = got["logprobs"].to_numpy(), want["logprobs"].to_numpy()

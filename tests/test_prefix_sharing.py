@@ -14,11 +14,10 @@ import pytest
 import torch
 
 import skyrl_sdk
-from skyrl_sdk import errors, types
+from skyrl_sdk import errors, get_registry, types
 from skyrl_sdk.engines import sharing
 from skyrl_sdk.models import prefix_attention
 from skyrl_sdk.models.prefix import MIN_SAVED_FRACTION, find_groups, layout_groups
-from skyrl_sdk.plugins import get_registry
 from skyrl_sdk.testing import assert_metrics_close, grads_of, make_group_data, make_sft_data
 
 OFF = {"prefix_sharing": False}

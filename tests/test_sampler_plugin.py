@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 import skyrl_sdk
+from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk import errors, types
-from skyrl_sdk.plugins import manager as plugins
 from skyrl_sdk.sampling import Sampler, TransformersSampler
 
 ECHO_PLUGIN = """
@@ -60,7 +60,7 @@ def test_builtin_transformers_sampler_registers_through_the_hook():
     registry = plugins.get_registry()
     assert registry.samplers["transformers"].factory is TransformersSampler
     assert registry.owners[("sampler", "transformers")] == "skyrl_sdk.sampling"
-    assert "skyrl_sdk.sampling" in plugins.BUILTIN_PLUGINS
+    assert "skyrl_sdk.sampling" in plugins.builtin_plugin_names()
 
 
 def test_a_plugin_sampler_serves_backend_sample(install):
@@ -88,8 +88,12 @@ def test_a_plugin_sampler_serves_backend_sample(install):
     ]
 
 
-def test_unknown_sampler_and_bad_config_are_clear_errors():
-    with pytest.raises(errors.UnknownNameError, match=r"unknown sampler 'vllm'; available: \['transformers'\]"):
+def test_unknown_sampler_and_bad_config_are_clear_errors(monkeypatch):
+    monkeypatch.setenv("SKYRL_SDK_PLUGINS", "")  # the built-ins only, whatever this environment installed
+    with pytest.raises(errors.UnknownNameError, match=r"unknown sampler 'vllm'; available: \['transformers'\] "
+                                                      r"\(sampler 'vllm' comes with: "
+                                                      r"pip install 'skyrl-sdk-vllm\[gpu\]' \(CUDA\) or "
+                                                      r"'skyrl-sdk-vllm\[cpu\]'\)"):
         skyrl_sdk.Backend(sampler="vllm")
     with pytest.raises(errors.InputError, match="sampler_config: expected a mapping"):
         skyrl_sdk.Backend(sampler_config=[("a", 1)])
@@ -150,7 +154,7 @@ def test_a_sampler_class_must_subclass_sampler_and_implement_sample(install):
     loaded = plugins.get_plugins()
     errors_by_plugin = {p.name: p.error for p in loaded.plugins}
     assert "Duck must subclass skyrl_sdk.sampling.Sampler" in errors_by_plugin["duck_sampler"]
-    assert "Half does not implement ['sample']" in errors_by_plugin["half_sampler"]
+    assert "Half does not implement the abstract method(s) sample" in errors_by_plugin["half_sampler"]
     assert not {"duck", "half"} & set(loaded.registry.samplers)
     with pytest.raises(TypeError, match="sample"):  # the ABC itself fails when instantiated
         Sampler(source=None, config={})

@@ -6,11 +6,14 @@ shows that point's exact value.
 
 Chromium is Debian's ``chromium`` package (``.ci/run`` installs it). Without it these tests
 fail, unless ``SKYRL_SDK_SKIP_BROWSER_TESTS=1`` says to skip them on a machine that cannot have
-it. ``SKYRL_SDK_CONSOLE_SCREENSHOT=FILE`` also writes the owner's page as a PNG there.
+it. ``SKYRL_SDK_CONSOLE_SCREENSHOT=FILE`` also writes the owner's page as a PNG there,
+``SKYRL_SDK_CONSOLE_KEY_FORM_SCREENSHOT=FILE`` the key form (docs/console-key-form.png).
+What a person sees is checked on Chromium's layout (boxes, computed style), not on attributes.
 """
 
 from __future__ import annotations
 
+import base64
 import html.parser
 import json
 import os
@@ -18,6 +21,7 @@ import select
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -221,6 +225,55 @@ def test_without_a_key_the_page_asks_for_one_and_shows_nothing_else(world, tmp_p
         assert "hidden" not in dom.by(id="login")[0][1] and "hidden" in dom.by(id="app")[0][1]
         assert not [a for _, a, _ in dom.by() if "data-run-id" in a or "data-path" in a]
         assert ("not known" in dom.by(id="login-error")[0][2]) == url.endswith("unknown")
+
+
+#: (id, visible size) of every element the page has marked ``hidden`` yet the browser draws:
+#: a CSS ``display`` rule on it (``main { display: grid }``) overrides the attribute.
+DRAWN_THOUGH_HIDDEN = ("[...document.querySelectorAll('[hidden]')].filter((e) => e.getClientRects().length)"
+                       ".map((e) => [e.id || e.tagName, e.getBoundingClientRect().width])")
+
+
+def drawn(browser: DevTools, selector: str) -> bool:
+    """Whether the browser draws ``selector``'s element: a box with an area, not ``display: none``
+    on it or on any ancestor (what a person sees, not the attribute)."""
+    return browser.evaluate(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); "
+                            "const r = e.getBoundingClientRect(); return r.width > 0 && r.height > 0 "
+                            "&& e.checkVisibility(); })()")
+
+
+def test_the_key_form_shows_only_the_key_form(world, tmp_path):
+    """Without a key the page draws the key form and nothing of the app: no "Training runs"
+    table, no paging buttons, no element marked hidden (computed layout in Chromium, not the
+    attribute). ``docs/console-key-form.png`` is this page (module docstring: how to rewrite it)."""
+    browser = DevTools(tmp_path, f"{world['srv'].url}/")
+    try:
+        browser.wait_for("(() => { const e = document.getElementById('login'); return e && !e.hidden; })()")
+        assert drawn(browser, "#login-form") and drawn(browser, "#key-input")
+        for hidden in ("#app", "#runs-panel", "#runs", "#prev", "#next", "#forget"):
+            assert not drawn(browser, hidden), hidden
+        assert browser.evaluate("getComputedStyle(document.getElementById('app')).display") == "none"
+        assert browser.evaluate(DRAWN_THOUGH_HIDDEN) == []
+        assert "Training runs" not in browser.evaluate("document.body.innerText")
+        browser.send("Emulation.setDeviceMetricsOverride", width=900, height=520, deviceScaleFactor=1, mobile=False)
+        shot = browser.send("Page.captureScreenshot", format="png")["data"]
+    finally:
+        browser.close()
+    png = base64.b64decode(shot)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    (tmp_path / "console-key-form.png").write_bytes(png)
+    if target := os.environ.get("SKYRL_SDK_CONSOLE_KEY_FORM_SCREENSHOT"):
+        Path(target).write_bytes(png)
+
+
+def test_nothing_marked_hidden_is_drawn_on_an_owners_page(world, tmp_path):
+    browser = DevTools(tmp_path, f"{world['srv'].url}/#key={ALICE}")
+    try:
+        browser.wait_for("document.querySelectorAll('#runs tbody tr').length")
+        assert drawn(browser, "#runs-panel") and drawn(browser, "#prev")
+        assert browser.evaluate(DRAWN_THOUGH_HIDDEN) == []
+        assert not drawn(browser, "#login")
+    finally:
+        browser.close()
 
 
 def test_a_screenshot_renders(world, tmp_path):

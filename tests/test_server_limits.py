@@ -123,7 +123,7 @@ def test_sample_request_validated_before_num_samples(srv):
         bad_prompt = http.post("/api/v1/asample", json={"base_model": "tiny", "num_samples": 1_000_000,
                                                         "prompt": {"chunks": [{"tokens": "12>"}]}}).json()
         assert bad_prompt["sample_sequence_ids"] == []
-        assert "flat list of integer token ids" in _user_error(http, bad_prompt)
+        assert "flat list of token ids (integers)" in _user_error(http, bad_prompt)
         nested = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": [[1, 2], [3, 4]]}).json()
         assert "flat list" in _user_error(http, nested)
         too_many = http.post("/api/v1/asample", json={"base_model": "tiny", "num_samples": MAX_SAMPLES + 1,
@@ -132,7 +132,8 @@ def test_sample_request_validated_before_num_samples(srv):
         assert f"1..{MAX_SAMPLES}" in _user_error(http, too_many)
         too_long = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": list(range(60)),
                                                       "sampling_params": {"max_tokens": 10}}).json()
-        assert f"{MAX_SEQ}-token limit" in _user_error(http, too_long)
+        assert f"the prompt (60 tokens) plus max_tokens (10) has 70 tokens; this model accepts at most {MAX_SEQ}" \
+            in _user_error(http, too_long)
         bad_param = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": [1, 2],
                                                        "sampling_params": {"temperature": "hot"}}).json()
         assert "SamplingParams.temperature" in _user_error(http, bad_param)
@@ -146,6 +147,26 @@ def test_sample_request_validated_before_num_samples(srv):
         refused = http.post("/api/v1/create_sampling_session", json={
             "session_id": session, "sampling_session_seq_id": 0, "base_model": 3})
         assert refused.status_code == 400 and "base_model: expected a string, got int" in refused.text
+
+
+def test_unknown_keys_are_refused_over_http(srv, model):
+    """A misspelt key is refused over HTTP as in process, in the same words (a ``temprature``
+    once sampled at the default temperature); an envelope's unknown key too."""
+    from skyrl_sdk.inputs.sample import sample_request
+
+    with pytest.raises(ValueError) as in_process:
+        sample_request([[1, 2]], {"temprature": 0.5})
+    with raw_client(srv) as http:
+        answer = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": [1, 2],
+                                                    "sampling_params": {"temprature": 0.5}}).json()
+        assert _user_error(http, answer) == str(in_process.value)
+        assert "did you mean 'temperature'?" in str(in_process.value)
+        answer = http.post("/api/v1/optim_step", json={"model_id": model[1], "adam_params": {"learning_rat": 1}})
+        assert "AdamParams: unknown keys ['learning_rat']" in _user_error(http, answer.json())
+        answer = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": [1, 2], "num_sample": 2})
+        assert "asample: unknown keys ['num_sample']" in _user_error(http, answer.json())
+        refused = http.post("/api/v1/create_session", json={"tags": [], "user_metdata": {}})
+        assert refused.status_code == 400 and "did you mean 'user_metadata'?" in refused.text
 
 
 def test_chunked_body_too_large_is_413(srv):

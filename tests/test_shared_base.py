@@ -232,6 +232,26 @@ def test_offload_and_reload_are_exact(data, tmp_path):
         s.close()
 
 
+def test_closing_the_active_adapter_warns_nothing_and_the_others_stay_exact(data):
+    """Closing the client whose adapter peft has active switches to another first (peft would
+    warn "Adapter ... was active which is now deleted" once per layer); the remaining clients'
+    results are unchanged, offloaded ones included."""
+    import warnings
+
+    with SharedBase("tiny", max_lora_adapters=2) as base:
+        clients = [base.backend({"rank": 4}, seed=s) for s in range(3)]  # one offloaded at a time
+        before = [_outputs(c.forward(data[0], "cross_entropy")) for c in clients]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for closing in (2, 0):
+                clients[closing].forward(data[1], "cross_entropy")  # its adapter is the active one
+                clients[closing].close()
+            after = _outputs(clients[1].forward(data[0], "cross_entropy"))
+            clients[1].close()  # the last one
+    for got, expected in zip(after, before[1], strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
 def test_base_backend_is_read_only_and_equals_the_base(data):
     with SharedBase("tiny") as base, Backend("tiny") as plain:
         a = base.backend(LORA_A)

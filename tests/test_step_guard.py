@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import skyrl_sdk
 from skyrl_sdk import types
-from skyrl_sdk.engines import runner as runner_module
+from skyrl_sdk.engines import optimizer as optimizer_module
 from skyrl_sdk.engines import step_guard
 from skyrl_sdk.engines.step_guard import StepBound, measure_step
 from skyrl_sdk.testing import make_sft_data, weights_of
@@ -26,7 +26,7 @@ def _counting(monkeypatch):
         calls.append(1)
         return measure_step(*args, **kwargs)
 
-    monkeypatch.setattr(runner_module, "measure_step", spy)
+    monkeypatch.setattr(optimizer_module, "measure_step", spy)
     return calls
 
 

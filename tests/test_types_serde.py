@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk import types
 from skyrl_sdk.errors import AdamParamsError, DatumError, InputError
 from skyrl_sdk.inputs import coerce
 from skyrl_sdk.inputs import tinker_json as serde
 from skyrl_sdk.inputs.coerce import data_from_any
 from skyrl_sdk.losses.validation import validate_data
-from skyrl_sdk.plugins import manager as plugins
 
 
 def _tinker():
@@ -167,9 +167,17 @@ def test_model_input_from_official_tinker_and_json_chunks():
     assert from_json.to_ints() == [7, 8, 9] and len(from_json.chunks) == 2
 
 
-def test_non_text_chunks_are_rejected():
-    with pytest.raises(InputError, match=r"chunks\[1\].*'image'"):
-        serde.model_input_from_json({"chunks": [{"tokens": [1]}, {"type": "image", "data": "..."}]})
+def test_image_chunks_round_trip_json_and_other_chunks_are_rejected():
+    tk = _tinker()
+    theirs = tk.types.ModelInput(chunks=[tk.types.EncodedTextChunk(tokens=[1]),
+                                         tk.types.ImageChunk(data=b"\x89PNG bytes", format="png", expected_tokens=4)])
+    ours = serde.model_input_from_json(theirs.model_dump(mode="json"))  # the data as base64 text
+    assert ours.length == 5 and ours.chunks[1].data == b"\x89PNG bytes"
+    assert serde.unstructure(types.Datum(model_input=ours))["model_input"] == theirs.model_dump(mode="json")
+    with pytest.raises(InputError, match=r"chunks\[1\] \(image\): missing \['format'\]"):
+        serde.model_input_from_json({"chunks": [{"tokens": [1]}, {"type": "image", "data": "AAAA"}]})
+    with pytest.raises(InputError, match=r"chunks\[1\].*'video'"):
+        serde.model_input_from_json({"chunks": [{"tokens": [1]}, {"type": "video", "data": "..."}]})
 
     class ImageChunk:
         pass

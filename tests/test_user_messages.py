@@ -28,6 +28,18 @@ def test_did_you_mean_only_for_a_close_name():
     assert did_you_mean(None, ["ppo"]) == "" and did_you_mean("", ["ppo"]) == ""
 
 
+def test_a_name_typed_in_capitals_gets_the_lower_case_name():
+    """Names compare case-insensitively; the suggestion is the name as registered."""
+    assert did_you_mean("PPO", ["ppo", "cispo"]) == "; did you mean 'ppo'?"
+    assert did_you_mean("Cross_Entropy", ["cross_entropy"]) == "; did you mean 'cross_entropy'?"
+    with pytest.raises(UnknownLossError) as exc:
+        evaluate_loss("PPO", LP, {}, dialect="tinker")
+    assert str(exc.value).endswith("; did you mean 'ppo'?"), str(exc.value)
+    with pytest.raises(InputError) as exc:
+        coerce.adam_params_from_any({"Learning_Rate": 1e-3})
+    assert str(exc.value).endswith("; did you mean 'learning_rate'?"), str(exc.value)
+
+
 def test_missing_input_names_the_typed_loss_and_the_canonical_one():
     with pytest.raises(DatumError) as exc:
         evaluate_loss("ppo", LP, {"logprobs": LP}, dialect="tinker")
@@ -107,7 +119,7 @@ def _engine_config(cfg):
 
 
 def _engine(name):
-    from skyrl_sdk.plugins.manager import get_registry
+    from skyrl_sdk import get_registry
 
     return get_registry().engine_spec(name)  # what `skyrl-sdk serve --engine` asks
 
@@ -148,10 +160,42 @@ def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
     assert hf_logging.is_progress_bar_enabled()  # the user's setting is restored
 
 
-def test_server_adam_params_suggest_the_close_key():
+def test_server_adam_params_suggest_the_close_key_in_the_in_process_words():
     from skyrl_sdk.server.wire import parse_adam_params
 
-    with pytest.raises(InputError, match=r"adam_params: unknown keys \['learning_rat'\].*did you mean 'learning_rate'\?"):
-        parse_adam_params({"adam_params": {"learning_rat": 1e-4}})
-    with pytest.raises(InputError, match=r"did you mean 'beta1' for 'bta1', 'beta2' for 'bta2'\?"):
-        parse_adam_params({"adam_params": {"bta1": 0.9, "bta2": 0.99}})
+    for fields in ({"learning_rat": 1e-4}, {"bta1": 0.9, "bta2": 0.99}):
+        with pytest.raises(InputError) as in_process:
+            coerce.adam_params_from_any(fields)
+        with pytest.raises(InputError) as over_http:
+            parse_adam_params({"adam_params": fields})
+        assert str(over_http.value) == str(in_process.value)
+    assert "unknown keys ['learning_rat']" in str(_raised(coerce.adam_params_from_any, {"learning_rat": 1e-4}))
+    assert "did you mean 'beta1' for 'bta1', 'beta2' for 'bta2'?" in str(
+        _raised(parse_adam_params, {"adam_params": {"bta1": 0.9, "bta2": 0.99}}))
+
+
+def _raised(fn, *args) -> InputError:
+    with pytest.raises(InputError) as caught:
+        fn(*args)
+    return caught.value
+
+
+def test_a_missing_ref_logprobs_says_how_to_get_them():
+    """kl_coef > 0 without ref_logprobs: the message names the reference forward and
+    rl.with_ref_logprobs, and doing what it says makes the call go through."""
+    from skyrl_sdk import Backend, rl, types
+
+    data = [types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                        loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": [-1.0] * 3, "advantages": [1.0] * 3})]
+    with Backend(model="tiny", seed=0) as policy:
+        with pytest.raises(DatumError) as exc:
+            policy.forward_backward(data, "ppo", {"kl_coef": 0.05})
+        message = str(exc.value)
+        assert message.startswith("datum 0: loss 'ppo' (native 'regular') requires input 'ref_logprobs'"), message
+        for advice in ("reference.forward(data, 'cross_entropy')", "skyrl_sdk.rl.with_ref_logprobs(data, ref)",
+                       "kl_coef 0"):
+            assert advice in message, message
+        reference = policy  # untrained: the same weights (the advice's calls, as written)
+        ref = reference.forward(data, "cross_entropy")
+        out = policy.forward_backward(rl.with_ref_logprobs(data, ref), "ppo", {"kl_coef": 0.05})
+        assert out.metrics["kl_loss:sum"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy itself

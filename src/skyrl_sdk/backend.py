@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,21 +19,17 @@ from typing import Any
 import attrs
 import numpy as np
 
+from .builtin_plugins import get_registry
 from .engines import call_grads
-from .errors import CheckpointError, InputError
-from .inputs.coerce import (
-    adam_params_from_any,
-    data_from_any,
-    lora_config_from_any,
-    prompts_from_any,
-    sampling_params_from_any,
-)
+from .errors import CheckpointError, CriticExportWarning, DatumError, InputError
+from .inputs.coerce import adam_params_from_any, data_from_any, lora_config_from_any
+from .inputs.sample import sample_request
 from .losses.metrics import MetricAccumulator
-from .losses.resolve import ResolvedLoss, resolve_loss
+from .losses.resolve import ResolvedLoss, reading_values
 from .losses.run import add_prepared_inputs
 from .losses.validation import check_call, check_prompts, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
-from .plugins.manager import get_registry
+from .models.value_head import critic_export_note, write_critic_card
 from .plugins.samplers import Sampler, SampleRequest, check_sampler
 from .types import (
     AdamParams,
@@ -40,6 +37,7 @@ from .types import (
     ForwardBackwardOutput,
     LoadStateOutput,
     ModelInfo,
+    ModelInput,
     OptimStepOutput,
     SampleOutput,
     SamplingParams,
@@ -47,7 +45,6 @@ from .types import (
     SaveWeightsForSamplerOutput,
     TensorData,
 )
-from .types.numbers import check_sample_counts
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -129,6 +126,11 @@ class Backend:
                 self.engine.close()
                 self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (its engine's memory is freed)."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise InputError("this Backend is closed")
@@ -147,19 +149,36 @@ class Backend:
         ``None`` is the role's default loss: ``cross_entropy`` (policy) or ``value`` (critic)."""
         if loss_fn is None:
             loss_fn = "value" if self.role == "critic" else "cross_entropy"
-        return resolve_loss(get_registry(), loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
+        return get_registry().resolve(loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
 
     def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config,
                  backward: bool = True) -> tuple[list[Datum], ResolvedLoss]:
         resolved = self.resolve(loss_fn, loss_fn_config)
         datums = data_from_any(data)
+        inputs = self._read_images([d.model_input for d in datums], lambda i, msg: DatumError(msg, index=i))
+        datums = [d if mi is d.model_input else attrs.evolve(d, model_input=mi)
+                  for d, mi in zip(datums, inputs, strict=True)]
         if not backward:  # no gradient: take the inputs this loss reads, leave the other losses' alone
             known = {k for spec in get_registry().losses.values() for k in spec.required_inputs + spec.optional_inputs}
             datums = inputs_for_forward(datums, resolved.spec, known)
+            if datums:  # a critic's datums without values/returns: read the values
+                resolved = reading_values(resolved, set(datums[0].loss_fn_inputs))
         resolved = check_call(datums, resolved, self.vocab_size, self.engine.info.max_positions)  # before compute
-        if resolved.spec.prepare is not None:
+        if resolved.spec.prepare is not None and not resolved.scores_only:
             datums = add_prepared_inputs(datums, resolved, self.engine.run(datums, resolved, backward=False).outputs)
         return datums, resolved
+
+    def _read_images(self, inputs: list[ModelInput], error) -> list[ModelInput]:
+        """``inputs`` with their images read by the model's image processor (checked against the
+        image limits first, then decoded), or refused by name when the model reads no images."""
+        if not any(mi.has_images for mi in inputs):
+            return inputs
+        images = getattr(self.engine, "images", None)
+        if images is None:
+            i = next(i for i, mi in enumerate(inputs) if mi.has_images)
+            raise error(i, f"model_input holds an image, but model {self.model_name!r} reads no images (it is not "
+                           f"a vision-language model: Qwen2-VL, Qwen2.5-VL or Qwen3-VL)")
+        return images.prepare(inputs, error)
 
     @staticmethod
     def _outputs(result) -> ForwardBackwardOutput:
@@ -252,13 +271,18 @@ class Backend:
         and their logprobs (Tinker's field). Served by this Backend's sampler (``sampler=``),
         built on the first call with the engine's weights (``Engine.weights_source()``).
         """
-        params = sampling_params_from_any(sampling_params)
-        num_samples, topk_prompt_logprobs = check_sample_counts(num_samples, topk_prompt_logprobs)
-        if not isinstance(prompt_logprobs, bool):
-            raise InputError(f"prompt_logprobs: expected true or false, got {prompt_logprobs!r}")
-        arrays = prompts_from_any(prompts)
-        check_prompts(arrays, self.vocab_size, self.engine.info.max_positions, params.max_tokens)
-        request = SampleRequest(arrays, params, num_samples, prompt_logprobs, topk_prompt_logprobs)
+        call = sample_request(prompts, sampling_params, num_samples, prompt_logprobs, topk_prompt_logprobs)
+        params = call.sampling_params
+        prompts = list(call.prompts)
+        where = [i for i, p in enumerate(prompts) if isinstance(p, ModelInput)]
+        if where:  # decoded here, in the caller's thread (the server's compute thread)
+            read = self._read_images([prompts[i] for i in where],
+                                     lambda k, msg: InputError(f"prompt {where[k]}: {msg}"))
+            for i, model_input in zip(where, read, strict=True):
+                prompts[i] = model_input
+        check_prompts([p.to_numpy() if isinstance(p, ModelInput) else p for p in prompts], self.vocab_size,
+                      self.engine.info.max_positions, params.max_tokens)
+        request = SampleRequest(prompts, params, call.num_samples, call.prompt_logprobs, call.topk_prompt_logprobs)
         with self._lock:
             self._check_open()
             return self._built_sampler().sample(request)
@@ -290,11 +314,18 @@ class Backend:
     def save_weights_for_sampler(
         self, path: str | Path, *, merge_lora: bool = True, overwrite: bool = False
     ) -> SaveWeightsForSamplerOutput:
-        """Write a Hugging Face model directory (LoRA merged unless ``merge_lora=False``)."""
+        """Write a Hugging Face model directory (LoRA merged unless ``merge_lora=False``).
+
+        A critic has no lm_head, so its export is no model to sample from: it is written
+        (backbone and value head, with a README.md saying so) and a warning says how to load it."""
         with self._lock:
             self._check_open()
             with atomic_directory(path, overwrite=overwrite) as tmp:
                 self.engine.export_weights(tmp, merge_lora=merge_lora)
+                if self.role == "critic":
+                    write_critic_card(tmp)
+            if self.role == "critic":
+                warnings.warn(critic_export_note(path), CriticExportWarning, stacklevel=2)
             return SaveWeightsForSamplerOutput(path=str(Path(path).expanduser().resolve()))
 
     def _identity(self) -> dict[str, Any]:

@@ -55,11 +55,29 @@ def did_you_mean_keys(unknown: Iterable[str], accepted: Iterable[str]) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
+def refuse_unknown_keys(what: str, keys: Iterable[Any], accepted: Iterable[str],
+                        error: type[Exception] | None = None) -> None:
+    """The one policy for keys a caller sends that a request object does not have: refused,
+    naming each unknown key, the accepted ones and the nearest to each (a typo such as
+    ``temprature`` is never ignored). ``error`` defaults to :class:`InputError`."""
+    accepted = list(accepted)
+    known = set(accepted)
+    unknown = sorted(str(k) for k in keys if k not in known)
+    if unknown:
+        raise (error or InputError)(f"{what}: unknown keys {unknown}; accepted keys: {accepted}"
+                                    f"{did_you_mean_keys(unknown, accepted)}")
+
+
 def _closest(name: Any, choices: Iterable[str]) -> str | None:
+    """The choice closest to ``name``, compared case-insensitively (``'PPO'`` -> ``'ppo'``):
+    names are lower case, and a user who typed the capitals meant the same name."""
     if not isinstance(name, str) or not name or len(name) > QUOTE_CHARS:
         return None
-    close = difflib.get_close_matches(name, sorted(set(choices)), n=1, cutoff=0.6)
-    return close[0] if close else None
+    by_folded: dict[str, str] = {}
+    for choice in sorted(set(choices)):
+        by_folded.setdefault(choice.casefold(), choice)
+    close = difflib.get_close_matches(name.casefold(), list(by_folded), n=1, cutoff=0.6)
+    return by_folded[close[0]] if close else None
 
 
 class SkyrlError(Exception):
@@ -124,3 +142,8 @@ class EngineError(SkyrlError, RuntimeError):
 class NotFoundError(InputError):
     """An id (model, session, sampler, training run, request) that the server does not know, or
     that belongs to another owner; the HTTP server answers it with 404 on direct routes."""
+
+
+class CriticExportWarning(UserWarning):
+    """A critic's ``save_weights_for_sampler`` wrote its backbone and value head: no lm_head,
+    nothing to sample from (the message says how to load it)."""

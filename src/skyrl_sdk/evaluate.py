@@ -9,7 +9,6 @@ import torch
 
 from .losses.base import LossInput
 from .losses.metrics import MetricAccumulator
-from .losses.resolve import resolve_loss
 from .losses.run import run_loss
 from .losses.validation import check_loss_inputs, check_resolved
 
@@ -31,7 +30,7 @@ def evaluate_loss(
     tensors, lists or arrays aligned to the N positions (``target_tokens`` is not needed).
     Gradients flow to ``target_logprobs``. Returns ``(loss, metrics)``.
     """
-    from .plugins.manager import get_registry
+    from .builtin_plugins import get_registry
 
     registry = get_registry()
     if role is None:
@@ -39,7 +38,7 @@ def evaluate_loss(
         native = converted[0] if converted else name
         spec = registry.losses.get(native)
         role = spec.role if spec is not None else "policy"
-    resolved = resolve_loss(registry, name, config, dialect=dialect, role=role)
+    resolved = registry.resolve(name, config, dialect=dialect, role=role)
     check_resolved(resolved)
     n = int(target_logprobs.shape[0])
     device = target_logprobs.device

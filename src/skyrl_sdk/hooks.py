@@ -5,7 +5,8 @@ The built-in losses, dialects, the local engine and the transformers sampler are
 through these very hooks. The decorators at the end (``register_loss`` and its siblings) are
 sugar over them: they declare a registration that the plugin manager makes.
 Hooks are called once per process, the first time the registry is needed (each FSDP rank
-included), in plugin load order.
+included), through pluggy: ``tryfirst`` / ``trylast`` and hook wrappers behave as pluggy
+documents, and each ``register`` call is filed under the plugin whose implementation made it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def skyrl_sdk_register_engines(register):
     """Register execution engines.
 
     Call ``register(name, factory, *, description='')``; ``factory(**engine_kwargs)`` returns an
-    object implementing ``skyrl_sdk.engines.base.Engine``. The Backend calls it with
+    object implementing ``skyrl_sdk.engines.base.Engine`` (an abstract class: a subclass missing
+    a required method is refused here). The Backend calls it with
     ``model``, ``role``, ``lora``, ``seed``, ``engine_config`` keyword arguments.
     """
 
@@ -58,11 +60,12 @@ def skyrl_sdk_register_samplers(register):
     """Register samplers: what serves ``Backend.sample`` (and the server's sampling clients).
 
     Call ``register(name, factory, *, description='')``; ``Backend(sampler=name)`` selects one
-    (``"transformers"``, the built-in, by default). The Backend calls
-    ``factory(engine=..., config=...)`` on its first ``sample`` with its engine (whose weights
-    are the ones to sample from) and its ``sampler_config`` dict; the result has
-    ``sample(prompts, params, num_samples, *, prompt_logprobs, topk_prompt_logprobs)``
-    returning one ``SampleOutput`` per prompt, and ``close()``.
+    (``"transformers"``, the built-in, by default). ``factory`` is a subclass of
+    ``skyrl_sdk.sampling.Sampler`` (the registry refuses a class that is not) or a callable
+    returning one. The Backend calls ``factory(source=..., config=...)`` on its first ``sample``
+    with its engine's ``WeightsSource`` (the weights to sample from, never the engine) and its
+    ``sampler_config`` dict; the result's ``sample(request)`` gets a ``SampleRequest`` and
+    returns one ``SampleOutput`` per prompt (docs/engines.md, Samplers).
     """
 
 

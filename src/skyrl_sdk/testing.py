@@ -27,6 +27,7 @@ except ImportError as exc:  # pytest is not a runtime dependency
     raise ImportError("skyrl_sdk.testing needs pytest: pip install 'skyrl-sdk[testing]'") from exc
 
 from . import types
+from .models.tiny_vlm import make_tiny_vlm  # noqa: F401  (a tiny random vision-language model, offline)
 
 
 def make_sft_data(lengths: Sequence[int], seed: int = 0, vocab: int = 256, shifted: bool = False) -> list[types.Datum]:

@@ -64,11 +64,7 @@ def local_memory(backend) -> dict:
             seen.add(id(p))
             params += _bytes(p)
             grads += _bytes(p.grad) if p.grad is not None else 0
-    optim = 0
-    if runner.optimizer is not None:
-        for state in runner.optimizer.state.values():
-            optim += sum(_bytes(v) for v in state.values() if hasattr(v, "numel"))
-    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optim}
+    return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": runner.optimizer.state_bytes()}
 
 
 def _rss(pid: int) -> int | None:

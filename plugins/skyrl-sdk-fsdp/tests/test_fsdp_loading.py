@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import skyrl_sdk
 from arch_models import make_family_dir
-from skyrl_sdk import types
+from skyrl_sdk import errors, types
 from skyrl_sdk.engines.export import SafetensorsStream, write_hf_weights_stream, write_tensor_stream
 from skyrl_sdk.testing import assert_outputs_close, assert_tensors_close, grads_of, make_sft_data, torch_threads
 
@@ -93,8 +93,10 @@ def test_sharded_critic_on_tied_softcapped_family(tmp_path):
         out_f, out_l = fsdp.forward_backward(data), local.forward_backward(data)
         assert_outputs_close(out_f, out_l, atol=1e-5)
         assert_tensors_close(fsdp.engine.gradients(), grads_of(local), atol=1e-6, rtol=1e-5, what="grad")
-        fsdp.save_weights_for_sampler(tmp_path / "f")
-        local.save_weights_for_sampler(tmp_path / "l")
+        with pytest.warns(errors.CriticExportWarning) as caught:  # a critic's export: no lm_head
+            fsdp.save_weights_for_sampler(tmp_path / "f")
+            local.save_weights_for_sampler(tmp_path / "l")
+        assert len(caught) == 2 and (tmp_path / "f" / "README.md").is_file()
         assert_tensors_close(_files(tmp_path / "f" / "model.safetensors"),
                             _files(tmp_path / "l" / "model.safetensors"), atol=0.0, what="critic export")
     finally:

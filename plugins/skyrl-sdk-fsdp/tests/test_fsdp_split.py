@@ -74,7 +74,7 @@ def test_registered_through_the_entry_point_and_not_imported_by_the_core():
     code = (
         "import sys, skyrl_sdk.backend, skyrl_sdk.engines.local\n"
         "assert 'skyrl_sdk_fsdp' not in sys.modules\n"
-        "from skyrl_sdk.plugins import get_plugins\n"
+        "from skyrl_sdk import get_plugins\n"
         "p = [p for p in get_plugins().plugins if p.name == 'fsdp'][0]\n"
         "assert p.package == 'skyrl-sdk-fsdp' and p.registered == ('engine:fsdp',), p\n"
         "assert 'torch.distributed.fsdp' not in sys.modules  # registering is cheap\n"

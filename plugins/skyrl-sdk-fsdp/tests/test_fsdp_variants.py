@@ -153,13 +153,15 @@ def test_critic_with_default_batching():
             m_f, m_l = fsdp.optim_step(ADAM).metrics, local.optim_step(ADAM).metrics
             assert m_f["grad_norm"] == pytest.approx(m_l["grad_norm"], rel=1e-5)
         assert_outputs_close(fsdp.forward(data, "ppo"), local.forward(data, "ppo"), atol=1e-4)
+        bare = [types.Datum(model_input=d.model_input, loss_fn_inputs={}) for d in data]  # reads the values
+        assert_outputs_close(fsdp.forward(bare), local.forward(bare), atol=1e-4)
     finally:
         fsdp.close()
         local.close()
 
 
-def test_tied_embeddings(tmp_path):
-    """Tied embedding / lm_head: one shared shard; files hold the tensor once, like local's."""
+def _tied_llama(directory) -> str:
+    """A small Llama whose lm_head is its input embedding (tie_word_embeddings), saved."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -167,8 +169,13 @@ def test_tied_embeddings(tmp_path):
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                          eos_token_id=257, pad_token_id=258)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied")
-    model = str(tmp_path / "tied")
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return str(directory)
+
+
+def test_tied_embeddings(tmp_path):
+    """Tied embedding / lm_head: one shared shard; files hold the tensor once, like local's."""
+    model = _tied_llama(tmp_path / "tied")
     fsdp = skyrl_sdk.Backend(model=model, engine="fsdp", engine_config={"world_size": 2, **ONE_PER_MICRO_BATCH})
     local = skyrl_sdk.Backend(model=model, engine_config=ONE_PER_MICRO_BATCH)
     try:
@@ -186,6 +193,33 @@ def test_tied_embeddings(tmp_path):
             assert_tensors_close(got, _files(tmp_path / f"l_{kind}" / "model.safetensors"), atol=5e-5, what=kind)
         local.load_state(tmp_path / "f_state")
         assert_outputs_close(fsdp.forward(data), local.forward(data), atol=1e-5)
+    finally:
+        fsdp.close()
+        local.close()
+
+
+def test_lora_on_a_tied_head_exports_the_merged_head_untied(tmp_path):
+    """LoRA on the head of a tied model: the merged export writes the adapted head beside the
+    embedding and unties them in config.json, as the local engine does (it used to drop the
+    head's delta: the head was skipped as the embedding's alias)."""
+    import json
+
+    model = _tied_llama(tmp_path / "tied")
+    lora = types.LoraConfig(rank=2)
+    fsdp = skyrl_sdk.Backend(model=model, lora=lora, engine="fsdp", engine_config={"world_size": 2, **ONE_PER_MICRO_BATCH})
+    local = skyrl_sdk.Backend(model=model, lora=lora, engine_config=ONE_PER_MICRO_BATCH)
+    try:
+        data = make_sft_data(LENGTHS, seed=25)
+        for backend in (fsdp, local):
+            backend.forward_backward(data)
+            backend.optim_step(ADAM)
+            backend.save_weights_for_sampler(tmp_path / backend.engine_name)
+        got, expected = _files(tmp_path / "fsdp" / "model.safetensors"), _files(tmp_path / "local" / "model.safetensors")
+        assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(got)
+        assert not np.array_equal(got["lm_head.weight"], got["model.embed_tokens.weight"])  # the delta is in
+        assert_tensors_close(got, expected, atol=5e-5, what="merged export")
+        for engine in ("fsdp", "local"):
+            assert json.loads((tmp_path / engine / "config.json").read_text())["tie_word_embeddings"] is False
     finally:
         fsdp.close()
         local.close()

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("skyrl_sdk_reinforce", reason="pip install -e plugins/skyrl-sdk-reinforce")
 
+from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk import errors, evaluate_loss
-from skyrl_sdk.plugins import manager as plugins
 
 
 def _case(n: int = 7, seed: int = 0):

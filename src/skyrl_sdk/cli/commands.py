@@ -51,7 +51,7 @@ def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 
 def plugin_rows() -> list[dict[str, Any]]:
     """One dict per plugin, loaded or failed, in load order."""
-    from ..plugins.manager import get_plugins
+    from ..builtin_plugins import get_plugins
 
     return [info.to_dict() for info in get_plugins().plugins]
 
@@ -110,7 +110,7 @@ def config_defaults(spec: Any) -> dict[str, Any]:
 
 def loss_rows(dialect: str | None = None) -> list[dict[str, Any]]:
     """One dict per registered loss, sorted by name."""
-    from ..plugins.manager import get_registry
+    from ..builtin_plugins import get_registry
 
     registry = get_registry()
     dialects = registry.dialects if dialect is None else {dialect: registry.dialect_spec(dialect)}
@@ -157,8 +157,8 @@ def _print_loss_records(rows: Sequence[dict[str, Any]], width: int) -> None:
 
 
 def cmd_losses(args: argparse.Namespace) -> int:
+    from ..builtin_plugins import get_registry
     from ..errors import UnknownNameError
-    from ..plugins.manager import get_registry
 
     if args.dialect is not None:
         try:
@@ -272,7 +272,8 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     p = _command(sub, common, "serve", "serve models over Tinker's HTTP API for the tinker client and the cookbook",
                  epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port (default 8000; 0 picks a free one, printed in the 'listening on' line)")
     p.add_argument("--model", action="append", default=None, dest="model",
                    help="a model to serve: 'tiny' or a local HF directory; repeatable (default: tiny)")
     p.add_argument("--engine", default="local", help="engine name (default local)")
@@ -289,7 +290,9 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                    help=f"required X-API-Key (default: ${API_KEY_ENV}; unset accepts any key)")
     # owners and limits (docs/server.md)
     p.add_argument("--api-keys", default=None, metavar="FILE",
-                   help="API keys with owners, one 'KEY [OWNER]' per line; each owner sees only its own things")
+                   help="API keys with owners, one 'KEY [OWNER [operator]]' per line: each owner sees only its "
+                        "own things; a key without OWNER is an owner of its own; a third column 'operator' lets "
+                        "that owner see the whole server in the console (docs/server.md, Owners)")
     p.add_argument("--session-timeout", type=float, default=None, metavar="SECONDS",
                    help="free the models of a session without heartbeat for this long (default 300)")
     p.add_argument("--max-seq-len", type=int, default=None, metavar="N",

@@ -33,7 +33,7 @@ _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin
 
 def check_engine(engine: str) -> None:
     """The engine is registered (a plugin engine needs its package installed)."""
-    from ..plugins.manager import get_registry
+    from ..builtin_plugins import get_registry
 
     try:
         get_registry().engine_spec(engine)
@@ -43,7 +43,7 @@ def check_engine(engine: str) -> None:
 
 def check_sampler(sampler: str) -> None:
     """The sampler is registered (a plugin sampler needs its package installed)."""
-    from ..plugins.manager import get_registry
+    from ..builtin_plugins import get_registry
 
     try:
         get_registry().sampler_spec(sampler)
@@ -52,10 +52,11 @@ def check_sampler(sampler: str) -> None:
 
 
 def check_port(host: str, port: int) -> None:
-    """The port is a TCP port and ``host:port`` can be bound now (uvicorn binds it after the
-    slower checks; a port in use or out of range would otherwise end in its traceback)."""
-    if not 1 <= port <= 65535:
-        raise InputError(f"--port: expected a TCP port from 1 to 65535, got {port}")
+    """The port is a TCP port (0: a free one, picked when the server binds) and ``host:port``
+    can be bound now (uvicorn binds it after the slower checks; a port in use or out of range
+    would otherwise end in its traceback)."""
+    if not 0 <= port <= 65535:
+        raise InputError(f"--port: expected a TCP port from 1 to 65535, or 0 for a free one, got {port}")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as probe:
@@ -137,12 +138,23 @@ def console_hint(url: str, needs_key: bool) -> str:
             f"the part after # never reaches the server)")
 
 
-def banner(config: Any, key_from_env: bool = False, keys_file: str | None = None, sampler: str | None = None) -> str:
-    """What ``serve`` prints once bound; ``sampler``: what the sampler said of itself at the
-    start-up check (its ``describe()``), else its name."""
+def bound_port(server: Any) -> int | None:
+    """The port a started uvicorn server listens on (the one the system picked for ``--port 0``)."""
+    for listener in getattr(server, "servers", ()):
+        for sock in listener.sockets or ():
+            return int(sock.getsockname()[1])
+    return None
+
+
+def banner(config: Any, key_from_env: bool = False, keys_file: str | None = None, port: int | None = None,
+           sampler: str | None = None) -> str:
+    """What ``serve`` prints once bound; ``port`` is the bound one (default ``config.port``);
+    ``sampler``: what the sampler said of itself at the start-up check (its ``describe()``),
+    else its name."""
+    port = config.port if port is None else port
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
-    url = f"http://{host}:{config.port}"
-    return (f"skyrl-sdk serve: listening on http://{config.host}:{config.port} "
+    url = f"http://{host}:{port}"
+    return (f"skyrl-sdk serve: listening on http://{config.host}:{port} "
             f"(models: {', '.join(config.models)}; engine: {config.engine}; sampler: {sampler or config.sampler}; "
             f"state: {config.state_dir})\n"
             f"{client_hint(url, config.api_key, key_from_env, keys_file)}\n"
@@ -172,7 +184,8 @@ def serve(args: Any) -> int:
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:  # bound and listening; a failed bind has exited already
-                print(banner(config, key_from_env, keys_file, sampler), file=sys.stderr, flush=True)
+                print(banner(config, key_from_env, keys_file, bound_port(self), sampler), file=sys.stderr,
+                      flush=True)
 
     server = AnnouncingServer(edge.server_config(app, config))
     try:

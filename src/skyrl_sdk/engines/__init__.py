@@ -9,12 +9,12 @@ calls as plain data (for multi-process engines) in :mod:`.plain`.
 """
 
 from ..losses.resolve import ResolvedLoss
-from .base import Engine, EngineInfo, EngineResult, runner_options, scores_key, scoring_model
+from .base import Engine, EngineInfo, EngineResult, image_inputs, runner_options, scores_key, scoring_model
 from .config import EngineConfig
 from .local import LocalEngine
 from .runner import ModelRunner
 
 __all__ = [
     "Engine", "EngineInfo", "EngineResult", "EngineConfig", "ResolvedLoss", "scores_key",
-    "ModelRunner", "scoring_model", "runner_options", "LocalEngine",
+    "ModelRunner", "scoring_model", "runner_options", "image_inputs", "LocalEngine",
 ]

@@ -23,7 +23,7 @@ from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, sav
 from ..models.loading import LoadedModel, hf_model
 from ..types import AdamParams, Datum
 from .base import EngineInfo, EngineResult
-from .export import export_hf_directory
+from .export import export_hf_directory, lora_unties_head, save_peft_adapter
 from .local import LocalEngine
 from .pool import Adapter, AdapterPool, solo_name
 from .state import StateLayout, check_engine_metadata, check_state_files
@@ -91,6 +91,7 @@ class _OnSharedBase(LocalEngine):
         self.config = shared.config
         self.device = shared.device
         self.tokenizer = shared.loaded.tokenizer
+        self.images = shared.images
         extra = adapter.num_parameters if adapter is not None else 0
         self.info = EngineInfo.of(shared.loaded, counts=(shared.base_parameters + extra, extra))
 
@@ -120,6 +121,8 @@ class _OnSharedBase(LocalEngine):
             export_hf_directory(
                 plain.config, merged_state(plain, self._key(), self._names()), self.tokenizer,
                 directory, self.config.max_shard_bytes, architecture=self.shared.loaded.architecture,
+                untie_embeddings=lora_unties_head(plain, self._key()),
+                image_processor=self.images and self.images.processor,
             )
 
 
@@ -151,8 +154,8 @@ class AdapterEngine(_OnSharedBase):
         with self.shared.using(self.adapter):
             weights, aliases = dedupe_shared(self._solo_state())
             save_tensors(weights, directory / WEIGHTS_FILE)
-            save_tensors(self.runner.optimizer_tensors(), directory / OPTIMIZER_FILE)
-            return {"tied_aliases": aliases, "step": self.runner.step_count}
+            self.runner.optimizer.save(directory / OPTIMIZER_FILE)
+            return {"tied_aliases": aliases, "step": self.runner.optimizer.step_count}
 
     def state_layout(self) -> StateLayout:
         state = self._solo_state()
@@ -176,18 +179,20 @@ class AdapterEngine(_OnSharedBase):
             with torch.no_grad():
                 for key, p in mine.items():
                     p.copy_(checked.weights[key])
-            self.runner.restore_after_load(checked.moments if optimizer else None, step)
+            self.runner.zero_grad()
+            self.runner.optimizer.restore(checked.moments if optimizer else None, step)
 
     def _save_adapter(self, module, directory: Path) -> None:
         """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            module.save_pretrained(tmp, selected_adapters=[self.adapter.name])
+            save_peft_adapter(module, tmp, self.adapter.name)
             sub = Path(tmp) / self.adapter.name  # peft puts a non-default adapter's files in a subfolder
             items = [p for p in Path(tmp).iterdir() if p != sub] + (list(sub.iterdir()) if sub.is_dir() else [])
             for item in items:
                 shutil.move(str(item), directory / item.name)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(str(directory))
+        for files in (self.tokenizer, self.images and self.images.processor):
+            if files is not None:
+                files.save_pretrained(str(directory))
 
     def close(self) -> None:
         self.shared.remove_adapter(self.adapter)

@@ -5,15 +5,16 @@ An engine owns a model and its optimizer. The Backend validates and converts eve
 *before* calling an engine, so an engine may assume well-formed input. To write one,
 subclass :class:`Engine`: set :attr:`~Engine.info` and :attr:`~Engine.tokenizer` in
 ``__init__`` and implement :meth:`~Engine.run`, :meth:`~Engine.optim_step` and
-:meth:`~Engine.zero_grad`; saving, exporting and sampling (:meth:`~Engine.weights_source`, what
-a sampler reads) are optional (the defaults refuse with a message naming the engine). An
-engine that runs a model in its own process builds it with :func:`scoring_model`,
-:func:`runner_options` and :meth:`EngineInfo.of`, as the local, shared-base and FSDP rank
-engines do.
+:meth:`~Engine.zero_grad` (abstract: a subclass without them fails at construction);
+saving, exporting and sampling (:meth:`~Engine.weights_source`, what a sampler reads) are
+optional (the defaults refuse with a message naming the engine). An engine that runs a model
+in its own process builds it with :func:`scoring_model`, :func:`runner_options` and
+:meth:`EngineInfo.of`, as the local, shared-base and FSDP rank engines do.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,10 @@ import torch
 from ..errors import InputError
 from ..losses.base import scores_key  # noqa: F401  (part of the engine API)
 from ..losses.resolve import ResolvedLoss
-from ..models.loading import LoadedModel, max_positions
+from ..models.images import ImageInputs, ImageLimits
+from ..models.loading import LoadedModel, load_config, max_positions
 from ..models.scoring import ScoringModel, count_parameters
+from ..models.vlm import is_vision_language
 from ..plugins.samplers import WeightsSource
 from ..types import AdamParams, Datum
 from .config import EngineConfig
@@ -69,8 +72,12 @@ class EngineInfo:
                    eos_token_id=loaded.eos_token_id, max_positions=max_positions(loaded.config))
 
 
-class Engine:
+class Engine(abc.ABC):
     """Base class of execution engines (see the module docstring).
+
+    An abstract base class: a subclass that lacks :meth:`run`, :meth:`optim_step` or
+    :meth:`zero_grad` cannot be instantiated (``TypeError`` naming the missing methods), so a
+    broken engine fails when the Backend builds it, not at its first call.
 
     Paths given to the save methods are fresh temporary directories that the Backend renames
     into place once the engine returns. Engines are registered by name through the
@@ -82,22 +89,25 @@ class Engine:
     name = "custom"
     info: EngineInfo
     tokenizer: Any = None
+    #: A vision-language model's image processor and image limits (:func:`image_inputs`); None:
+    #: the model reads no images, and the Backend refuses image chunks by name.
+    images: ImageInputs | None = None
 
+    @abc.abstractmethod
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
         """Score ``data`` with ``loss``; with ``backward`` add the gradient of the summed loss.
 
         A backward call that raises leaves the pending gradients as they were (``ModelRunner``
         keeps them with :mod:`.call_grads`) or says it dropped them (``call_grads.DROPPED`` on the
         exception, so the Backend resets its call count)."""
-        raise NotImplementedError(f"engine {self.name!r} does not implement run")
 
+    @abc.abstractmethod
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         """Scale pending gradients, clip, AdamW-step, clear gradients; return metrics."""
-        raise NotImplementedError(f"engine {self.name!r} does not implement optim_step")
 
+    @abc.abstractmethod
     def zero_grad(self) -> None:
         """Drop pending gradients."""
-        raise NotImplementedError(f"engine {self.name!r} does not implement zero_grad")
 
     def save_state(self, directory: Path) -> dict[str, Any]:
         """Write weights + optimizer state into ``directory``; return metadata to record."""
@@ -117,7 +127,7 @@ class Engine:
         :class:`~.weights.EngineWeights`."""
         raise self.unsupported("sample")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: nothing to free by default)
         """Free memory and processes; called once or more (must be idempotent)."""
 
     def unsupported(self, what: str) -> InputError:
@@ -132,6 +142,18 @@ def scoring_model(module: torch.nn.Module, role: str, config: EngineConfig,
     scoring = cls(module, role)
     scoring.chunk_elements = config.logprob_chunk_elements
     return scoring
+
+
+def image_inputs(model: str, config: EngineConfig) -> ImageInputs | None:
+    """``model``'s image processor (from its directory; no weights are read) with ``config``'s
+    image limits, for a vision-language model; None for a text model. An engine sets its
+    :attr:`Engine.images` with it; the Backend then reads every call's images through it."""
+    hf_config, directory = load_config(model)
+    if not is_vision_language(hf_config):
+        return None
+    limits = ImageLimits(max_pixels=config.max_image_pixels, max_tokens_per_datum=config.max_image_tokens_per_datum,
+                         max_tokens_per_call=config.max_image_tokens_per_call)
+    return ImageInputs.load(directory, hf_config, limits)
 
 
 def runner_options(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> dict[str, Any]:

@@ -17,6 +17,10 @@ With ``prefix_min_tokens`` (prefix sharing on), datums that share a head of at l
 many tokens (the samples of an RL group) are first taken out into shared-prefix rows
 (:mod:`skyrl_sdk.models.prefix`), several groups per micro-batch within the budget of
 *unique* tokens; the rest goes through the layout above.
+
+For a vision-language model (``vision_language``) every micro-batch carries M-RoPE positions,
+computed per datum (:func:`~skyrl_sdk.models.vlm.mrope_positions`), and its images' pixels in
+the order of their positions; prefix sharing is then off (engines/sharing.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 from ..models.prefix import PrefixPlan, fill_rows, find_groups, layout_groups
+from ..models.vlm import image_tensors, mrope_positions
 from ..types import Datum
 
 Layout = Literal["bucket", "pack"]
@@ -53,6 +58,8 @@ class MicroBatch:
     #: a shared-prefix row's plan for the attention (``input_ids`` is then one row of unique
     #: tokens and ``flat_index`` repeats the prefix slots of every datum); None otherwise
     prefix: PrefixPlan | None = None
+    #: the images' ``(pixel_values, image_grid_thw)``, in the order of their positions; None: no image
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 #: Cost of one more micro-batch, in padded tokens, when ``bucket`` chooses its cuts: the
@@ -132,7 +139,7 @@ def _group(lengths: np.ndarray, budget: int, layout: Layout) -> list[list[int]]:
 
 def make_micro_batches(
     data: Sequence[Datum], micro_batch_tokens: int, layout: Layout = "bucket", pad_id: int = 0,
-    prefix_min_tokens: int | None = None,
+    prefix_min_tokens: int | None = None, vision_language: bool = False,
 ) -> list[MicroBatch]:
     if layout not in ("bucket", "pack"):
         raise ValueError(f"engine_config['batching'] must be 'bucket' or 'pack', got {layout!r}")
@@ -151,11 +158,16 @@ def make_micro_batches(
         lens = lengths[group]
         offsets = np.concatenate([[0], np.cumsum(lens)])
         segment_ids = torch.from_numpy(np.repeat(np.arange(len(group)), lens))
+        images = image_tensors([data[i].model_input for i in group]) if vision_language else None
         if layout == "pack":
             input_ids = torch.from_numpy(np.concatenate(seqs)).unsqueeze(0)
             position_ids = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).unsqueeze(0)
+            if vision_language:  # (4, 1, L): the text positions first, then M-RoPE's three rows
+                mrope = np.concatenate([mrope_positions(data[i].model_input) for i in group], axis=1)
+                position_ids = torch.cat([position_ids.unsqueeze(0), torch.from_numpy(mrope).unsqueeze(1)])
             flat_index = torch.arange(int(offsets[-1]))
-            batches.append(MicroBatch(tuple(group), input_ids, None, position_ids, flat_index, segment_ids, offsets))
+            batches.append(MicroBatch(tuple(group), input_ids, None, position_ids, flat_index, segment_ids, offsets,
+                                      images=images))
             continue
         width = int(lens.max())
         ids = np.full((len(group), width), pad_id, dtype=np.int64)
@@ -165,9 +177,14 @@ def make_micro_batches(
             mask[row, : len(seq)] = 1
         flat_index = torch.from_numpy(np.flatnonzero(mask.reshape(-1)))
         attention_mask = None if mask.all() else torch.from_numpy(mask)
-        batches.append(
-            MicroBatch(tuple(group), torch.from_numpy(ids), attention_mask, None, flat_index, segment_ids, offsets)
-        )
+        position_ids = None
+        if vision_language:  # (3, rows, width), padding at position 0
+            positions = np.zeros((3, len(group), width), dtype=np.int64)
+            for row, i in enumerate(group):
+                positions[:, row, : lens[row]] = mrope_positions(data[i].model_input)
+            position_ids = torch.from_numpy(positions)
+        batches.append(MicroBatch(tuple(group), torch.from_numpy(ids), attention_mask, position_ids, flat_index,
+                                  segment_ids, offsets, images=images))
     return batches
 
 

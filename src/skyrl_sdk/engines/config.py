@@ -49,6 +49,12 @@ class EngineConfig:
     - ``keep_grads_on_error``: a ``forward_backward`` that fails mid-call leaves the pending
       gradients as they were (default), at the cost of one more gradient buffer while a call
       runs on top of pending gradients; False: no extra buffer, such a failure drops them all.
+    - ``train_vision_tower``: a vision-language model's vision tower trains too (LoRA adapters
+      in it, or its weights under full fine-tuning); default frozen.
+    - ``max_image_pixels``: the most pixels (width x height) of one image, read from its header
+      before it is decoded.
+    - ``max_image_tokens_per_datum`` / ``max_image_tokens_per_call``: the most positions the
+      images of one datum (or prompt) / of one call take; refused before any compute.
     """
 
     device: str = "auto"
@@ -63,6 +69,10 @@ class EngineConfig:
     world_size: int = attrs.field(default=1, validator=_positive)
     max_shard_bytes: int = attrs.field(default=5 * 1024**3, validator=_positive)
     keep_grads_on_error: bool = attrs.field(default=True, validator=_bool)
+    train_vision_tower: bool = attrs.field(default=False, validator=_bool)
+    max_image_pixels: int = attrs.field(default=4096 * 4096, validator=_positive)
+    max_image_tokens_per_datum: int = attrs.field(default=16384, validator=_positive)
+    max_image_tokens_per_call: int = attrs.field(default=65536, validator=_positive)
     extra: dict = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:

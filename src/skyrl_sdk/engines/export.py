@@ -11,6 +11,7 @@ import json
 import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,6 +56,20 @@ def merged_lora_state_dict(peft_module, state: dict[str, torch.Tensor] | None = 
         if f"{name}.base_layer.bias" in state:
             state[f"{name}.bias"] = state.pop(f"{name}.base_layer.bias")
     return {k: v for k, v in state.items() if "lora_" not in k}
+
+
+def save_peft_adapter(peft_module, directory: str | Path, adapter: str | None = None) -> None:
+    """peft's adapter files (``adapter`` alone, or every adapter), with ``save_embedding_layers``
+    decided here rather than by peft's ``"auto"``, which warns on every such save and otherwise
+    looks the base up for a resized vocabulary: the embedding layers' base weights go with the
+    adapter exactly when LoRA wraps one (``lm_head`` with ``train_unembed``), as "auto" decides;
+    skyrl-sdk never resizes a vocabulary."""
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
+    names = [adapter] if adapter is not None else list(peft_module.peft_config)
+    targets = {t for name in names for t in (peft_module.peft_config[name].target_modules or ())}
+    embedding_targeted = any(layer in targets for layer in EMBEDDING_LAYER_NAMES)
+    peft_module.save_pretrained(str(directory), selected_adapters=names, save_embedding_layers=embedding_targeted)
 
 
 def merge_lora_delta(layer, weight: torch.Tensor, lora_a: dict, lora_b: dict) -> torch.Tensor:
@@ -148,11 +163,28 @@ def write_hf_weights_stream(directory: Path, plan: Sequence[TensorPlan], tensors
     (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
 
 
-def write_hf_config(config, tokenizer, directory: Path, dtype: torch.dtype | None, architecture: str | None) -> None:
-    """config.json (+ generation config, tokenizer) of an export, weights aside."""
+def lora_unties_head(model, adapter: str | None = None) -> bool:
+    """Whether a merged export must untie the embeddings: the config ties the input embedding
+    and the output head, and LoRA adapts the head (``adapter``, or any adapter), so the merged
+    head is no longer the embedding and both are written."""
+    from peft.tuners.lora import LoraLayer
+
+    inner = hf_model(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if not isinstance(head, LoraLayer) or not getattr(inner.config, "tie_word_embeddings", False):
+        return False
+    return adapter is None or adapter in head.lora_A
+
+
+def write_hf_config(config, tokenizer, directory: Path, dtype: torch.dtype | None, architecture: str | None,
+                    untie_embeddings: bool = False) -> None:
+    """config.json (+ generation config, tokenizer) of an export, weights aside;
+    ``untie_embeddings`` (:func:`lora_unties_head`) writes ``tie_word_embeddings: false``."""
     from transformers import GenerationConfig
 
     config = copy.deepcopy(config)
+    if untie_embeddings:  # else a loader ties the merged head back to the embedding
+        config.tie_word_embeddings = False
     if architecture:
         config.architectures = [architecture]
     config.use_cache = True  # inference-friendly; training forces use_cache=False itself
@@ -169,18 +201,24 @@ def write_hf_config(config, tokenizer, directory: Path, dtype: torch.dtype | Non
 
 def export_hf_directory(
     config, state: dict[str, torch.Tensor], tokenizer, directory: Path, max_shard_bytes: int,
-    architecture: str | None = None, dtype: torch.dtype | None = None,
+    architecture: str | None = None, dtype: torch.dtype | None = None, image_processor: Any = None,
+    untie_embeddings: bool = False,
 ) -> None:
     """Write ``state`` as a model directory; ``dtype`` (the engine's compute dtype) casts
-    every floating tensor, so a bf16-mixed run exports bf16 weights, not its fp32 masters."""
+    every floating tensor, so a bf16-mixed run exports bf16 weights, not its fp32 masters. A
+    vision-language model's ``image_processor`` is saved too (its pixel bounds decide how many
+    positions an image takes)."""
     state, _ = dedupe_shared(state)  # tied embeddings: keep the first name only
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
-    write_hf_config(config, None, directory, next(iter(dtypes)) if len(dtypes) == 1 else None, architecture)
+    write_hf_config(config, None, directory, next(iter(dtypes)) if len(dtypes) == 1 else None, architecture,
+                    untie_embeddings)
     write_hf_weights(state, directory, max_shard_bytes)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
+    if image_processor is not None:
+        image_processor.save_pretrained(str(directory))
 
 
 def base_state_dict(peft_module) -> dict[str, torch.Tensor]:

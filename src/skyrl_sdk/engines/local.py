@@ -16,9 +16,15 @@ from ..models.activation_checkpointing import enable_activation_checkpointing
 from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, save_tensors
 from ..models.loading import LoadedModel, hf_model, load_model
 from ..types import AdamParams, Datum, LoraConfig
-from .base import Engine, EngineInfo, EngineResult, runner_options, scoring_model
+from .base import Engine, EngineInfo, EngineResult, image_inputs, runner_options, scoring_model
 from .config import EngineConfig
-from .export import export_hf_directory, full_state_dict, merged_lora_state_dict
+from .export import (
+    export_hf_directory,
+    full_state_dict,
+    lora_unties_head,
+    merged_lora_state_dict,
+    save_peft_adapter,
+)
 from .pool import SOLO_ADAPTER
 from .runner import ModelRunner
 from .state import StateLayout, check_engine_metadata, check_state_files
@@ -41,7 +47,8 @@ class LocalEngine(Engine):
         self.device = self.config.torch_device()
         # the parameters are the master weights (float32 unless master_dtype says otherwise)
         self.loaded: LoadedModel = load_model(
-            model, role=role, lora=lora, seed=seed, dtype=self.config.master_torch_dtype, device=self.device
+            model, role=role, lora=lora, seed=seed, dtype=self.config.master_torch_dtype, device=self.device,
+            train_vision_tower=self.config.train_vision_tower,
         )
         if self.config.gradient_checkpointing:
             enable_activation_checkpointing(self.loaded.module)
@@ -49,13 +56,14 @@ class LocalEngine(Engine):
         self.runner = ModelRunner(scoring, **runner_options(self.config, self.loaded, self.device))
         self.info = EngineInfo.of(self.loaded)
         self.tokenizer = self.loaded.tokenizer
+        self.images = image_inputs(model, self.config)
 
     # ---- compute ----------------------------------------------------------------------
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
         return self.runner.run(data, loss, backward=backward)
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
-        return self.runner.optim_step(params, grad_scale)
+        return self.runner.optimizer.step(params, grad_scale)
 
     def zero_grad(self) -> None:
         self.runner.zero_grad()
@@ -64,8 +72,8 @@ class LocalEngine(Engine):
     def save_state(self, directory: Path) -> dict[str, Any]:
         weights, aliases = dedupe_shared(dict(self.loaded.module.state_dict()))
         save_tensors(weights, directory / WEIGHTS_FILE)
-        save_tensors(self.runner.optimizer_tensors(), directory / OPTIMIZER_FILE)
-        return {"tied_aliases": aliases, "step": self.runner.step_count}
+        self.runner.optimizer.save(directory / OPTIMIZER_FILE)
+        return {"tied_aliases": aliases, "step": self.runner.optimizer.step_count}
 
     def state_layout(self) -> StateLayout:
         state = self.loaded.module.state_dict()
@@ -77,19 +85,23 @@ class LocalEngine(Engine):
         step, _ = check_engine_metadata(metadata, str(directory))
         checked = check_state_files(directory, self.state_layout(), optimizer=optimizer, keep=True)
         self.loaded.module.load_state_dict(checked.weights, strict=False)
-        self.runner.restore_after_load(checked.moments if optimizer else None, step)
+        self.runner.zero_grad()
+        self.runner.optimizer.restore(checked.moments if optimizer else None, step)
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         module = self.loaded.module
         if self.loaded.lora is not None and not merge_lora:
-            module.save_pretrained(str(directory))
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(str(directory))
+            save_peft_adapter(module, directory)
+            for files in (self.tokenizer, self.images and self.images.processor):
+                if files is not None:
+                    files.save_pretrained(str(directory))
             return
         state = merged_lora_state_dict(module) if self.loaded.lora is not None else full_state_dict(module)
         export_hf_directory(
             hf_model(module).config, state, self.tokenizer, directory, self.config.max_shard_bytes,
             architecture=self.loaded.architecture, dtype=self.config.torch_dtype,
+            untie_embeddings=self.loaded.lora is not None and lora_unties_head(module),
+            image_processor=self.images and self.images.processor,
         )
 
     # ---- sampling ---------------------------------------------------------------------
@@ -99,7 +111,7 @@ class LocalEngine(Engine):
                              adapter=SOLO_ADAPTER if self.loaded.lora is not None else None)
 
     def close(self) -> None:
-        self.runner.optimizer = None
+        self.runner.optimizer.release()
         self.loaded.module = None
         self.runner.scoring = None
         if self.device.type == "cuda":

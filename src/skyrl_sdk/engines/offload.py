@@ -24,10 +24,7 @@ def adapter_bytes(runner: ModelRunner) -> int:
         total += p.numel() * p.element_size()
         if p.grad is not None:
             total += p.grad.numel() * p.grad.element_size()
-    if runner.optimizer is not None:
-        for state in runner.optimizer.state.values():
-            total += sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
-    return total
+    return total + runner.optimizer.state_bytes()
 
 
 def offload(runner: ModelRunner, file: Path) -> None:
@@ -37,13 +34,13 @@ def offload(runner: ModelRunner, file: Path) -> None:
         tensors[_WEIGHT + name] = p.detach()
         if p.grad is not None:
             tensors[_GRAD + name] = p.grad
-    for key, value in runner.optimizer_tensors().items():
+    for key, value in runner.optimizer.state_items():
         tensors[_ADAM + key] = value
     save_tensors(tensors, file)
     for _, p in runner.named_trainable():
         p.grad = None
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-    runner.optimizer = None  # rebuilt over the same parameters on reload
+    runner.optimizer.release()  # rebuilt over the same parameters on reload
 
 
 def reload(runner: ModelRunner, file: Path, device: torch.device) -> None:
@@ -55,5 +52,5 @@ def reload(runner: ModelRunner, file: Path, device: torch.device) -> None:
         p.grad = None if grad is None else grad.to(device)
     moments = {k.removeprefix(_ADAM): v for k, v in tensors.items() if k.startswith(_ADAM)}
     if moments:
-        runner.load_optimizer_tensors(moments)
+        runner.optimizer.load_state_tensors(moments)
     file.unlink()

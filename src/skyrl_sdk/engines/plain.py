@@ -6,30 +6,30 @@ of torch objects or of plugin classes): the receiving side rebuilds the typed ob
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
 from ..errors import PluginError
+from ..losses.base import LossSpec
 from ..losses.resolve import ResolvedLoss
 from ..losses.terms import LossTerms
-from ..types import Datum, ModelInput, TensorData
+from ..types import Datum, EncodedTextChunk, ModelInput, PreparedImageChunk, TensorData
 
 
 def loss_to_plain(loss: ResolvedLoss) -> dict[str, Any]:
     """A resolved loss as its name, config fields and the names the caller used."""
     config = attrs.asdict(loss.config, recurse=False) if loss.config is not None else None
     return dict(name=loss.spec.name, config=config, requested_name=loss.requested_name, dialect=loss.dialect,
-                terms=attrs.asdict(loss.terms), plugin=loss.plugin)
+                terms=attrs.asdict(loss.terms), plugin=loss.plugin, scores_only=loss.scores_only)
 
 
-def loss_from_plain(plain: dict[str, Any], where: str = "this process") -> ResolvedLoss:
-    """Rebuild a :func:`loss_to_plain` loss from this process's plugin registry."""
-    from ..plugins.manager import get_registry
-
-    spec = get_registry().losses.get(plain["name"])
+def loss_from_plain(plain: dict[str, Any], losses: Mapping[str, LossSpec], where: str = "this process") -> ResolvedLoss:
+    """Rebuild a :func:`loss_to_plain` loss from ``losses``, this process's registered losses
+    (``skyrl_sdk.get_registry().losses``)."""
+    spec = losses.get(plain["name"])
     if spec is None:
         raise PluginError(
             f"loss {plain['name']!r} is not registered on {where}: install the plugin that provides it "
@@ -37,16 +37,51 @@ def loss_from_plain(plain: dict[str, Any], where: str = "this process") -> Resol
         )
     config = spec.config_cls(**plain["config"]) if spec.config_cls is not None else None
     return ResolvedLoss(spec=spec, config=config, requested_name=plain["requested_name"], dialect=plain["dialect"],
-                        terms=LossTerms(**plain["terms"]), plugin=plain["plugin"])
+                        terms=LossTerms(**plain["terms"]), plugin=plain["plugin"], scores_only=plain["scores_only"])
 
 
-def datums_to_plain(data: Sequence[Datum]) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
-    """Each datum as ``(token ids, {loss input name: array})``."""
-    return [(d.model_input.to_numpy(), {k: v.array for k, v in d.loss_fn_inputs.items()}) for d in data]
+def model_input_to_plain(model_input: ModelInput) -> tuple:
+    """``(token ids,)``, or ``(token ids, images)`` for a sequence holding prepared images: each
+    image its position in the sequence and its fields."""
+    tokens = model_input.to_numpy()
+    if not model_input.has_images:
+        return (tokens,)
+    images, start = [], 0
+    for chunk in model_input.chunks:
+        if isinstance(chunk, PreparedImageChunk):
+            images.append(dict(start=start, pixel_values=chunk.pixel_values, grid_thw=list(chunk.grid_thw),
+                               merge_size=chunk.merge_size, token_id=chunk.token_id, digest=chunk.digest))
+        start += chunk.length
+    return tokens, images
 
 
-def datums_from_plain(items: Sequence[tuple[np.ndarray, dict[str, np.ndarray]]]) -> list[Datum]:
+def model_input_from_plain(plain: Sequence) -> ModelInput:
+    """The sequence :func:`model_input_to_plain` describes."""
+    tokens = np.asarray(plain[0], dtype=np.int64)
+    if len(plain) == 1:
+        return ModelInput.from_ints(tokens)
+    chunks: list = []
+    start = 0
+    for image in plain[1]:
+        fields = dict(image)
+        at = fields.pop("start")
+        if at > start:
+            chunks.append(EncodedTextChunk(tokens[start:at]))
+        chunk = PreparedImageChunk(**{**fields, "grid_thw": tuple(int(x) for x in fields["grid_thw"])})
+        chunks.append(chunk)
+        start = at + chunk.length
+    if start < len(tokens):
+        chunks.append(EncodedTextChunk(tokens[start:]))
+    return ModelInput(chunks)
+
+
+def datums_to_plain(data: Sequence[Datum]) -> list[tuple[tuple, dict[str, np.ndarray]]]:
+    """Each datum as ``(plain model input, {loss input name: array})`` (:func:`model_input_to_plain`)."""
+    return [(model_input_to_plain(d.model_input), {k: v.array for k, v in d.loss_fn_inputs.items()}) for d in data]
+
+
+def datums_from_plain(items: Sequence[tuple[tuple, dict[str, np.ndarray]]]) -> list[Datum]:
     return [
-        Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs={k: TensorData(v) for k, v in inputs.items()})
-        for tokens, inputs in items
+        Datum(model_input=model_input_from_plain(plain), loss_fn_inputs={k: TensorData(v) for k, v in inputs.items()})
+        for plain, inputs in items
     ]

@@ -36,11 +36,11 @@ import attrs
 import torch
 
 from ..errors import InputError, ModelLoadError
-from ..models.loading import load_model, lora_targets, peft_model
+from ..models.loading import load_model, lora_targets, peft_model, quiet_peft_wrap
 from ..models.scoring import ScoringModel, count_parameters
 from ..types import LoraConfig
 from . import offload
-from .base import runner_options, scoring_model
+from .base import image_inputs, runner_options, scoring_model
 from .config import EngineConfig
 from .runner import ModelRunner
 from .turns import FairGate
@@ -103,7 +103,8 @@ class AdapterPool:
         self.max_adapters = max_adapters
         # fp32 masters under a narrower compute dtype, exactly as the local engine does
         self.loaded = load_model(model, role=role, lora=None, seed=seed, dtype=self.config.master_torch_dtype,
-                                 device=self.device)
+                                 device=self.device, train_vision_tower=self.config.train_vision_tower)
+        self.images = image_inputs(model, self.config)
         self._runner_options = runner_options(self.config, self.loaded, self.device)
         base = self.loaded.module
         #: the transformers model itself: peft injects adapter layers into it in place, and it
@@ -114,7 +115,7 @@ class AdapterPool:
         self.base_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in base.parameters()}.values())
         # Targets are chosen on the plain model (once wrapped, its Linears are peft layers).
         self._targets = {flags: lora_targets(base, LoraConfig(rank=1, train_attn=flags[0], train_mlp=flags[1],
-                                                               train_unembed=flags[2]))
+                                                               train_unembed=flags[2]), self.config.train_vision_tower)
                          for flags in itertools.product((False, True), repeat=3) if any(flags)}
         self.scoring = scoring_model(base, role, self.config)
         self.gate = FairGate()
@@ -173,7 +174,8 @@ class AdapterPool:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(lora.seed if lora.seed is not None else seed)
                 if self._peft is not None:
-                    self._peft.add_adapter(name, config)
+                    with quiet_peft_wrap():
+                        self._peft.add_adapter(name, config)
                 else:
                     self._peft = peft_model(self.plain, config, adapter_name=name)
             self.module.to(self.device)
@@ -196,7 +198,7 @@ class AdapterPool:
             if adapter.closed:
                 return
             adapter.closed = True
-            adapter.runner.optimizer = None
+            adapter.runner.optimizer.release()
             adapter.runner.zero_grad()
             if adapter.offloaded is not None:
                 adapter.offloaded.unlink(missing_ok=True)
@@ -204,6 +206,10 @@ class AdapterPool:
             with self._lock:
                 self.adapters.pop(adapter.name, None)
             if not self.closed:
+                others = [name for name in self.module.peft_config if name != adapter.name]
+                if others and adapter.name in self.module.active_adapters:
+                    # peft would switch itself, warning once per layer ("was active which is now deleted")
+                    self.module.set_adapter(others[0])
                 self.module.delete_adapter(adapter.name)
                 self._rebuild_scoring()
         logger.info("shared base %s: adapter %s removed; %d adapters", self.model_name, adapter.label,
@@ -306,7 +312,7 @@ class AdapterPool:
         with self._lock:
             adapters = list(self.adapters.values())
         rows = [{
-            "label": a.label, "adapter": a.name, "rank": a.lora.rank, "step": a.runner.step_count,
+            "label": a.label, "adapter": a.name, "rank": a.lora.rank, "step": a.runner.optimizer.step_count,
             "offloaded": a.offloaded is not None,
             "bytes": 0 if a.offloaded is not None else a.resident_bytes,
         } for a in adapters]
@@ -331,7 +337,7 @@ class AdapterPool:
             self.closed = True
             for adapter in list(self.adapters.values()):
                 adapter.closed = True
-                adapter.runner.optimizer = None
+                adapter.runner.optimizer.release()
             self.adapters.clear()
             self.loaded.module = None
             self._peft = None

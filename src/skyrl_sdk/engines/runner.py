@@ -1,4 +1,4 @@
-"""Model + optimizer logic shared by engines: one micro-batch loop, one AdamW step.
+"""The micro-batch loop shared by engines, with the model's optimizer (:mod:`.optimizer`).
 
 The local engine uses it directly; the FSDP engine runs one per rank on a sharded module.
 """
@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -19,12 +18,12 @@ from ..losses.metrics import Metric, MetricAccumulator
 from ..losses.resolve import ResolvedLoss
 from ..losses.run import run_loss
 from ..models.scoring import ScoringModel
-from ..types import AdamParams, Datum
+from ..types import Datum
 from .base import EngineResult, scores_key
 from .batching import make_micro_batches, pack_inputs
 from .call_grads import call_gradients
+from .optimizer import Optimizer, total_norm
 from .sharing import PrefixSharing
-from .step_guard import StepBound, measure_step
 from .turns import between_micro_batches
 
 logger = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ PROGRESS_MIN_MICRO_BATCHES = 8
 
 
 class ModelRunner:
-    """Runs a :class:`ScoringModel` over micro-batches and steps its optimizer."""
+    """Runs a :class:`ScoringModel` over micro-batches; ``optimizer`` steps its parameters."""
 
     def __init__(
         self,
@@ -63,11 +62,9 @@ class ModelRunner:
         #: a backward call that fails keeps the pending gradients (at the cost of one more
         #: gradient buffer while it runs; see :mod:`.call_grads`) or, False, drops them all
         self.keep_grads_on_error = keep_grads_on_error
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.step_count = 0
-        #: (optimizer, bound on its state after its last step): see step_guard; a new optimizer
-        #: or loaded moments forget it, and the next step measures instead
-        self._bound: tuple[torch.optim.Optimizer, StepBound] | None = None
+        #: AdamW over the trainable parameters (engines/optimizer.py), with this runner's
+        #: collectives (a sharded runner overrides ``grad_norm`` and ``any_rank``)
+        self.optimizer = Optimizer(self.named_trainable, grad_norm=self.grad_norm, any_rank=self.any_rank)
         self._trainable: tuple[object, list[tuple[str, torch.nn.Parameter]]] | None = None
         #: prefix sharing (engines/sharing.py): switched on now, checked at its first use
         self.prefix = PrefixSharing(scoring, prefix_min_tokens, float32=compute_float32)
@@ -108,11 +105,14 @@ class ModelRunner:
     def plan(self, data: Sequence[Datum]) -> list:
         """The micro-batches this runner will use for ``data``; the first call that would share
         a prefix (on any rank) runs prefix sharing's self-test first."""
-        batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id, self.prefix.min_tokens)
+        vision_language = self.scoring.vision_language
+        batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id, self.prefix.min_tokens,
+                                     vision_language=vision_language)
         if self.prefix.pending and self.any_rank(any(mb.prefix is not None for mb in batches)):
             self.prefix.check(self.device, self.any_rank)
             if self.prefix.min_tokens is None:  # failed: this call runs unshared
-                batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id)
+                batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id,
+                                             vision_language=vision_language)
         return batches
 
     def run(
@@ -156,6 +156,7 @@ class ModelRunner:
                     mb.flat_index.to(dev),
                     targets,
                     prefix=None if mb.prefix is None else mb.prefix.to(dev),
+                    images=None if mb.images is None else tuple(t.to(dev) for t in mb.images),
                 )
             kwargs = dict(
                 inputs=inputs,
@@ -179,141 +180,11 @@ class ModelRunner:
             start, end = int(mb.offsets[local]), int(mb.offsets[local + 1])
             outputs[idx] = {k: v[start:end] for k, v in host.items()}
 
-    # ---- optimizer --------------------------------------------------------------------
-    def _ensure_optimizer(self) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            params = [p for _, p in self.named_trainable()]
-            fused = _can_fuse_adamw(params)
-            self.optimizer = torch.optim.AdamW(params, lr=0.0, foreach=None, fused=fused or None)
-        return self.optimizer
-
+    # ---- optimizer ---------------------------------------------------------------------
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of the gradients (overridden by sharded engines)."""
-        if not grads:
-            return torch.zeros((), device=self.device)
-        return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-
-    def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
-        optimizer = self._ensure_optimizer()
-        with_grads = [p for _, p in self.named_trainable() if p.grad is not None]
-        grads = [p.grad for p in with_grads]
-        if not with_grads:
-            logger.warning("optim_step without accumulated gradients (no forward_backward since the last step)")
-        if grad_scale != 1.0 and grads:
-            torch._foreach_mul_(grads, grad_scale)
-        norm = self.grad_norm(grads)
-        norm_value = float(norm)
-        metrics = {"grad_norm": norm_value, "learning_rate": float(params.learning_rate),
-                   "no_gradient": float(not with_grads)}
-        if not math.isfinite(norm_value):
-            logger.warning("non-finite gradient norm (%s): skipping this optim_step", norm_value)
-            self.zero_grad()
-            metrics.update(skipped=1.0, grad_norm_clipped=norm_value, step=float(self.step_count))
-            return metrics
-        if params.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(with_grads, params.grad_clip_norm, norm)
-            metrics["grad_norm_clipped"] = min(norm_value, params.grad_clip_norm)
-        else:
-            metrics["grad_norm_clipped"] = norm_value
-        for group in optimizer.param_groups:
-            group["lr"] = params.learning_rate
-            group["betas"] = (params.beta1, params.beta2)
-            group["eps"] = params.eps
-            group["weight_decay"] = params.weight_decay
-        grad_max = min(norm_value, params.grad_clip_norm) if params.grad_clip_norm > 0 else norm_value
-        bound = self._next_bound(optimizer, params, grad_max)
-        if bound is None:
-            logger.warning("optim_step would make weights non-finite with %s: skipped, nothing changed", params)
-            self.zero_grad()
-            metrics.update(skipped=1.0, nonfinite_update=1.0, step=float(self.step_count))
-            return metrics
-        optimizer.step()
-        self._bound = (optimizer, bound)
-        self.zero_grad()
-        self.step_count += 1
-        metrics.update(skipped=0.0, step=float(self.step_count))
-        return metrics
-
-    def _next_bound(self, optimizer: torch.optim.Optimizer, params: AdamParams, grad_max: float) -> StepBound | None:
-        """The bound on the state after the step about to run, or None when that step would
-        make a weight or moment non-finite (on any rank). Usually scalar arithmetic on the last
-        step's bound; the step is measured tensor by tensor when that cannot prove it."""
-        trainable = [p for _, p in self.named_trainable()]
-        if self._bound is not None and self._bound[0] is optimizer:
-            bound = self._bound[1].after(params, grad_max)
-            if not self.any_rank(not bound.proves(params)):
-                return bound
-        measured = measure_step(optimizer, trainable, params)
-        if self.any_rank(not measured.within_range()):
-            return None
-        return measured
+        return total_norm(grads)
 
     def any_rank(self, flag: bool) -> bool:
         """OR a flag over ranks (overridden by sharded engines)."""
         return flag
-
-    # ---- optimizer state as flat tensors (for safetensors checkpoints) -----------------
-    def optimizer_tensors(
-        self, to_full: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-    ) -> dict[str, torch.Tensor]:
-        if self.optimizer is None:
-            return {}
-        out = {}
-        for name, p in self.named_trainable():
-            state = self.optimizer.state.get(p)
-            if not state:
-                continue
-            out[f"{name}::exp_avg"] = to_full(state["exp_avg"])
-            out[f"{name}::exp_avg_sq"] = to_full(state["exp_avg_sq"])
-            out[f"{name}::step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
-        return out
-
-    def restore_after_load(self, moments: dict[str, torch.Tensor] | None, step: int) -> None:
-        """After a checkpoint's weights are in: drop pending gradients, then take its AdamW
-        moments and step count, or (``moments=None``) start a fresh optimizer at step 0."""
-        self.zero_grad()
-        if moments is None:
-            self.optimizer = None
-            self.step_count = 0
-            return
-        self.load_optimizer_tensors(moments)
-        self.step_count = int(step)
-
-    def load_optimizer_tensors(
-        self, tensors: dict[str, torch.Tensor],
-        from_full: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    ) -> None:
-        optimizer = self._ensure_optimizer()
-        optimizer.state.clear()
-        self._bound = None  # new moments: the next step measures them
-        for name, p in self.named_trainable():
-            if f"{name}::exp_avg" not in tensors:
-                continue
-            conv = from_full or (lambda full, like: full.to(device=like.device, dtype=like.dtype))
-            fused = optimizer.defaults.get("fused")
-            optimizer.state[p] = {
-                # the fused kernel wants its step counter beside the parameter
-                "step": tensors[f"{name}::step"].reshape(()).clone().float().to(p.device if fused else "cpu"),
-                "exp_avg": conv(tensors[f"{name}::exp_avg"], p.detach()),
-                "exp_avg_sq": conv(tensors[f"{name}::exp_avg_sq"], p.detach()),
-            }
-
-
-def _can_fuse_adamw(params: Sequence[torch.Tensor]) -> bool:
-    """Floating tensors (plain, or DTensors whose shards are plain) on CPU or CUDA: torch's
-    fused AdamW kernel applies.
-
-    It computes the same update as the default implementation (to float rounding, ~1e-8
-    relative) about 5x faster on CPU, where the for-loop AdamW is a visible part of a step,
-    and makes no temporaries: on FSDP ranks the for-loop's ``sqrt(v)`` copy of the largest
-    shard was the step's peak (benchmarks.fsdp_loading, docs/performance.md section 6).
-    """
-    if not params:
-        return False
-    for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p.data
-        if type(local) is not torch.Tensor:
-            return False
-        if p.device.type not in ("cpu", "cuda") or p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return False
-    return len({p.device for p in params}) == 1

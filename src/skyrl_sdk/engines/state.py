@@ -18,9 +18,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE
+from .optimizer import MOMENT_KINDS
 
-#: The per-parameter tensors of an AdamW state, as ``<param>::<kind>`` keys.
-MOMENT_KINDS = ("exp_avg", "exp_avg_sq", "step")
 #: How many problems one error message lists.
 MAX_LISTED = 5
 

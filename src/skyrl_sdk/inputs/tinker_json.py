@@ -2,7 +2,8 @@
 
 (Objects of other shapes go through :mod:`.coerce`, which uses these for mappings.)
 
-``{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [...]}]},
+``{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [...]}, {"type": "image",
+"data": "<base64>", "format": "png", "expected_tokens": 16}]},
 "loss_fn_inputs": {"target_tokens": {"data": [...], "dtype": "int64", "shape": [N]}}}``.
 Sparse-CSR tensors (``sparse_crow_indices`` / ``sparse_col_indices``) are densified.
 Objects of the official ``tinker.types`` are accepted duck-typed (tinker is not imported).
@@ -10,22 +11,27 @@ Objects of the official ``tinker.types`` are accepted duck-typed (tinker is not 
 
 from __future__ import annotations
 
-import numbers
+import base64
 from typing import Any
 
 import attrs
 import numpy as np
 
-from ..errors import InputError, quoted
+from ..errors import InputError, refuse_unknown_keys
 from ..types import (
     Datum,
-    EncodedTextChunk,
     ForwardBackwardOutput,
+    ImageChunk,
     ModelInput,
+    PreparedImageChunk,
     TensorData,
     dtype_for_key,
 )
 from ..types.arrays import as_numpy, densify_csr
+from ..types.model_input import chunk_from_fields
+
+#: the keys of Tinker's TensorData JSON
+TENSOR_KEYS = ("data", "dtype", "shape", "sparse_crow_indices", "sparse_col_indices")
 
 
 # ---- TensorData ---------------------------------------------------------------------------
@@ -39,6 +45,7 @@ def tensor_from_json(obj: Any, dtype: str | None = None) -> TensorData:
         return obj
     if not isinstance(obj, dict):
         return TensorData.from_list(obj, dtype or "float32")
+    refuse_unknown_keys("tensor", obj, TENSOR_KEYS)
     if "data" not in obj:
         raise InputError(f"tensor: expected a 'data' field, got keys {sorted(obj)}")
     dtype = obj.get("dtype") or dtype or "float32"
@@ -63,8 +70,18 @@ def tensor_from_json(obj: Any, dtype: str | None = None) -> TensorData:
 
 
 # ---- ModelInput ---------------------------------------------------------------------------
+def _unstructure_chunk(c: Any) -> dict[str, Any]:
+    if isinstance(c, ImageChunk):  # Tinker's JSON: the bytes as base64 text
+        return {"type": "image", "data": base64.b64encode(c.data).decode("ascii"), "format": c.format,
+                "expected_tokens": c.expected_tokens}
+    if isinstance(c, PreparedImageChunk):
+        raise InputError("a prepared image (pixels read by a model's image processor) has no Tinker JSON form: "
+                         "send the ImageChunk it was read from")
+    return {"type": "encoded_text", "tokens": c.tokens.tolist()}
+
+
 def _unstructure_model_input(m: ModelInput) -> dict[str, Any]:
-    return {"chunks": [{"type": "encoded_text", "tokens": c.tokens.tolist()} for c in m.chunks]}
+    return {"chunks": [_unstructure_chunk(c) for c in m.chunks]}
 
 
 def model_input_from_json(obj: Any) -> ModelInput:
@@ -73,28 +90,18 @@ def model_input_from_json(obj: Any) -> ModelInput:
     if isinstance(obj, ModelInput):
         return obj
     if isinstance(obj, dict):
+        refuse_unknown_keys("model_input", obj, [f.name for f in attrs.fields(ModelInput)])
         raw_chunks = obj.get("chunks", [])
         if not isinstance(raw_chunks, list):
             raise InputError(f"model_input.chunks: expected a list, got {type(raw_chunks).__name__}")
         chunks = []
         for j, chunk in enumerate(raw_chunks):
+            what = f"model_input.chunks[{j}]"
             if not isinstance(chunk, dict):
-                raise InputError(f"model_input.chunks[{j}]: expected an object, got {type(chunk).__name__}")
-            kind = chunk.get("type", "encoded_text")
-            if kind != "encoded_text":
-                raise InputError(f"model_input.chunks[{j}]: only 'encoded_text' chunks are supported, got {kind!r}")
-            chunks.append(EncodedTextChunk(_flat_tokens(chunk.get("tokens"), f"model_input.chunks[{j}].tokens")))
+                raise InputError(f"{what}: expected an object, got {type(chunk).__name__}")
+            chunks.append(chunk_from_fields(chunk, what))
         return ModelInput(chunks)
-    return ModelInput.from_ints(_flat_tokens(obj, "model_input"))
-
-
-def _flat_tokens(tokens: Any, what: str) -> Any:
-    """``tokens`` unchanged, unless it is JSON-like and not a flat list of integers (a nested
-    list is not silently flattened; arrays and tensors are checked by ``EncodedTextChunk``)."""
-    if tokens is None or isinstance(tokens, (str, bytes, dict)) or (isinstance(tokens, (list, tuple)) and not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in tokens)):
-        raise InputError(f"{what}: expected a flat list of integer token ids, got {quoted(tokens)}")
-    return tokens
+    return ModelInput.from_ints(obj)
 
 
 
@@ -108,6 +115,7 @@ def _unstructure_datum(d: Datum) -> dict[str, Any]:
 
 
 def datum_from_json(obj: dict[str, Any]) -> Datum:
+    refuse_unknown_keys("Datum", obj, [f.name for f in attrs.fields(Datum)])
     if "model_input" not in obj:
         raise InputError(f"datum: expected a 'model_input' field, got keys {sorted(obj)}")
     raw = obj.get("loss_fn_inputs") or {}

@@ -114,6 +114,8 @@ class LossSpec:
     prepare: PrepareFn | None = None
     #: Whether target_tokens may have shape (N, K) (top-K distillation).
     accepts_topk_targets: bool = False
+    #: The plugin that registered it (set by the registry; named when its output is malformed).
+    plugin: str | None = None
 
     def config_defaults(self) -> dict[str, Any]:
         if self.config_cls is None:
@@ -122,6 +124,16 @@ class LossSpec:
 
     def config_keys(self) -> tuple[str, ...]:
         return tuple(self.config_defaults())
+
+
+@attrs.frozen
+class DialectSpec:
+    """A registered dialect: ``convert(loss_fn, loss_fn_config, role)`` maps a client's loss
+    name and config to a native ``(name, config)``, or returns None for names it does not claim."""
+
+    name: str
+    convert: Callable[[str, Mapping[str, Any] | None, str], tuple[str, dict] | None]
+    description: str = ""
 
 
 # ---- helpers that loss authors use -------------------------------------------------------

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from ..errors import LossConfigError, UnknownLossError, did_you_mean
-from .base import LossSpec
+from .base import DialectSpec, LossSpec
 from .terms import LossTerms, build_terms, required_inputs, split_terms, term_keys
-
-if TYPE_CHECKING:
-    from ..plugins.registry import Registry
 
 
 def loss_label(requested: str, native: str) -> str:
@@ -34,6 +31,9 @@ class ResolvedLoss:
     terms: LossTerms = attrs.field(factory=LossTerms)
     #: The plugin that registered the loss (named when its output is malformed).
     plugin: str | None = None
+    #: Only the model's per-token scores are wanted (a critic's forward that reads its values,
+    #: :func:`reading_values`): the loss function is not run and reports no loss.
+    scores_only: bool = False
 
     @property
     def name(self) -> str:
@@ -72,29 +72,29 @@ def build_config(spec: LossSpec, config: Mapping[str, Any] | None, label: str | 
 
 
 def resolve_loss(
-    registry: Registry,
+    losses: Mapping[str, LossSpec],
+    dialect: DialectSpec,
     loss_fn: str,
     loss_fn_config: Mapping[str, Any] | None = None,
-    dialect: str = "tinker",
     role: str = "policy",
 ) -> ResolvedLoss:
-    """Map a client's loss name and config through ``dialect`` to a native loss."""
+    """Map a client's loss name and config through ``dialect`` to one of ``losses`` (native
+    name -> spec: the registry's, or any other set of specs)."""
     if not isinstance(loss_fn, str) or not loss_fn:
         raise UnknownLossError(f"loss_fn must be a non-empty string, got {loss_fn!r}")
     if loss_fn_config is not None and not isinstance(loss_fn_config, Mapping):
         raise LossConfigError(f"loss_fn_config must be a mapping or None, got {type(loss_fn_config).__name__}")
-    dialect_spec = registry.dialect_spec(dialect)
     own_config, shared = split_terms(loss_fn_config)
-    converted = dialect_spec.convert(loss_fn, own_config, role)
+    converted = dialect.convert(loss_fn, own_config, role)
     if converted is None:
         name, config = loss_fn, own_config
     else:
         name, config = converted
-    spec = registry.losses.get(name)
+    spec = losses.get(name)
     if spec is None:
-        available = sorted(set(registry.losses) | set(getattr(dialect_spec.convert, "names", ())))
+        available = sorted(set(losses) | set(getattr(dialect.convert, "names", ())))
         raise UnknownLossError(
-            f"unknown loss_fn {loss_fn!r} (dialect {dialect!r}); available: {available}"
+            f"unknown loss_fn {loss_fn!r} (dialect {dialect.name!r}); available: {available}"
             f"{did_you_mean(loss_fn, available)}"
         )
     if spec.role != role:
@@ -108,5 +108,17 @@ def resolve_loss(
         spec = attrs.evolve(spec, required_inputs=spec.required_inputs + extra, optional_inputs=optional)
     return ResolvedLoss(
         spec=spec, config=build_config(spec, config, loss_label(loss_fn, spec.name)), requested_name=loss_fn,
-        dialect=dialect, terms=terms, plugin=registry.owners.get(("loss", spec.name)),
+        dialect=dialect.name, terms=terms, plugin=spec.plugin,
     )
+
+
+def reading_values(resolved: ResolvedLoss, inputs_keys: set[str]) -> ResolvedLoss:
+    """A critic's forward whose datums carry none of its loss's required inputs (no ``values``,
+    no ``returns``) reads the values: ``resolved`` made :attr:`~ResolvedLoss.scores_only`, with
+    nothing required. Any other call (a policy's, a critic's with some of the inputs) is
+    returned as it is, and validation names what is missing."""
+    if resolved.spec.role != "critic" or inputs_keys & set(resolved.spec.required_inputs):
+        return resolved
+    optional = tuple(dict.fromkeys(resolved.spec.optional_inputs + resolved.spec.required_inputs))
+    spec = attrs.evolve(resolved.spec, required_inputs=(), optional_inputs=optional)
+    return attrs.evolve(resolved, spec=spec, scores_only=True)

@@ -27,6 +27,9 @@ def run_loss(resolved: ResolvedLoss, loss_input: LossInput) -> tuple[LossOutput,
     ``entropy_loss:sum`` (when entropy is known). Malformed output is the plugin's fault,
     not the caller's: it raises :class:`~skyrl_sdk.errors.PluginError` naming the plugin.
     """
+    if resolved.scores_only:  # a critic's values read without targets: no loss to compute
+        scores = loss_input.values if loss_input.values is not None else loss_input.target_logprobs
+        return LossOutput(loss=scores.new_zeros(())), {}
     out = resolved.spec.fn(loss_input, resolved.config)
     if not isinstance(out, LossOutput):
         raise _malformed(resolved, f"returned {type(out).__name__}, expected LossOutput")

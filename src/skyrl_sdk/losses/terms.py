@@ -136,6 +136,14 @@ def build_terms(shared: Mapping[str, Any], role: str, loss_name: str) -> LossTer
 
 #: Inputs only a loss term reads, and what turns that term on (named when one comes without it).
 TERM_INPUTS = {"ref_logprobs": "kl_coef > 0 (the KL term to a reference model)"}
+#: How a caller gets each term input (said when one is missing).
+TERM_INPUT_SOURCES = {
+    "ref_logprobs": "the logprobs a frozen reference model gives the same target_tokens: "
+                    "ref = reference.forward(data, 'cross_entropy'), then "
+                    "data = skyrl_sdk.rl.with_ref_logprobs(data, ref) (over HTTP: a reference client's "
+                    "forward, its 'logprobs' as each datum's loss_fn_inputs['ref_logprobs']); "
+                    "or kl_coef 0 for no KL term",
+}
 
 
 def required_inputs(terms: LossTerms) -> tuple[str, ...]:

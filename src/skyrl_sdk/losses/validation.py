@@ -14,12 +14,13 @@ import attrs
 import numpy as np
 
 from ..errors import DatumError, InputError, LossConfigError, did_you_mean
+from ..inputs.limits import prompt_length_problem, sequence_length_problem
 from ..types import Datum
 from ..types.numbers import check_representable
 from .base import LossSpec
 from .reduction import PER_TOKEN_REDUCTIONS
 from .resolve import ResolvedLoss
-from .terms import TERM_INPUTS, with_call_normalizers
+from .terms import TERM_INPUT_SOURCES, TERM_INPUTS, with_call_normalizers
 
 
 def check_call(data: Sequence[Datum], resolved: ResolvedLoss, vocab_size: int | None,
@@ -70,22 +71,13 @@ def _numbers_of(config: Any) -> Iterator[tuple[str, Any]]:
             yield str(key), value
 
 
-def sequence_length_problem(length: int, max_positions: int | None, what: str = "model_input") -> str | None:
-    """Why a sequence of ``length`` tokens does not fit the model's positions, or None."""
-    if max_positions is None or length <= max_positions:
-        return None
-    return (f"{what} has {length} tokens; this model accepts at most {max_positions} "
-            f"(max_position_embeddings)")
-
-
 def check_prompts(prompts: Sequence[np.ndarray], vocab_size: int, max_positions: int | None,
                   max_tokens: int) -> None:
     """A sample call's prompts: valid token ids, and each prompt plus ``max_tokens`` within the
-    model's positions (as the server checks it)."""
+    model's positions (the server checks its own limit in the same words)."""
     for i, tokens in enumerate(prompts):
-        problem = token_range_problem(tokens, vocab_size) or sequence_length_problem(
-            int(tokens.size) + max_tokens, max_positions, f"the prompt ({tokens.size} tokens) plus max_tokens "
-            f"({max_tokens})")
+        problem = token_range_problem(tokens, vocab_size) or prompt_length_problem(
+            int(tokens.size), max_tokens, max_positions)
         if problem:
             raise InputError(f"prompt {i}: {problem}")
 
@@ -190,9 +182,10 @@ def check_loss_inputs(
         if key == "target_tokens" and not need_targets:
             continue
         if key not in shapes:
+            source = f"; {key}: {TERM_INPUT_SOURCES[key]}" if key in TERM_INPUT_SOURCES else ""
             raise DatumError(
                 f"{label} requires input {key!r} (required: {list(spec.required_inputs)}), "
-                f"got keys {sorted(shapes)}",
+                f"got keys {sorted(shapes)}{source}",
                 index=index,
             )
     for key, shape in shapes.items():

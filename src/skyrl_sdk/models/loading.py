@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,16 @@ import torch
 
 from ..errors import ModelLoadError, did_you_mean
 from ..types import LoraConfig
-from .value_head import VALUE_HEAD, ValueHeadModel, initial_value_head
+from .value_head import CONFIG_FIELD, VALUE_HEAD, ValueHeadModel, initial_value_head
+from .vlm import (
+    auto_class,
+    check_supported,
+    freeze_vision_tower,
+    in_vision_tower,
+    is_vision_language,
+    text_config,
+    vision_tower_prefixes,
+)
 from .weight_files import read_rows, weight_files
 
 logger = logging.getLogger(__name__)
@@ -67,23 +77,25 @@ def _byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def build_tiny_tokenizer():
-    """A byte-level tokenizer: token id = byte value, then the special tokens."""
+def build_tiny_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS, *, bos: str | None = "<|bos|>",
+                         eos: str = "<|eos|>", pad: str = "<|pad|>"):
+    """A byte-level tokenizer: token id = byte value, then the special tokens (the tiny
+    vision-language models add Qwen's chat and vision markers)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {ch: b for b, ch in _byte_to_unicode().items()}
-    for offset, tok in enumerate(SPECIAL_TOKENS):
+    for offset, tok in enumerate(special_tokens):
         vocab[tok] = 256 + offset
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(special_tokens))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<|bos|>",
-        eos_token="<|eos|>",
-        pad_token="<|pad|>",
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
         model_max_length=2048,
     )
 
@@ -133,7 +145,7 @@ class LoadedModel:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
+        return int(text_config(self.config).vocab_size)
 
     @property
     def pad_token_id(self) -> int:
@@ -146,7 +158,7 @@ class LoadedModel:
         """End-of-sequence id: the tokenizer's, else the model config's first one."""
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         if eos is None:
-            eos = getattr(self.config, "eos_token_id", None)
+            eos = getattr(text_config(self.config), "eos_token_id", None)
             eos = eos[0] if isinstance(eos, (list, tuple)) else eos
         return eos
 
@@ -164,7 +176,9 @@ def max_positions(config: Any) -> int | None:
     """The longest sequence a model accepts, from its config (a transformers config or its
     config.json as a dict): ``max_position_embeddings`` or an equivalent; ``None`` if it names none.
 
-    Beyond it a model with learned positions (GPT-2) indexes out of its table mid-compute."""
+    Beyond it a model with learned positions (GPT-2) indexes out of its table mid-compute. A
+    vision-language model's limit is its language model's (``text_config``)."""
+    config = text_config(config)
     for key in POSITION_KEYS:
         value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -194,9 +208,11 @@ def load_config(name: str):
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model {name!r}: directory has no config.json")
     try:
-        return AutoConfig.from_pretrained(str(path)), str(path)
+        config = AutoConfig.from_pretrained(str(path))
     except Exception as exc:
         raise ModelLoadError(f"model {name!r}: config.json could not be read: {exc}") from None
+    check_supported(config, name)
+    return config, str(path)
 
 
 def load_tokenizer(directory: str):
@@ -213,12 +229,14 @@ def load_tokenizer(directory: str):
         return None
 
 
-def lora_targets(model, lora: LoraConfig) -> list[str]:
-    """Names of the Linear modules LoRA should wrap, chosen by their role in the block."""
+def lora_targets(model, lora: LoraConfig, train_vision_tower: bool = False) -> list[str]:
+    """Names of the Linear modules LoRA should wrap, chosen by their role in the block (none in a
+    vision-language model's vision tower unless ``train_vision_tower``)."""
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tower = [] if train_vision_tower else vision_tower_prefixes(model)
     names = []
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
+        if not isinstance(module, torch.nn.Linear) or in_vision_tower(name, tower):
             continue
         if out_emb is not None and module is out_emb:
             if lora.train_unembed:
@@ -236,13 +254,13 @@ def lora_targets(model, lora: LoraConfig) -> list[str]:
     return names
 
 
-def apply_lora(model, lora: LoraConfig, seed: int):
+def apply_lora(model, lora: LoraConfig, seed: int, train_vision_tower: bool = False):
     """Wrap ``model`` with peft LoRA adapters; only the adapters train."""
     try:
         import peft
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ModelLoadError("LoRA needs peft: pip install 'skyrl-sdk[lora]'") from exc
-    targets = lora_targets(model, lora)
+    targets = lora_targets(model, lora, train_vision_tower)
     if not targets:
         raise ModelLoadError("LoRA: no Linear modules matched train_attn/train_mlp/train_unembed")
     config = peft.LoraConfig(
@@ -269,18 +287,31 @@ def apply_lora(model, lora: LoraConfig, seed: int):
 
 def peft_model(model, config, adapter_name: str = "default"):
     """``peft.get_peft_model``: every LoRA wrap goes through here (``apply_lora``, the shared
-    base's first adapter).
-
-    peft's ``PeftModel.__init__`` (0.21.2, the newest release) reads
-    ``model.is_gradient_checkpointing``, which transformers 5 deprecated with a FutureWarning
-    on every read: a warning about peft's code, not the caller's, that nothing the caller
-    does can avoid. It is silenced for this one call and that one message only.
-    """
+    base's first adapter; later adapters through :func:`quiet_peft_wrap` too)."""
     import peft
 
+    with quiet_peft_wrap():
+        return peft.get_peft_model(model, config, adapter_name=adapter_name)
+
+
+@contextlib.contextmanager
+def quiet_peft_wrap() -> Iterator[None]:
+    """Two warnings of peft's while it wraps a model, silenced for the wrap and those messages only:
+
+    - peft's ``PeftModel.__init__`` (0.21.2) reads ``model.is_gradient_checkpointing``, which
+      transformers 5 deprecated with a FutureWarning on every read: about peft's code, and
+      nothing the caller does can avoid it.
+    - "Model has `tie_word_embeddings=True` and a tied layer is part of the adapter" (LoRA on
+      the head of a model whose head is its input embedding, ``train_unembed``): the head is
+      adapted alone, on purpose, and the complication peft warns of (a merged export) is
+      handled: a merged export writes the adapted head beside the embedding and unties them
+      in its config (``engines.export.lora_unties_head``).
+    """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return peft.get_peft_model(model, config, adapter_name=adapter_name)
+        warnings.filterwarnings("ignore", message=r"Model has `tie_word_embeddings=True` and a tied layer is part "
+                                r"of the adapter", category=UserWarning)
+        yield
 
 
 def _cpu_placeholders(model, targets: list[str]) -> list[tuple[torch.nn.Module, torch.nn.Parameter]]:
@@ -325,9 +356,7 @@ def parameters_on_meta():
 
 def _build(name: str, config, role: str, *, materialize: bool, dtype: torch.dtype):
     """The causal LM (policy) or its backbone (critic): from the seed, the files, or on meta."""
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    auto = AutoModelForCausalLM if role == "policy" else AutoModel
+    auto = auto_class(config, role)
     if not materialize:
         with parameters_on_meta():
             return auto.from_config(config)
@@ -341,7 +370,7 @@ def _value_head_weights(files: dict, config, seed: int, dtype: torch.dtype) -> t
     names = (f"{VALUE_HEAD}.weight", f"{VALUE_HEAD}.bias")
     if all(n in files for n in names):
         return {n: read_rows(files, n).to(dtype) for n in names}, True
-    return initial_value_head(int(config.hidden_size), seed, dtype), False
+    return initial_value_head(int(text_config(config).hidden_size), seed, dtype), False
 
 
 def load_model(
@@ -353,6 +382,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     materialize: bool = True,
+    train_vision_tower: bool = False,
 ) -> LoadedModel:
     """Build or load the model for ``role``: "policy", the causal LM; "critic", its backbone
     with a value head (:class:`~skyrl_sdk.value_head.ValueHeadModel`).
@@ -360,11 +390,15 @@ def load_model(
     ``materialize=False`` (sharded engines) builds the parameters on the meta device and
     reads no weights: the caller shards the module and fills each shard from
     ``weights_dir``'s files and ``generated`` (LoRA adapters and a new value head, drawn
-    from the seed exactly as a materialized load draws them).
+    from the seed exactly as a materialized load draws them). A vision-language model's vision
+    tower is frozen unless ``train_vision_tower`` (:mod:`.vlm`).
     """
     if role not in ("policy", "critic"):
         raise ModelLoadError(f"role must be 'policy' or 'critic', got {role!r}")
     config, tok_dir = load_config(name)
+    if role == "policy" and getattr(config, CONFIG_FIELD, None):  # else: a random lm_head, silently
+        raise ModelLoadError(f"model {name!r} is a critic export (a backbone and value head, no lm_head): "
+                             f"load it with role='critic'; a policy needs a causal LM directory")
     config.use_cache = False  # packed rows must not be treated as one sequence (PLATFORM_NOTES)
     weights_dir = None if name == TINY_NAME else str(Path(name).expanduser())
     files = weight_files(weights_dir) if weights_dir else {}
@@ -389,8 +423,10 @@ def load_model(
             generated.update(head)
     model.to(dtype=dtype)
     model.eval()  # no dropout: RL needs the trainer's logprobs to match the sampler's
+    if is_vision_language(config) and not train_vision_tower:
+        freeze_vision_tower(model)
     if lora is not None:
-        model = apply_lora(model, lora, seed)
+        model = apply_lora(model, lora, seed, train_vision_tower)
         model.eval()
         if not materialize:
             generated.update({k: v.detach().to(dtype) for k, v in hf_model(model).state_dict().items()

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from .loading import hf_model
 from .prefix import PrefixPlan
+from .vlm import is_vision_language
 
 #: The backbone keyword that carries the :class:`PrefixPlan` down to every attention layer.
 PLAN_KWARG = "skyrl_prefix_plan"
@@ -144,6 +145,9 @@ def unsupported_reason(model) -> str | None:
     config = hf_model(model).config
     model_type = getattr(config, "model_type", None)
     impl = config._attn_implementation
+    if is_vision_language(config):
+        return ("a vision-language model computes every datum in full (images and their M-RoPE positions are "
+                "not shared)")
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (f"model type {model_type!r} is not one prefix sharing was checked on "
                 f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))})")

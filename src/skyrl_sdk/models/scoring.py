@@ -15,6 +15,7 @@ from . import prefix_attention
 from .loading import hf_model
 from .logprobs import CHUNK_THRESHOLD_ELEMENTS, target_logprobs
 from .prefix import PrefixPlan
+from .vlm import is_vision_language, text_config
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
@@ -33,6 +34,7 @@ class Head:
 
     def __init__(self, proj: nn.Module, config) -> None:
         self.proj = proj
+        config = text_config(config)
         self.scale = getattr(config, "logit_scale", None)
         self.softcap = getattr(config, "final_logit_softcapping", None)
 
@@ -56,6 +58,10 @@ class ScoringModel(nn.Module):
     repeats the prefix slots once per datum, and the head runs once per distinct (slot,
     target) pair, its results repeated (the samples of a group have the same hidden state and
     the same next token all along their prompt).
+
+    A vision-language model's micro-batch brings its images (``pixel_values``, ``image_grid_thw``)
+    and M-RoPE ``position_ids`` of shape (3, rows, length), or (4, 1, length) for a packed row
+    (the first row: each datum's text positions, which tell attention where datums start).
     """
 
     def __init__(self, model: nn.Module, role: str) -> None:
@@ -63,7 +69,9 @@ class ScoringModel(nn.Module):
         self.model = model
         self.role = role
         inner = hf_model(model)
-        self.vocab_size = int(inner.config.vocab_size)
+        self.vocab_size = int(text_config(inner.config).vocab_size)
+        #: a vision-language model: positions are M-RoPE (engines/batching.py builds them)
+        self.vision_language = is_vision_language(inner.config)
         proj = inner.value_head if role == "critic" else inner.get_output_embeddings()
         self.__dict__["head"] = Head(proj, inner.config)  # not a submodule (see Head)
         self.chunk_elements = CHUNK_THRESHOLD_ELEMENTS
@@ -81,6 +89,7 @@ class ScoringModel(nn.Module):
         targets: torch.Tensor | None,
         want_entropy: bool = True,
         prefix: PrefixPlan | None = None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if prefix is not None:
             hidden = prefix_attention.shared_hidden(backbone_of(self.model), input_ids, position_ids, prefix)
@@ -88,10 +97,13 @@ class ScoringModel(nn.Module):
                 return self._deduplicated_logprobs(hidden, flat_index, targets, want_entropy)
             hidden = hidden.index_select(0, flat_index)  # repeats the prefix slots once per datum
         else:
-            if attention_mask is not None and position_ids is None and self.drop_right_padding_mask:
+            padded_rows = position_ids is None or self.vision_language
+            if attention_mask is not None and padded_rows and self.drop_right_padding_mask:
                 attention_mask = None  # rows are right-padded (batching.py); outputs at padding are dropped
+            pixels = {} if images is None else {"pixel_values": images[0], "image_grid_thw": images[1]}
             out = backbone_of(self.model)(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                **pixels,
             )
             hidden = out.last_hidden_state
             hidden = hidden.reshape(-1, hidden.shape[-1])

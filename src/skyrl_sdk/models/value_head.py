@@ -9,6 +9,8 @@ and ``value_head.bias`` (1,).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -27,7 +29,7 @@ class ValueHeadModel(nn.Module):
         self.config = backbone.config
         setattr(self.config, CONFIG_FIELD, VALUE_HEAD)  # an export says where its head is
         self._no_split_modules = list(getattr(backbone, "_no_split_modules", None) or [])
-        self.value_head = nn.Linear(int(self.config.hidden_size), 1, bias=True)
+        self.value_head = nn.Linear(int(self.config.get_text_config().hidden_size), 1, bias=True)
 
     @property
     def backbone(self) -> nn.Module:
@@ -61,3 +63,27 @@ def initial_value_head(hidden_size: int, seed: int, dtype: torch.dtype) -> dict[
     gen = torch.Generator().manual_seed(int(seed))
     weight = torch.empty(1, hidden_size).normal_(0.0, INIT_STD, generator=gen)
     return {f"{VALUE_HEAD}.weight": weight.to(dtype), f"{VALUE_HEAD}.bias": torch.zeros(1, dtype=dtype)}
+
+
+#: The file a critic's export carries that says what it is (the model-card name on the Hub).
+CRITIC_CARD = "README.md"
+
+
+def critic_export_note(what: str | Path) -> str:
+    """What a critic's ``save_weights_for_sampler`` wrote (``what``: its path, or "This
+    directory") and how to load it, warned and written beside the weights: a causal-LM loader
+    would give it a random lm_head."""
+    return (f"{what} is a critic (value model) export: its backbone and value head, no lm_head, so it is "
+            f"not a model to sample from. Load it with skyrl_sdk.Backend(model=..., role='critic'), or the "
+            f"backbone alone with transformers' AutoModel; AutoModelForCausalLM (or vLLM) would load it with "
+            f"a random lm_head")
+
+
+def write_critic_card(directory: Path) -> None:
+    """``README.md`` in a critic's export: what the files are, how to load them."""
+    (directory / CRITIC_CARD).write_text(
+        "# A skyrl-sdk critic (value model)\n\n"
+        f"{critic_export_note('This directory')}.\n\n"
+        f"The value head is `{VALUE_HEAD}.weight` (1, hidden) and `{VALUE_HEAD}.bias` (1,): last hidden "
+        "state -> one value per token. The layout: skyrl-sdk's docs/engines.md, \"The critic\".\n"
+    )

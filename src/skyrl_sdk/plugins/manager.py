@@ -1,20 +1,27 @@
-"""The plugin manager: built-ins plus third-party plugins found through entry points.
+"""The plugin manager: the built-ins it is handed, plus third-party plugins found through entry points.
 
 Third-party packages declare ``[project.entry-points.skyrl_sdk]``; each entry point names a
 module (or object) with ``@skyrl_sdk.hookimpl`` functions. ``SKYRL_SDK_PLUGINS=a,b``
 restricts which entry points load (by entry-point or distribution name); an empty value
-loads the built-ins only. A plugin that fails to import or to register is reported and
-skipped; the others still load. Two plugins registering one name is an error.
+loads the built-ins only. The built-ins come from the caller (the facade's
+:mod:`skyrl_sdk.builtin_plugins`): this layer never imports the engines or samplers above it.
+
+Every plugin is registered with one ``pluggy.PluginManager`` and each registration hook is
+called once, through pluggy (``manager.hook.<name>(register=...)``), so hook wrappers,
+``tryfirst`` / ``trylast`` and the rest behave as pluggy documents (:mod:`.attribution`
+says how each ``register`` call and each failure is traced to its plugin). A plugin that
+fails to import or to register is rolled back, reported and skipped; the others still load.
+Two plugins registering one name is an error naming both.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import inspect
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -23,21 +30,20 @@ import pluggy
 from .. import hooks
 from ..errors import DuplicateRegistrationError, PluginError
 from ..version import __version__
+from .attribution import Registrations, blame, isolate
 from .registry import Registry
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "skyrl_sdk"
 ENV_VAR = "SKYRL_SDK_PLUGINS"
-
-BUILTIN_PLUGINS = (
-    "skyrl_sdk.losses.sft",
-    "skyrl_sdk.losses.policy",
-    "skyrl_sdk.losses.critic",
-    "skyrl_sdk.losses.dialects",
-    "skyrl_sdk.engines.local",
-    "skyrl_sdk.sampling",
-)
+#: Each registration hook, and the :class:`Registry` method its ``register`` callback calls.
+REGISTRATION_HOOKS = {
+    "skyrl_sdk_register_losses": "register_loss",
+    "skyrl_sdk_register_dialects": "register_dialect",
+    "skyrl_sdk_register_engines": "register_engine",
+    "skyrl_sdk_register_samplers": "register_sampler",
+}
 
 
 @attrs.frozen
@@ -64,6 +70,15 @@ class LoadedPlugins:
     declarations: int = 0
 
 
+@attrs.frozen
+class _Candidate:
+    name: str
+    obj: Any
+    package: str
+    version: str
+    builtin: bool
+
+
 def _allowed_entry_points() -> set[str] | None:
     raw = os.environ.get(ENV_VAR)
     if raw is None:
@@ -82,19 +97,9 @@ def _dist_of(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
     return (dist.metadata["Name"] or "unknown", dist.version or "unknown")
 
 
-def _call_plugin_hooks(manager: pluggy.PluginManager, plugin_obj: Any, plugin_name: str, registry: Registry) -> None:
-    """Run this plugin's own hook implementations, each with a register bound to it."""
-    callbacks = {
-        "skyrl_sdk_register_losses": lambda *a, **k: registry.register_loss(plugin_name, *a, **k),
-        "skyrl_sdk_register_dialects": lambda *a, **k: registry.register_dialect(plugin_name, *a, **k),
-        "skyrl_sdk_register_engines": lambda *a, **k: registry.register_engine(plugin_name, *a, **k),
-        "skyrl_sdk_register_samplers": lambda *a, **k: registry.register_sampler(plugin_name, *a, **k),
-    }
-    for hook_name, register in callbacks.items():
-        caller = getattr(manager.hook, hook_name)
-        for impl in caller.get_hookimpls():
-            if impl.plugin is plugin_obj:
-                impl.function(register=register)
+def _module_name(obj: Any) -> str:
+    """The module a plugin object is (or was defined in)."""
+    return obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", "")
 
 
 def _check_hook_names(manager: pluggy.PluginManager, plugin_obj: Any, plugin_name: str) -> None:
@@ -105,79 +110,96 @@ def _check_hook_names(manager: pluggy.PluginManager, plugin_obj: Any, plugin_nam
         raise PluginError(f"plugin {plugin_name!r} implements unknown hook(s) {unknown}; known hooks: {known}")
 
 
-def _snapshot(registry: Registry) -> Registry:
-    return Registry(
-        losses=dict(registry.losses),
-        dialects=dict(registry.dialects),
-        engines=dict(registry.engines),
-        samplers=dict(registry.samplers),
-        owners=dict(registry.owners),
-        registered_by={k: list(v) for k, v in registry.registered_by.items()},
-    )
-
-
-def load_plugins() -> LoadedPlugins:
-    """Build a fresh registry: built-ins first, then entry-point plugins (sorted by name)."""
-    manager = pluggy.PluginManager(ENTRY_POINT_GROUP)
-    manager.add_hookspecs(hooks)
-    registry = Registry()
-    infos: list[PluginInfo] = []
-    version = __version__
-
-    candidates: list[tuple[str, Any, str, str, bool]] = []
-    for module_name in BUILTIN_PLUGINS:
-        module = importlib.import_module(module_name)
-        candidates.append((module_name, module, "skyrl-sdk", version, True))
-
+def _candidates(builtins: Sequence[Any], infos: list[PluginInfo]) -> tuple[list[_Candidate], set[str]]:
+    """The built-ins, then the entry points ``SKYRL_SDK_PLUGINS`` allows (import failures go to
+    ``infos``); and the modules of the entry points it leaves out."""
+    found = [_Candidate(_module_name(obj), obj, "skyrl-sdk", __version__, True) for obj in builtins]
     allowed = _allowed_entry_points()
-    excluded: set[str] = set()  # modules of entry points SKYRL_SDK_PLUGINS leaves out
+    excluded: set[str] = set()
     for ep in _entry_points():
-        package, ep_version = _dist_of(ep)
+        package, version = _dist_of(ep)
         if allowed is not None and ep.name not in allowed and package not in allowed:
             excluded.add(ep.module)
             continue
         try:
             obj = ep.load()
         except Exception as exc:  # a broken plugin must not take the others down
-            logger.warning("skyrl-sdk plugin %r (%s %s) failed to import: %r", ep.name, package, ep_version, exc)
-            infos.append(PluginInfo(ep.name, package, ep_version, False, (), f"import failed: {exc!r}"))
+            logger.warning("skyrl-sdk plugin %r (%s %s) failed to import: %r", ep.name, package, version, exc)
+            infos.append(PluginInfo(ep.name, package, version, False, (), f"import failed: {exc!r}"))
             continue
-        candidates.append((ep.name, obj, package, ep_version, False))
+        found.append(_Candidate(ep.name, obj, package, version, False))
+    return found, excluded
 
-    for name, obj, package, pkg_version, builtin in candidates:
-        if manager.is_registered(obj) or manager.get_plugin(name) is not None:
-            continue
-        before = _snapshot(registry)
+
+def _fail(candidate: _Candidate, exc: BaseException, infos: list[PluginInfo]) -> None:
+    if candidate.builtin:
+        raise exc
+    logger.warning("skyrl-sdk plugin %r (%s %s) failed to register: %r", candidate.name, candidate.package,
+                   candidate.version, exc)
+    infos.append(PluginInfo(candidate.name, candidate.package, candidate.version, False, (),
+                            f"registration failed: {exc!r}"))
+
+
+def _call_registration_hooks(manager: pluggy.PluginManager, loaded: dict[str, _Candidate],
+                             infos: list[PluginInfo]) -> dict[str, Registry]:
+    """Call every registration hook through pluggy; returns what each plugin registered.
+
+    A non-built-in plugin whose hook implementation raises is unregistered, reported, and the
+    round runs again without it (the failure stopped the plugins after it in that call)."""
+    while True:
+        registrations = Registrations(manager)
         try:
-            # pluggy validates hook signatures in register(): a bad one is this plugin's failure.
-            manager.register(obj, name=name)
-            _check_hook_names(manager, obj, name)
-            _call_plugin_hooks(manager, obj, name, registry)
+            for hook_name, method in REGISTRATION_HOOKS.items():
+                getattr(manager.hook, hook_name)(register=registrations.callback(method))
+            return registrations.by_plugin
         except DuplicateRegistrationError:
             raise
         except Exception as exc:
-            if builtin:
+            culprit = blame(exc, registrations) or isolate(
+                manager, REGISTRATION_HOOKS, [n for n, c in loaded.items() if not c.builtin])
+            if culprit is None:
                 raise
-            logger.warning("skyrl-sdk plugin %r (%s %s) failed to register: %r", name, package, pkg_version, exc)
-            registry = before
-            if manager.is_registered(obj):
-                manager.unregister(obj)
-            infos.append(PluginInfo(name, package, pkg_version, False, (), f"registration failed: {exc!r}"))
+            candidate = loaded.pop(culprit)
+            _fail(candidate, exc, infos)
+            manager.unregister(name=culprit)
+
+
+def load_plugins(builtins: Sequence[Any]) -> LoadedPlugins:
+    """Build a fresh registry: ``builtins`` (plugin modules or objects, named after their
+    module) first, then entry-point plugins sorted by name."""
+    manager = pluggy.PluginManager(ENTRY_POINT_GROUP)
+    manager.add_hookspecs(hooks)
+    infos: list[PluginInfo] = []
+    candidates, excluded = _candidates(builtins, infos)
+    loaded: dict[str, _Candidate] = {}
+    for candidate in candidates:
+        if manager.is_registered(candidate.obj) or manager.get_plugin(candidate.name) is not None:
             continue
-        infos.append(PluginInfo(name, package, pkg_version, builtin, tuple(registry.registered_by.get(name, ()))))
-    plugin_of = {_module_name(obj): (name, package, pkg_version) for name, obj, package, pkg_version, _ in candidates
-                 if manager.is_registered(obj)}
-    registry, infos = _register_declared(registry, infos, plugin_of, excluded)
+        try:
+            # pluggy validates hook signatures in register(): a bad one is this plugin's failure.
+            manager.register(candidate.obj, name=candidate.name)
+            _check_hook_names(manager, candidate.obj, candidate.name)
+        except Exception as exc:
+            if manager.is_registered(candidate.obj):
+                manager.unregister(candidate.obj)
+            _fail(candidate, exc, infos)
+            continue
+        loaded[candidate.name] = candidate
+    by_plugin = _call_registration_hooks(manager, loaded, infos)
+    registry = Registry()
+    for name, candidate in loaded.items():  # load order: duplicates name the earlier plugin first
+        registry.add(by_plugin.get(name, Registry()))
+        infos.append(PluginInfo(name, candidate.package, candidate.version, candidate.builtin,
+                                tuple(registry.registered_by.get(name, ()))))
+    plugin_of = {_module_name(c.obj): (name, c.package, c.version) for name, c in loaded.items()}
+    infos = _register_declared(registry, infos, plugin_of, excluded)
+    order = {c.name: i for i, c in enumerate(candidates)}
+    infos.sort(key=lambda info: order.get(info.name, len(order)))
     return LoadedPlugins(registry=registry, plugins=tuple(infos), manager=manager, declarations=len(hooks.DECLARED))
 
 
-def _module_name(obj: Any) -> str:
-    """The module an entry point's object is (or was defined in)."""
-    return obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", "")
-
-
 def _register_declared(registry: Registry, infos: list[PluginInfo], plugin_of: dict[str, tuple[str, str, str]],
-                       excluded: set[str]) -> tuple[Registry, list[PluginInfo]]:
+                       excluded: set[str]) -> list[PluginInfo]:
     """Register what the decorators of :mod:`skyrl_sdk.hooks` declared: under the plugin whose
     entry-point module declared it, or (a script, a notebook) under the declaring module's
     name. A module's declarations succeed or fail together, like a plugin's hooks."""
@@ -188,41 +210,38 @@ def _register_declared(registry: Registry, infos: list[PluginInfo], plugin_of: d
     infos = list(infos)
     for module, declarations in by_module.items():
         plugin, package, version = plugin_of.get(module, (module, "(declared in this process)", ""))
-        before = _snapshot(registry)
+        own = Registry()
         try:
             for d in declarations:
-                getattr(registry, f"register_{d.kind}")(plugin, d.name, d.obj, **d.options)
+                getattr(own, f"register_{d.kind}")(plugin, d.name, d.obj, **d.options)
         except DuplicateRegistrationError:
             raise
         except Exception as exc:
             logger.warning("skyrl-sdk: registrations declared in %r failed: %r", module, exc)
-            registry = before
             infos.append(PluginInfo(plugin, package, version, False, (), f"registration failed: {exc!r}"))
             continue
+        registry.add(own)
         registered = tuple(registry.registered_by.get(plugin, ()))
         infos = [attrs.evolve(i, registered=registered) if i.name == plugin and i.error is None else i for i in infos]
         if module not in plugin_of:
             infos.append(PluginInfo(plugin, package, version, False, registered))
-    return registry, infos
+    return infos
 
 
 _lock = threading.Lock()
-_cache: dict[str | None, LoadedPlugins] = {}
+_cache: dict[tuple[str | None, tuple[Any, ...]], LoadedPlugins] = {}
 
 
-def get_plugins() -> LoadedPlugins:
-    """The process-wide plugin state (loaded once per value of ``SKYRL_SDK_PLUGINS``, and again
-    after a decorator of :mod:`skyrl_sdk.hooks` declared something new)."""
-    key = os.environ.get(ENV_VAR)
+def get_plugins(builtins: Sequence[Any]) -> LoadedPlugins:
+    """The process-wide plugin state for these ``builtins`` (loaded once per value of
+    ``SKYRL_SDK_PLUGINS``, and again after a decorator of :mod:`skyrl_sdk.hooks` declared
+    something new)."""
+    key = (os.environ.get(ENV_VAR), tuple(builtins))
     with _lock:
         loaded = _cache.get(key)
         if loaded is None or loaded.declarations != len(hooks.DECLARED):
-            loaded = _cache[key] = load_plugins()
+            loaded = _cache[key] = load_plugins(builtins)
         return loaded
-
-
-def get_registry() -> Registry:
-    return get_plugins().registry
 
 
 def reset() -> None:

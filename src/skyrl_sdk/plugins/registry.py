@@ -14,17 +14,11 @@ from typing import Any
 import attrs
 
 from ..errors import DuplicateRegistrationError, PluginError, UnknownNameError, did_you_mean
-from ..losses.base import LossSpec
+from ..losses.base import DialectSpec, LossSpec
+from ..losses.resolve import ResolvedLoss, resolve_loss
 from .samplers import Sampler
 
 _ROLES = ("policy", "critic")
-
-
-@attrs.frozen
-class DialectSpec:
-    name: str
-    convert: Callable[[str, Mapping[str, Any] | None, str], tuple[str, dict] | None]
-    description: str = ""
 
 
 @attrs.frozen
@@ -38,7 +32,9 @@ class FactorySpec:
 
 
 #: What to install for a well-known name that is missing (said with "unknown engine 'fsdp'").
-_INSTALL_HINTS = {("engine", "fsdp"): " (engine 'fsdp' comes with: pip install skyrl-sdk-fsdp)"}
+_INSTALL_HINTS = {("engine", "fsdp"): " (engine 'fsdp' comes with: pip install skyrl-sdk-fsdp)",
+                  ("sampler", "vllm"): " (sampler 'vllm' comes with: pip install 'skyrl-sdk-vllm[gpu]' (CUDA) or "
+                                       "'skyrl-sdk-vllm[cpu]')"}
 
 
 @attrs.define
@@ -62,6 +58,16 @@ class Registry:
             )
         self.owners[(kind, name)] = plugin
         self.registered_by.setdefault(plugin, []).append(f"{kind}:{name}")
+
+    def add(self, other: Registry) -> None:
+        """Take every entry of ``other`` (what one plugin registered), in its order; a name
+        taken here already raises :class:`DuplicateRegistrationError` naming both plugins."""
+        for (kind, name), plugin in other.owners.items():
+            self._claim(kind, name, plugin)
+            self._table(kind)[name] = other._table(kind)[name]
+
+    def _table(self, kind: str) -> dict[str, Any]:
+        return {"loss": self.losses, "dialect": self.dialects, "engine": self.engines, "sampler": self.samplers}[kind]
 
     # -- losses --------------------------------------------------------------------------
     def register_loss(
@@ -124,6 +130,7 @@ class Registry:
             role=role,  # type: ignore[arg-type]
             prepare=prepare,
             accepts_topk_targets=bool(accepts_topk_targets),
+            plugin=plugin,
         )
         self._claim("loss", name, plugin)
         self.losses[name] = spec
@@ -142,29 +149,33 @@ class Registry:
         """The dialect registered as ``name`` (see :meth:`lookup`)."""
         return self.lookup("dialect", name)
 
+    def resolve(self, loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None, dialect: str = "tinker",
+                role: str = "policy") -> ResolvedLoss:
+        """:func:`~skyrl_sdk.losses.resolve.resolve_loss` with this registry's losses and the
+        dialect registered as ``dialect``."""
+        return resolve_loss(self.losses, self.dialect_spec(dialect), loss_fn, loss_fn_config, role)
+
     # -- engines and samplers: factories ------------------------------------------------
     def register_engine(self, plugin: str, name: str, factory: Callable, *, description: str = "") -> FactorySpec:
         return self._register_factory("engine", self.engines, plugin, name, factory, description)
 
     def register_sampler(self, plugin: str, name: str, factory: Callable, *, description: str = "") -> FactorySpec:
-        """A sampler class must subclass :class:`~.samplers.Sampler` and implement its abstract
-        methods (refused here, naming them); any other callable's result is checked when the
-        Backend builds it (:func:`~.samplers.check_sampler`)."""
-        if inspect.isclass(factory):
-            where = f"plugin {plugin!r}, sampler {name!r}"
-            if not issubclass(factory, Sampler):
-                raise PluginError(f"{where}: {factory.__qualname__} must subclass skyrl_sdk.sampling.Sampler "
-                                  f"(docs/engines.md, Samplers)")
-            missing = sorted(getattr(factory, "__abstractmethods__", ()))
-            if missing:
-                raise PluginError(f"{where}: {factory.__qualname__} does not implement {missing} of "
-                                  f"skyrl_sdk.sampling.Sampler")
+        """A sampler class must subclass :class:`~.samplers.Sampler` (and, as any factory class,
+        implement its abstract methods); any other callable's result is checked when the Backend
+        builds it (:func:`~.samplers.check_sampler`)."""
+        if inspect.isclass(factory) and not issubclass(factory, Sampler):
+            raise PluginError(f"plugin {plugin!r}, sampler {name!r}: {factory.__qualname__} must subclass "
+                              f"skyrl_sdk.sampling.Sampler (docs/engines.md, Samplers)")
         return self._register_factory("sampler", self.samplers, plugin, name, factory, description)
 
     def _register_factory(self, kind: str, table: dict, plugin: str, name: str, factory: Callable,
                           description: str) -> FactorySpec:
         if not callable(factory):
             raise PluginError(f"plugin {plugin!r}, {kind} {name!r}: factory must be callable")
+        if inspect.isclass(factory) and inspect.isabstract(factory):  # it would fail at every build
+            missing = ", ".join(sorted(factory.__abstractmethods__))
+            raise PluginError(f"plugin {plugin!r}, {kind} {name!r}: {factory.__name__} does not implement the "
+                              f"abstract method(s) {missing}")
         if not isinstance(description, str):
             raise PluginError(f"plugin {plugin!r}, {kind} {name!r}: description must be a string")
         spec = FactorySpec(kind=kind, name=name, factory=factory, description=description)
@@ -184,7 +195,7 @@ class Registry:
         """The ``kind`` ("dialect", "engine" or "sampler") registered as ``name``, or
         :class:`UnknownNameError` listing the available ones with a "did you mean" for a typo:
         the one message the Backend, the server and the CLI give."""
-        table = {"dialect": self.dialects, "engine": self.engines, "sampler": self.samplers}[kind]
+        table = self._table(kind)
         spec = table.get(name) if isinstance(name, str) else None
         if spec is None:
             raise UnknownNameError(f"unknown {kind} {name!r}; available: {sorted(table)}"

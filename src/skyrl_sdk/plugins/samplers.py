@@ -31,20 +31,21 @@ import numpy as np
 import torch
 
 from ..errors import InputError, PluginError
-from ..types import LoraConfig, SampleOutput, SamplingParams
+from ..types import LoraConfig, ModelInput, SampleOutput, SamplingParams
 
 
 @attrs.frozen(eq=False)
 class SampleRequest:
     """One validated ``Backend.sample`` call, as a sampler receives it.
 
-    ``prompts`` are int64 arrays checked against the vocabulary and the model's positions;
-    ``params`` is a :class:`~skyrl_sdk.types.SamplingParams`. New options arrive as new fields
+    ``prompts`` are int64 arrays checked against the vocabulary and the model's positions (a
+    prompt with images, for a vision-language model, is a ``ModelInput`` whose images are read
+    already); ``params`` is a :class:`~skyrl_sdk.types.SamplingParams`. New options arrive as new fields
     with a default that asks for nothing, so a sampler can refuse, by name, any field it does
     not serve that a caller set (:meth:`options_set`).
     """
 
-    prompts: Sequence[np.ndarray]
+    prompts: Sequence[np.ndarray | ModelInput]
     params: SamplingParams
     num_samples: int = 1
     #: each prompt token's logprob given the ones before

@@ -16,6 +16,10 @@
 
 The backbone and the output head are called directly (the head only on the positions that
 need logits), with the head ``forward`` uses, so logprobs agree with ``forward``.
+
+A vision-language model's prompts may hold images (``ModelInput``s with prepared image
+chunks): the prefill reads their pixels and M-RoPE positions, and each row's generated
+tokens continue from its largest position plus one, as the families' ``generate`` does.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from transformers import DynamicCache
 
 from ..models.loading import hf_model
 from ..models.scoring import Head, backbone_of
-from ..types import SampledSequence, SampleOutput, SamplingParams
+from ..models.vlm import as_model_input, is_vision_language, padded_rows_inputs, text_config
+from ..types import ModelInput, SampledSequence, SampleOutput, SamplingParams
 from .draw import choose, request_generator
 from .scores import needs_rescoring, rescore
 from .scores import prompt_logprobs as score_prompt
@@ -52,7 +57,7 @@ def _left_padded(prompts: Sequence[np.ndarray], pad_token_id: int, device: torch
 def generate(
     module,
     tokenizer,
-    prompts: Sequence[np.ndarray],
+    prompts: Sequence[np.ndarray | ModelInput],
     params: SamplingParams,
     num_samples: int = 1,
     *,
@@ -70,35 +75,44 @@ def generate(
     hf = hf_model(module)
     backbone = backbone_of(module)
     head = Head(hf.get_output_embeddings(), hf.config)
-    vocab = int(hf.config.vocab_size)
+    vocab = int(text_config(hf.config).vocab_size)
+    vision_language = is_vision_language(hf.config)
     rules = StopRules.of(params, eos_token_id, tokenizer)
     generator = request_generator(params.seed, device)
 
     distinct, source = _distinct(prompts)
-    ids, mask, positions = _left_padded(distinct, pad_token_id, device)
+    token_rows = [p.to_numpy() if isinstance(p, ModelInput) else p for p in distinct]
+    ids, mask, positions = _left_padded(token_rows, pad_token_id, device)
+    vision = {}
+    if vision_language:  # M-RoPE positions and the prompts' images
+        vision = {k: v.to(device) for k, v in padded_rows_inputs([as_model_input(p) for p in distinct], ids.shape[1],
+                                                                  left_padded=True).items()}
+        positions = vision.pop("position_ids")
     cache = DynamicCache(config=hf.config)
     forward_step = _stepper(backbone, cache)
-    out = forward_step(ids, mask, positions)
+    out = forward_step(ids, mask, positions, **vision)
     hidden = out.last_hidden_state
     width = ids.shape[1]
     plps, topks = [], []
-    for p, prompt in enumerate(distinct):
+    for p, prompt in enumerate(token_rows):
         h = hidden[p, width - len(prompt):]
         plps.append(score_prompt(h, head, ids[p, width - len(prompt):], vocab) if prompt_logprobs else None)
         topks.append(topk_prompt(h, head, topk_prompt_logprobs, vocab) if topk_prompt_logprobs > 0 else None)
     logits = head(hidden[:, -1]).float()
+    # each row's next position: its length, or (M-RoPE) its largest position plus one
+    next_pos = (positions.amax(dim=(0, 2)) if positions.dim() == 3 else positions.amax(dim=1)) + 1
     del out, hidden
     rows = np.repeat(source, num_samples)  # each sample's row: its prompt's prefill
     if not np.array_equal(rows, np.arange(len(distinct))):
         index = torch.from_numpy(rows).to(device)
         cache.batch_select_indices(index)
-        logits, mask = logits.index_select(0, index), mask.index_select(0, index)
-    tokens, logprobs, lengths, stopped = _decode(forward_step, head, cache, logits, mask, params, rules, generator,
-                                                 tokenizer, pad_token_id)
+        logits, mask, next_pos = logits.index_select(0, index), mask.index_select(0, index), next_pos[index]
+    tokens, logprobs, lengths, stopped = _decode(forward_step, head, cache, logits, mask, next_pos, params, rules,
+                                                 generator, tokenizer, pad_token_id)
     del cache
     if needs_rescoring(hf):
         logprobs = rescore(backbone, head, vocab, prompts, num_samples, tokens, lengths, pad_token_id, device,
-                           prefix_min_tokens)
+                           prefix_min_tokens, vision_language=vision_language)
     results = []
     for p in range(len(prompts)):
         seqs = []
@@ -111,13 +125,18 @@ def generate(
     return results
 
 
-def _distinct(prompts: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
-    """The distinct prompts (first-seen order), and for each prompt the index of its copy."""
+def _distinct(prompts: Sequence[np.ndarray | ModelInput]) -> tuple[list[np.ndarray | ModelInput], np.ndarray]:
+    """The distinct prompts (first-seen order), and for each prompt the index of its copy (a
+    prompt with images is the same as another only when its images are the same too)."""
     seen: dict[bytes, int] = {}
     distinct, source = [], []
     for p in prompts:
-        arr = np.asarray(p, dtype=np.int64)
-        key = arr.tobytes()
+        if isinstance(p, ModelInput):
+            arr = p
+            key = p.to_numpy().tobytes() + "".join(getattr(c, "digest", "") for c in p.images).encode()
+        else:
+            arr = np.asarray(p, dtype=np.int64)
+            key = arr.tobytes()
         if key not in seen:
             seen[key] = len(distinct)
             distinct.append(arr)
@@ -130,13 +149,15 @@ def _stepper(backbone, cache):
     params = inspect.signature(backbone.forward).parameters
     name = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x: ``cache``
 
-    def step(ids, mask, positions):
-        return backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
+    def step(ids, mask, positions, **vision):
+        return backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache},
+                        **vision)
 
     return step
 
 
-def _decode(step_fn, head, cache, logits, mask, params, rules: StopRules, generator, tokenizer, pad_token_id):
+def _decode(step_fn, head, cache, logits, mask, next_pos, params, rules: StopRules, generator, tokenizer,
+            pad_token_id):
     """The step loop: returns per row (tokens, logprobs, length, stopped) as Python lists."""
     rows, steps, device = logits.shape[0], params.max_tokens, logits.device
     out_tokens = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)
@@ -145,7 +166,6 @@ def _decode(step_fn, head, cache, logits, mask, params, rules: StopRules, genera
     stopped = torch.zeros(rows, dtype=torch.bool, device=device)
     live = torch.arange(rows, device=device)  # batch row -> original row
     done = torch.zeros(rows, dtype=torch.bool, device=device)  # stopped, still in the batch
-    next_pos = mask.sum(1)
     stop_ids = rules.token_tensor(device)
     watcher = StopStringWatcher(tokenizer, rules.strings) if rules.strings else None
     texts: list[list[int]] = [[] for _ in range(rows)] if watcher else []

@@ -22,6 +22,8 @@ import torch
 from ..models.logprobs import CHUNK_SIZE_ELEMENTS, CHUNK_THRESHOLD_ELEMENTS, target_logprobs
 from ..models.prefix import fill_rows, find_groups, layout_groups
 from ..models.prefix_attention import enabled, shared_hidden
+from ..models.vlm import as_model_input, padded_rows_inputs
+from ..types import EncodedTextChunk, ModelInput
 
 #: Padded tokens per rescoring micro-batch (bounds activations, like ``micro_batch_tokens``).
 RESCORE_TOKENS = 8192
@@ -38,13 +40,17 @@ def needs_rescoring(module: torch.nn.Module) -> bool:
 
 
 def rescore(
-    backbone: torch.nn.Module, head: Callable, vocab_size: int, prompts: Sequence[np.ndarray],
+    backbone: torch.nn.Module, head: Callable, vocab_size: int, prompts: Sequence[np.ndarray | ModelInput],
     num_samples: int, tokens: list[list[int]], lengths: list[int], pad_token_id: int, device: torch.device,
-    prefix_min_tokens: int | None = None,
+    prefix_min_tokens: int | None = None, vision_language: bool = False,
 ) -> list[list[float]]:
-    """Logprobs of ``tokens[r][:lengths[r]]`` after their prompt, for every row ``r``."""
-    rows = [np.concatenate([np.asarray(prompts[r // num_samples], dtype=np.int64),
-                            np.asarray(tokens[r][:lengths[r]], dtype=np.int64)]) for r in range(len(tokens))]
+    """Logprobs of ``tokens[r][:lengths[r]]`` after their prompt, for every row ``r`` (a
+    vision-language model's rows with their prompt's images and M-RoPE positions)."""
+    generated = [np.asarray(tokens[r][:lengths[r]], dtype=np.int64) for r in range(len(tokens))]
+    full = [as_model_input(prompts[r // num_samples]).append(EncodedTextChunk(generated[r]))
+            for r in range(len(tokens))] if vision_language else None
+    rows = [np.concatenate([np.asarray(as_model_input(prompts[r // num_samples]).to_numpy(), dtype=np.int64),
+                            generated[r]]) for r in range(len(tokens))]
     out: list[list[float]] = [[] for _ in rows]
     alone = range(len(rows))
     if prefix_min_tokens is not None and enabled(backbone):
@@ -60,7 +66,9 @@ def rescore(
         ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
         for i, r in enumerate(batch):
             ids[i, :len(rows[r])] = torch.from_numpy(rows[r])
-        hidden = backbone(input_ids=ids.to(device), use_cache=False).last_hidden_state
+        vision = {} if full is None else padded_rows_inputs([full[r] for r in batch], width, left_padded=False)
+        hidden = backbone(input_ids=ids.to(device), use_cache=False,
+                          **{k: v.to(device) for k, v in vision.items()}).last_hidden_state
         for i, r in enumerate(batch):
             n_prompt, n_gen = len(rows[r]) - lengths[r], lengths[r]
             if n_gen == 0:

@@ -271,7 +271,7 @@ class ServerConfig:
             state_dir=getattr(args, "state_dir", None) or "./skyrl-server-state",
             api_key=api_key,
             host=getattr(args, "host", None) or "127.0.0.1",
-            port=int(getattr(args, "port", None) or 8000),
+            port=8000 if getattr(args, "port", None) is None else int(args.port),  # 0: a free port
         )
 
     def owners(self) -> dict[str, str] | None:

@@ -43,13 +43,13 @@ def parse_bytes(value: Any, field: str = "--max-memory") -> int | None:
 def weight_bytes(model: str, dtype_bytes: int) -> int:
     """Bytes of ``model``'s weights at ``dtype_bytes`` per parameter (from its config, no load)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from ..models.loading import load_config
+    from ..models.vlm import auto_class
 
     config, _ = load_config(model)
     with torch.device("meta"):
-        module = AutoModelForCausalLM.from_config(config)
+        module = auto_class(config, "policy").from_config(config)
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values()) * dtype_bytes
 
 
@@ -66,7 +66,7 @@ class MemoryBudget:
 
     def _live_copies(self) -> dict[Any, int]:
         with self._lock:
-            return {b: n for b, n in self._copies.items() if not getattr(b, "_closed", False)}
+            return {b: n for b, n in self._copies.items() if not getattr(b, "closed", False)}
 
     def copies(self) -> list[dict[str, Any]]:
         return [{"model": getattr(b, "model_name", "?"), "lora": getattr(b, "lora", None) is not None,

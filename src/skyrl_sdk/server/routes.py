@@ -38,11 +38,12 @@ async def body(request: Request) -> bytes:
     return raw if raw is not None else await request.body()
 
 
-async def json_body(request: Request) -> dict[str, Any]:
-    """The JSON object body (an empty body is ``{}``); InputError when it is not one. A large
-    body is parsed off the event loop."""
+async def json_body(request: Request, route: str) -> dict[str, Any]:
+    """The JSON object body of ``route`` (an empty body is ``{}``); InputError when it is not
+    one or has a key the route's request does not (:data:`~.wire.REQUEST_KEYS`). A large body
+    is parsed off the event loop."""
     raw = await body(request)
-    return await runtime(request).bodies.parse(raw, wire.json_object, raw)
+    return await runtime(request).bodies.parse(raw, wire.json_request, raw, route)
 
 
 async def submit(request: Request, route: str) -> dict[str, Any]:
@@ -93,13 +94,13 @@ async def loaded(request: Request) -> dict:
 
 @router.post("/create_session")
 async def create_session(request: Request) -> dict:
-    sid = runtime(request).sessions.create(owner(request), await json_body(request))
+    sid = runtime(request).sessions.create(owner(request), await json_body(request, "create_session"))
     return {"type": "create_session", "session_id": sid}
 
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(request: Request):
-    ended = runtime(request).sessions.heartbeat(owner(request), await json_body(request))
+    ended = runtime(request).sessions.heartbeat(owner(request), await json_body(request, "session_heartbeat"))
     if ended is not None:
         return JSONResponse({"detail": ended}, status_code=410)
     return {"type": "session_heartbeat"}
@@ -107,7 +108,7 @@ async def session_heartbeat(request: Request):
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request) -> dict:
-    body = await json_body(request)
+    body = await json_body(request, "finish_session")
     runtime(request).sessions.finish(owner(request), session_id, body.get("reason"))
     return {}
 
@@ -149,13 +150,13 @@ for _route in FUTURE_ROUTES:
 
 @router.post("/get_info")
 async def get_info(request: Request) -> dict:
-    return await runtime(request).get_info(owner(request), await json_body(request))
+    return await runtime(request).get_info(owner(request), await json_body(request, "get_info"))
 
 
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request) -> Response:
     """Long-poll: the result once ready, else ``try_again`` after ``long_poll_s``."""
-    answer = await runtime(request).retrieve(owner(request), await json_body(request))
+    answer = await runtime(request).retrieve(owner(request), await json_body(request, "retrieve_future"))
     if isinstance(answer, dict):
         return JSONResponse(answer)
     return Response(content=answer.body, media_type=answer.media_type)
@@ -164,7 +165,7 @@ async def retrieve_future(request: Request) -> Response:
 # ---- sampling ------------------------------------------------------------------------------------
 @router.post("/create_sampling_session")
 async def create_sampling_session(request: Request) -> dict:
-    sid = runtime(request).create_sampling_session(owner(request), await json_body(request))
+    sid = runtime(request).create_sampling_session(owner(request), await json_body(request, "create_sampling_session"))
     return {"type": "create_sampling_session", "sampling_session_id": sid}
 
 
@@ -238,5 +239,5 @@ async def list_user_checkpoints(request: Request, limit: int = 100, offset: int 
 @router.post("/weights_info")
 async def weights_info(request: Request) -> dict:
     store, who = runtime(request).store, owner(request)
-    tp, _ = store.resolve_checkpoint((await json_body(request)).get("tinker_path"), who)
+    tp, _ = store.resolve_checkpoint((await json_body(request, "weights_info")).get("tinker_path"), who)
     return wire.weights_info_json(_run(store, who, tp.run_id))

@@ -20,7 +20,8 @@ from typing import Any
 import attrs
 
 from ..errors import InputError, NotFoundError, quoted
-from ..inputs.coerce import adam_params_from_any, lora_config_from_any
+from ..inputs import tinker_proto
+from ..inputs.coerce import lora_config_from_any
 from . import proto, wire
 from .bodies import Bodies
 from .config import ServerConfig
@@ -80,11 +81,11 @@ class Runtime:
                 if "json" in content_type:
                     raise InputError("forward_backward: send a protobuf ForwardBackwardRequest "
                                      "(Content-Type: application/x-protobuf)")
-                req = await self.bodies.parse(raw, proto.parse_forward_backward, raw, self._seq_limit,
+                req = await self.bodies.parse(raw, tinker_proto.forward_backward_from_proto, raw, self._seq_limit,
                                               self.config.max_tokens_per_request)
                 rec = self.forward_backward(owner, req)
             else:
-                rec = handlers[route](owner, await self.bodies.parse(raw, wire.json_object, raw))
+                rec = handlers[route](owner, await self.bodies.parse(raw, wire.json_request, raw, route))
         except InputError as exc:
             rec = self.futures.failed(owner, exc, prefix="sample" if route == "asample" else "req")
         except _ShuttingDown:
@@ -284,7 +285,7 @@ class Runtime:
         model = self.models.get(model_id)
         return self.served.max_seq_len(model.base_model if model is not None else None)
 
-    def forward_backward(self, owner: str, req: proto.FwdBwdRequest) -> FutureRecord:
+    def forward_backward(self, owner: str, req: tinker_proto.ForwardBackwardRequest) -> FutureRecord:
         def make(model: TrainingModel):
             if req.error is not None:
                 raise InputError(req.error)
@@ -305,7 +306,7 @@ class Runtime:
 
     def optim_step(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
-            params = adam_params_from_any(wire.parse_adam_params(body))
+            params = wire.parse_adam_params(body)
 
             def run() -> Result:
                 backend = model.require_backend()
@@ -389,7 +390,7 @@ class Runtime:
             self.sampling.submit(session, spec, self.futures.completer(rec))
         except InputError as exc:
             self.futures.finish(rec, Result.from_exception(exc))
-        rec.extra["num_samples"] = spec.num_samples
+        rec.extra["num_samples"] = spec.request.num_samples
         return rec
 
     # ---- visibility ----------------------------------------------------------------------------

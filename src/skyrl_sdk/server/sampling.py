@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 
 from ..errors import InputError, NotFoundError, quoted
 from ..inputs.coerce import lora_config_from_any
@@ -156,24 +157,25 @@ class Sampling:
         def run_batch(jobs: list[Job]) -> list[Result | None]:
             if stale():
                 return reroute(jobs)
-            first = jobs[0].payload
+            first = jobs[0].payload.request  # the jobs of a batch differ only in their prompts
             backend = get_backend()
             with RNG_LOCK:
-                outs = backend.sample([j.payload.prompt for j in jobs], first.params, first.num_samples,
+                outs = backend.sample([j.payload.prompt for j in jobs], first.sampling_params, first.num_samples,
                                       prompt_logprobs=first.prompt_logprobs,
                                       topk_prompt_logprobs=first.topk_prompt_logprobs)
             return [Result.proto(proto.sample_output_to_proto(o, j.payload.prompt_logprobs_last_n,
-                                                              j.payload.topk_prompt_logprobs))
+                                                              j.payload.request.topk_prompt_logprobs))
                     for o, j in zip(outs, jobs, strict=True)]
 
         def run() -> Result | None:
             return run_batch([job])[0]
 
-        key = None
-        if spec.params.seed is None:
-            key = (target_key, snapshot.version if snapshot else None, spec.params, spec.num_samples,
-                   spec.prompt_logprobs, spec.topk_prompt_logprobs)
-        cost = spec.num_samples * (spec.prompt.size + spec.params.max_tokens)  # roughly: tokens decoded
+        call, key = spec.request, None
+        # an image prompt runs alone: its images are read (and may be refused) in its own call
+        if call.sampling_params.seed is None and isinstance(spec.prompt, np.ndarray):
+            key = (target_key, snapshot.version if snapshot else None, call.sampling_params, call.num_samples,
+                   call.prompt_logprobs, call.topk_prompt_logprobs)
+        cost = call.num_samples * (spec.prompt_length + call.sampling_params.max_tokens)  # roughly: tokens decoded
         job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=spec, cost=cost)
         return job
 

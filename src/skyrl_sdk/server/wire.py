@@ -1,17 +1,14 @@
 """Tinker's JSON requests and responses <-> plain values the runtime works with.
 
-Every request body is read here into a small frozen record, with a clear ``InputError``
-naming the field for anything missing, of the wrong type or out of range, so the runtime
-never sees a raw dict and nothing is registered for a request that cannot be read. The
-JSON answers (model info, training runs, sessions, optimizer metrics) are shaped here too.
-Protobuf messages are in :mod:`.proto`.
-
-Why no cattrs converter here (and no cattrs dependency at all any more): each JSON body is
-a handful of scalar fields whose checks (types, ranges, owners, ids) need our own messages,
-so a converter would only wrap the same hand-written functions in a dispatch layer that
-costs time (serde.structure(Datum): 204 us through cattrs, 116 us calling the function);
-the heavy payloads (forward_backward data, samples) are protobuf, which cattrs does not
-handle. ``serde`` keeps one plain function per type.
+Every JSON request is read here: its keys against the keys Tinker's request type has
+(:data:`REQUEST_KEYS`; any other key is refused by name, as everywhere), the ids, names and
+flags of the envelope into small frozen records with a clear ``InputError`` naming the field,
+and the call's own values (sampling params, AdamParams, LoraConfig, prompts) through
+:mod:`skyrl_sdk.inputs`, the same functions ``Backend`` uses, so a value is accepted or
+refused alike in process and over HTTP, with the same message. The JSON answers (model
+info, training runs, sessions, optimizer metrics) are shaped here too. The protobuf
+forward_backward request is read by :mod:`skyrl_sdk.inputs.tinker_proto`, outputs written
+by :mod:`.proto`.
 """
 
 from __future__ import annotations
@@ -24,22 +21,58 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..errors import InputError, did_you_mean_keys, quoted
-from ..inputs.tinker_json import model_input_from_json
-from ..types import SamplingParams
-from ..types.numbers import check_number, check_sample_counts
+from ..errors import InputError, quoted, refuse_unknown_keys
+from ..inputs import sample as sample_call
+from ..inputs.coerce import adam_params_from_any
+from ..inputs.limits import prompt_length_problem
+from ..inputs.sample import SampleRequest
+from ..inputs.tinker_proto import SERVER_LIMIT
+from ..types import AdamParams, ModelInput
+from ..types.numbers import check_number
 from .store import check_name, check_run_id, iso
 
-ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 #: widest ``topk_prompt_logprobs`` one sample request may ask for (Tinker's top-k width bound)
 MAX_TOPK_PROMPT_LOGPROBS = 20
+#: fields of Tinker's SampleRequest this server does not implement: refused when set
 UNSUPPORTED_SAMPLE_FIELDS = {
     "topk_sample_logprobs": "top-k sample logprobs",
     "prompt_alt_tokens_k": "prompt_alt_tokens_k",
+    "target_prompt_logprobs": "target_prompt_logprobs",
+    "record_stability_info": "record_stability_info",
+}
+#: The keys of each JSON request, as the ``tinker`` client's request types (0.38) have them
+#: (``tests/test_input_path.py`` checks that every field the client can send is here). A key
+#: not listed is refused by name; a new request field is read where its route's parser reads
+#: the others, and listed here.
+REQUEST_KEYS: dict[str, tuple[str, ...]] = {
+    "create_session": ("tags", "user_metadata", "sdk_version", "project_id", "display_name", "type"),
+    "session_heartbeat": ("session_id", "type"),
+    "finish_session": ("reason", "detail"),
+    "create_sampling_session": ("session_id", "sampling_session_seq_id", "base_model", "model_path", "type"),
+    "create_model": ("session_id", "model_seq_id", "base_model", "user_metadata", "lora_config", "optimizer_config",
+                     "type"),
+    "get_info": ("model_id", "type"),
+    "load_weights": ("model_id", "seq_id", "session_id", "model_seq_id", "base_model", "user_metadata", "path",
+                     "optimizer", "optimizer_config", "weights_access_token", "type"),
+    "save_weights": ("model_id", "path", "seq_id", "ttl_seconds", "overwrite", "user_metadata", "type"),
+    "save_weights_for_sampler": ("model_id", "path", "sampling_session_seq_id", "kind", "seq_id", "ttl_seconds",
+                                 "user_metadata", "type"),
+    "optim_step": ("adam_params", "optim_params", "optimizer_params", "model_id", "seq_id", "type"),
+    "asample": ("prompt", *sample_call.CALL_KEYS, "base_model", "model_path", "sampling_session_id", "seq_id",
+                "prompt_logprobs_last_n", *UNSUPPORTED_SAMPLE_FIELDS, "type"),
+    "retrieve_future": ("request_id", "allow_metadata_only"),
+    "weights_info": ("tinker_path",),
 }
 
 
 # ---- reading fields -----------------------------------------------------------------------------
+def json_request(raw: bytes, route: str) -> dict[str, Any]:
+    """A request body as a JSON object whose keys are all ``route``'s (:data:`REQUEST_KEYS`)."""
+    body = json_object(raw)
+    refuse_unknown_keys(route, body, REQUEST_KEYS[route])
+    return body
+
+
 def json_object(raw: bytes) -> dict[str, Any]:
     """A request body as a JSON object (an empty body is ``{}``)."""
     if not raw.strip():
@@ -116,15 +149,24 @@ class NewModel:
 def parse_new_model(body: Mapping[str, Any], from_state: bool = False) -> NewModel:
     sid = session_id(body)
     seq = integer(body, "model_seq_id")
-    optimizer_config = _object(body, "optimizer_config") or {}
-    if optimizer_config.get("type", "adamw") != "adamw":
-        raise InputError(f"optimizer {quoted(optimizer_config.get('type'))} is not supported; skyrl-sdk trains "
-                         f"with AdamW")
+    _check_optimizer(body)
     return NewModel(
         session_id=sid, model_id=check_run_id(f"{sid}:train:{seq}", "model id"), base_model=body.get("base_model"),
         lora_config=_object(body, "lora_config"), user_metadata=_object(body, "user_metadata"),
         path=body.get("path") if from_state else None, optimizer=flag(body, "optimizer"),
     )
+
+
+def _check_optimizer(body: Mapping[str, Any]) -> None:
+    """``optimizer_config`` (create_model, load_weights) names AdamW; no external weights token."""
+    optimizer_config = _object(body, "optimizer_config") or {}
+    if optimizer_config.get("type", "adamw") != "adamw":
+        raise InputError(f"optimizer {quoted(optimizer_config.get('type'))} is not supported; skyrl-sdk trains "
+                         f"with AdamW")
+    refuse_unknown_keys("optimizer_config", optimizer_config, ("type",))
+    if body.get("weights_access_token") is not None:
+        raise InputError("weights_access_token is not supported by skyrl-sdk serve (checkpoints are this "
+                         "server's tinker:// paths)")
 
 
 @attrs.frozen
@@ -149,6 +191,7 @@ class Load:
 
 
 def parse_load(body: Mapping[str, Any]) -> Load:
+    _check_optimizer(body)
     return Load(body.get("path"), flag(body, "optimizer"))
 
 
@@ -203,71 +246,59 @@ def parse_sample_ref(body: Mapping[str, Any]) -> tuple[str | None, int | None]:
     return _optional_text(body, "sampling_session_id"), seq_id(body)
 
 
-def parse_adam_params(body: Mapping[str, Any]) -> dict[str, Any]:
-    """optim_step's ``adam_params`` as a dict of AdamParams fields."""
+def parse_adam_params(body: Mapping[str, Any]) -> AdamParams:
+    """optim_step's ``adam_params``, read by the AdamParams reader ``Backend.optim_step`` uses
+    (missing: the defaults, as ``Backend.optim_step()``)."""
     if body.get("optimizer_params") is not None:
         raise InputError("only AdamW (adam_params) is supported by skyrl-sdk serve")
     raw = body.get("adam_params", body.get("optim_params"))
     if raw is not None and not isinstance(raw, dict):
         raise InputError(f"adam_params: expected an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw or {}) - set(ADAM_FIELDS) - {"type"})
-    if unknown:
-        raise InputError(f"adam_params: unknown keys {unknown}; accepted: {list(ADAM_FIELDS)}"
-                         f"{did_you_mean_keys(unknown, ADAM_FIELDS)}")
-    return {k: v for k, v in (raw or {}).items() if k in ADAM_FIELDS}
+    return adam_params_from_any(raw or {})
 
 
 @attrs.frozen(eq=False)
 class SampleSpec:
-    prompt: np.ndarray
-    params: SamplingParams
-    num_samples: int
-    prompt_logprobs: bool
-    prompt_logprobs_last_n: int | None
-    #: per prompt position, this many most likely (token, logprob) pairs (0: none)
-    topk_prompt_logprobs: int = 0
+    """An asample request: the call, typed as ``Backend.sample`` takes it, and how to shape
+    its answer (``prompt_logprobs_last_n``)."""
+
+    request: SampleRequest
+    prompt_logprobs_last_n: int | None = None
+
+    @property
+    def prompt(self) -> np.ndarray | ModelInput:
+        return self.request.prompts[0]
+
+    @property
+    def prompt_length(self) -> int:
+        """The prompt's positions as declared (its images' ``expected_tokens`` included)."""
+        return sample_call.declared_length(self.prompt)
 
     def check_length(self, limit: int | None) -> None:
-        """The prompt plus ``max_tokens`` must fit the model's sequence limit."""
-        if limit is not None and self.prompt.size + self.params.max_tokens > limit:
-            raise InputError(f"sample: the prompt ({self.prompt.size} tokens) plus max_tokens "
-                             f"({self.params.max_tokens}) exceeds this model's {limit}-token limit")
+        """The prompt plus ``max_tokens`` must fit the server's limit for the model (checked
+        before the request is queued, in ``Backend.sample``'s words)."""
+        problem = prompt_length_problem(self.prompt_length, self.request.sampling_params.max_tokens, limit,
+                                        SERVER_LIMIT)
+        if problem:
+            raise InputError(f"prompt 0: {problem}")
 
 
 def parse_sample_request(body: Mapping[str, Any], max_num_samples: int) -> SampleSpec:
-    """Validate a JSON ``SampleRequest`` (everything except where to sample from): the
-    prompt first, then ``num_samples`` (at most ``max_num_samples``)."""
+    """A JSON ``SampleRequest`` (everything except where to sample from): the call through
+    :func:`skyrl_sdk.inputs.sample.sample_request_from_json`, the prompt first, then
+    ``num_samples`` (at most ``max_num_samples``)."""
     for field, what in UNSUPPORTED_SAMPLE_FIELDS.items():
         if body.get(field):
             raise InputError(f"{what} ({field}) is not supported by skyrl-sdk serve")
-    if body.get("target_prompt_logprobs") is not None:
-        raise InputError("target_prompt_logprobs is not supported by skyrl-sdk serve")
-    if "prompt" not in body:
-        raise InputError("sample: missing 'prompt'")
-    prompt = model_input_from_json(body["prompt"]).to_numpy()
-    if prompt.size == 0:
-        raise InputError("sample: the prompt is empty")
-    topk = body.get("topk_prompt_logprobs")
-    num_samples, topk = check_sample_counts(body.get("num_samples", 1), 0 if topk is None else topk,
-                                            max_num_samples=max_num_samples, max_topk=MAX_TOPK_PROMPT_LOGPROBS)
-    params = sampling_params_from_json(body.get("sampling_params") or {})
-    plp = flag(body, "prompt_logprobs")
+    request = sample_call.sample_request_from_json(body, max_num_samples=max_num_samples,
+                                                   max_topk=MAX_TOPK_PROMPT_LOGPROBS)
     last_n = body.get("prompt_logprobs_last_n")
     if last_n is not None:
-        if not plp:
+        if not request.prompt_logprobs:
             raise InputError("prompt_logprobs_last_n needs prompt_logprobs")
-        last_n = check_number("prompt_logprobs_last_n", last_n, low=1, high=prompt.size - 1, integer=True)
-    return SampleSpec(prompt=prompt, params=params, num_samples=num_samples, prompt_logprobs=plp,
-                      prompt_logprobs_last_n=last_n, topk_prompt_logprobs=topk)
-
-
-def sampling_params_from_json(obj: Mapping[str, Any]) -> SamplingParams:
-    """``sampling_params``: SamplingParams checks every field it has (numbers through
-    :func:`~skyrl_sdk.types.numbers.check_number`); other keys are ignored (a newer client may send more)."""
-    if not isinstance(obj, Mapping):
-        raise InputError(f"sampling_params: expected an object, got {type(obj).__name__}")
-    known = {f.name for f in attrs.fields(SamplingParams)}
-    return SamplingParams(**{k: v for k, v in obj.items() if k in known and v is not None})
+        last_n = check_number("prompt_logprobs_last_n", last_n, low=1,
+                              high=sample_call.declared_length(request.prompts[0]) - 1, integer=True)
+    return SampleSpec(request, last_n)
 
 
 # ---- responses ----------------------------------------------------------------------------------

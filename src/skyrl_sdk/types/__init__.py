@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .arrays import TensorDtype, densify_csr
 from .datum import Datum
-from .model_input import EncodedTextChunk, ModelInput
+from .model_input import EncodedTextChunk, ImageChunk, ModelInput, PreparedImageChunk
 from .outputs import (
     ForwardBackwardOutput,
     LoadStateOutput,
@@ -30,11 +30,13 @@ __all__ = [
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
+    "ImageChunk",
     "LoadStateOutput",
     "LoraConfig",
     "ModelInfo",
     "ModelInput",
     "OptimStepOutput",
+    "PreparedImageChunk",
     "SampleOutput",
     "SampledSequence",
     "SamplingParams",

@@ -95,9 +95,8 @@ def to_tensor_data(value: Any, key: str, what: str | None = None) -> TensorData:
     dtype = dtype_for_key(key)
     if isinstance(value, TensorData) and value.dtype == dtype:
         return value
-    if getattr(value, "sparse_crow_indices", None) is not None:  # tinker's CSR form
+    if getattr(value, "sparse_crow_indices", None) is not None:  # tinker's CSR form: ``data`` holds the values
         return TensorData.from_sparse_csr(
-            value._numpy if hasattr(value, "_numpy") else value.data,
-            value.sparse_crow_indices, value.sparse_col_indices, value.shape, dtype,
+            value.data, value.sparse_crow_indices, value.sparse_col_indices, value.shape, dtype,
         )
     return TensorData(as_numpy(value, dtype, what or f"loss_fn_inputs[{key!r}]"))

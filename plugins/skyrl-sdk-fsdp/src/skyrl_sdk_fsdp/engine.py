@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from skyrl_sdk.engines import Engine, EngineConfig, EngineInfo, EngineResult, ResolvedLoss
+from skyrl_sdk.engines import Engine, EngineConfig, EngineInfo, EngineResult, ResolvedLoss, image_inputs
 from skyrl_sdk.engines.plain import datums_to_plain, loss_to_plain
 from skyrl_sdk.engines.state import StateLayout, check_engine_metadata, check_state_files
 from skyrl_sdk.errors import CheckpointError, InputError
@@ -106,6 +106,9 @@ class FSDPEngine(Engine):
         self.weights_loaded_from = first["weights_loaded_from"]
         tok_dir = self.info.tokenizer_dir
         self.tokenizer = load_tokenizer(tok_dir) if tok_dir else None
+        #: a vision-language model's image processor: the Backend reads images through it here,
+        #: and the ranks get the prepared pixels
+        self.images = image_inputs(str(model), self.config)
         logger.info("fsdp engine: %d ranks (%s, %s launcher)", self.world_size, self.device_type, launcher)
 
     def _start_transport(self, env):

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from skyrl_sdk.engines.export import (
     TensorPlan,
+    lora_unties_head,
     merge_lora_delta,
     write_hf_config,
     write_hf_weights_stream,
@@ -59,15 +61,7 @@ class StreamingGather:
 
     def save_optimizer(self, file: Path) -> None:
         """AdamW moments as ``<param>::exp_avg`` / ``::exp_avg_sq`` / ``::step`` (the local engine's names)."""
-        items: list[tuple[str, torch.Tensor]] = []
-        optimizer = self.runner.optimizer
-        for name, p in self.runner.named_trainable() if optimizer is not None else ():
-            state = optimizer.state.get(p)
-            if not state:
-                continue
-            step = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
-            items += [(f"{name}::exp_avg", state["exp_avg"]), (f"{name}::exp_avg_sq", state["exp_avg_sq"]),
-                      (f"{name}::step", step)]
+        items = self.runner.optimizer.state_items()
         tensors = (_full(t) for _, t in items)
         if self.rank == 0:
             write_tensor_stream(file, _plan(items), tensors)
@@ -88,7 +82,9 @@ class StreamingGather:
         layers = self._lora_layers()
         items = []
         for name, t in state.items():
-            if name in self.hf_aliases or "lora_" in name:
+            adapted = _BASE in name and name.endswith(_BASE + "weight") and name.split(_BASE)[0] in layers
+            # a tied alias is written once, except a LoRA-adapted head (its merged weight is its own)
+            if "lora_" in name or (name in self.hf_aliases and not adapted):
                 continue
             if _BASE in name:
                 prefix = name.split(_BASE)[0]
@@ -112,9 +108,10 @@ class StreamingGather:
             yield weight
 
     def export_hf(self, directory: Path | None, tokenizer, max_shard_bytes: int,
-                  dtype: torch.dtype | None = None) -> None:
+                  dtype: torch.dtype | None = None, image_processor: Any = None) -> None:
         """An HF directory (LoRA merged) written by rank 0, one gathered tensor at a time;
-        ``dtype`` (the compute dtype of a mixed-precision run) casts the floating tensors."""
+        ``dtype`` (the compute dtype of a mixed-precision run) casts the floating tensors; a
+        vision-language model's ``image_processor`` is saved beside the tokenizer."""
         items = self._merged_items()
         tensors = self._merged_tensors(items)
         if self.rank != 0:
@@ -129,10 +126,13 @@ class StreamingGather:
             tensors = (t.to(dtype) if t.is_floating_point() else t for t in tensors)
         dtypes = {d for _, _, d in plan if d.is_floating_point}
         write_hf_config(hf_model(self.loaded.module).config, tokenizer, directory,
-                        next(iter(dtypes)) if len(dtypes) == 1 else None, self.loaded.architecture)
+                        next(iter(dtypes)) if len(dtypes) == 1 else None, self.loaded.architecture,
+                        untie_embeddings=self.loaded.lora is not None and lora_unties_head(self.loaded.module))
         write_hf_weights_stream(directory, plan, tensors, max_shard_bytes)
+        if image_processor is not None:
+            image_processor.save_pretrained(str(directory))
 
-    def save_adapter(self, directory: Path) -> None:
+    def save_adapter(self, directory: Path, image_processor: Any = None) -> None:
         """peft's adapter directory: only what peft saves is gathered (the adapters, and the
         output embedding when LoRA trains it), never the whole base model."""
         from peft import get_peft_model_state_dict
@@ -144,5 +144,6 @@ class StreamingGather:
         state = {n: _full(t) for n, t in sharded.items() if id(t) in wanted}
         if self.rank == 0:
             module.save_pretrained(str(directory), state_dict=state)
-            if self.loaded.tokenizer is not None:
-                self.loaded.tokenizer.save_pretrained(str(directory))
+            for files in (self.loaded.tokenizer, image_processor):
+                if files is not None:
+                    files.save_pretrained(str(directory))

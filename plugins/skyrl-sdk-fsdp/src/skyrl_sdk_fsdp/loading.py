@@ -69,9 +69,10 @@ def _sliceable(loaded: LoadedModel) -> str | None:
 
 
 def load_rank_model(*, model: str, role: str, lora: LoraConfig | None, seed: int, dtype: torch.dtype,
-                    rank: int, group) -> tuple[LoadedModel, str]:
+                    rank: int, group, train_vision_tower: bool = False) -> tuple[LoadedModel, str]:
     """This rank's unsharded-but-empty model and where its weights will come from."""
-    loaded = load_model(model, role=role, lora=lora, seed=seed, dtype=dtype, materialize=False)
+    loaded = load_model(model, role=role, lora=lora, seed=seed, dtype=dtype, materialize=False,
+                        train_vision_tower=train_vision_tower)
     why = "generated from the seed" if model == TINY_NAME else _sliceable(loaded)
     ok = torch.tensor([int(why is None)], dtype=torch.int64)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
@@ -80,7 +81,8 @@ def load_rank_model(*, model: str, role: str, lora: LoraConfig | None, seed: int
     if why != "generated from the seed":
         logger.info("fsdp: %s cannot be read slice by slice (%s): rank 0 loads it and scatters it", model, why)
     if rank == 0:
-        loaded = load_model(model, role=role, lora=lora, seed=seed, dtype=dtype)
+        loaded = load_model(model, role=role, lora=lora, seed=seed, dtype=dtype,
+                            train_vision_tower=train_vision_tower)
     return loaded, "rank0"
 
 

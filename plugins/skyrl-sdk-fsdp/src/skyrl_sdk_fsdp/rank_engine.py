@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from skyrl_sdk import errors
-from skyrl_sdk.engines import EngineConfig, EngineInfo, runner_options, scoring_model
-from skyrl_sdk.engines.plain import datums_from_plain, loss_from_plain
+from skyrl_sdk import errors, get_registry
+from skyrl_sdk.engines import EngineConfig, EngineInfo, image_inputs, runner_options, scoring_model
+from skyrl_sdk.engines.plain import datums_from_plain, loss_from_plain, model_input_from_plain
 from skyrl_sdk.engines.state import StateLayout
 from skyrl_sdk.models import hf_model
 from skyrl_sdk.models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, load_tensors
+from skyrl_sdk.models.vlm import auto_class
 from skyrl_sdk.sampling import generate
 from skyrl_sdk.types import AdamParams, LoraConfig, SamplingParams
 
@@ -66,7 +67,10 @@ class RankEngine:
         # the sharded parameters are the masters (float32 unless master_dtype says otherwise)
         self.loaded, source = load_rank_model(model=model, role=role, lora=lora_cfg, seed=seed,
                                               dtype=self.config.master_torch_dtype, rank=self.rank,
-                                              group=self.mesh.get_group())
+                                              group=self.mesh.get_group(),
+                                              train_vision_tower=self.config.train_vision_tower)
+        #: a vision-language model's image processor: exports carry it
+        self.images = image_inputs(model, self.config)
         module = self.loaded.module
         info = EngineInfo.of(self.loaded)  # counted before sharding: full sizes
         # names that alias an earlier tensor (tied embeddings), found before sharding
@@ -114,7 +118,7 @@ class RankEngine:
 
     # ---- compute ----------------------------------------------------------------------
     def op_run(self, items: list, loss: dict, backward: bool):
-        resolved = loss_from_plain(loss, where=f"rank {self.rank}")
+        resolved = loss_from_plain(loss, get_registry().losses, where=f"rank {self.rank}")
         data = datums_from_plain(items)
         self._collectives()
         result = self.runner.run(data, resolved, backward=backward)
@@ -122,7 +126,7 @@ class RankEngine:
 
     def op_optim_step(self, params: dict, grad_scale: float):
         self._collectives()
-        metrics = self.runner.optim_step(AdamParams(**params), grad_scale)
+        metrics = self.runner.optimizer.step(AdamParams(**params), grad_scale)
         if not metrics.get("skipped"):
             self.weights_version += 1
         return metrics
@@ -138,7 +142,7 @@ class RankEngine:
     def op_save_state(self, directory: str, state_format: str):
         self._collectives()
         directory = Path(directory)
-        meta = {"tied_aliases": self.aliases, "step": self.runner.step_count, "state_format": state_format}
+        meta = {"tied_aliases": self.aliases, "step": self.runner.optimizer.step_count, "state_format": state_format}
         if state_format == "sharded":
             self._save_sharded(directory)
             meta["world_size"] = self.session.world_size
@@ -176,38 +180,29 @@ class RankEngine:
             self._load_sharded(directory, optimizer)
         else:
             self._load_full_weights(directory / WEIGHTS_FILE)
-            self.runner.zero_grad()
             if optimizer:
-                if self.rank == 0:
-                    tensors = load_tensors(directory / OPTIMIZER_FILE)  # the moments: trainable only
-                else:  # shapes only: the values are scattered from rank 0
-                    shapes = dict(self.runner.named_trainable())
-                    tensors = {}
-                    for name, value in optimizer_steps.items():
-                        shape, dtype = shapes[name].shape, shapes[name].dtype
-                        tensors[f"{name}::exp_avg"] = torch.empty(shape, dtype=dtype)
-                        tensors[f"{name}::exp_avg_sq"] = torch.empty(shape, dtype=dtype)
-                        tensors[f"{name}::step"] = torch.tensor([value], dtype=torch.float32)
+                # rank 0 reads the moments (trainable only); the others take shapes only and
+                # receive the values scattered from rank 0
+                tensors = (load_tensors(directory / OPTIMIZER_FILE) if self.rank == 0
+                           else self.runner.optimizer.empty_state(optimizer_steps))
 
                 def from_full(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
                     full = full.to(device=like.device, dtype=like.dtype)
                     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=0)
 
-                self.runner.load_optimizer_tensors(tensors, from_full=from_full)
+                self.runner.optimizer.load_state_tensors(tensors, from_full=from_full)
         self.runner.zero_grad()
         if optimizer:
-            self.runner.step_count = int(step)
+            self.runner.optimizer.state_replaced(step)
         else:
-            self.runner.optimizer = None
-            self.runner.step_count = 0
+            self.runner.optimizer.reset()
         self.weights_version += 1
 
     def _save_sharded(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        optimizer = self.runner._ensure_optimizer()
-        model_sd, optim_sd = get_state_dict(self.loaded.module, optimizer)
+        model_sd, optim_sd = get_state_dict(self.loaded.module, self.runner.optimizer.create())
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / SHARDED_DIR))
 
     def _load_sharded(self, directory: Path, optimizer: bool) -> None:
@@ -217,7 +212,7 @@ class RankEngine:
 
         from .sharded_state import load_sharded
 
-        opt = self.runner._ensure_optimizer()
+        opt = self.runner.optimizer.create()
         model_sd, optim_sd = get_state_dict(self.loaded.module, opt)
         state = {"model": model_sd, "optim": {"state": optim_sd["state"]}} if optimizer else {"model": model_sd}
         load_sharded(state, directory / SHARDED_DIR)
@@ -231,9 +226,10 @@ class RankEngine:
         self._collectives()
         directory = Path(directory)
         if self.loaded.lora is not None and not merge_lora:
-            self.gather.save_adapter(directory)
+            self.gather.save_adapter(directory, image_processor=self.images and self.images.processor)
             return None
         self.gather.export_hf(directory, self.loaded.tokenizer, self.config.max_shard_bytes,
+                              image_processor=self.images and self.images.processor,
                               dtype=self.config.torch_dtype)
         return None
 
@@ -248,9 +244,8 @@ class RankEngine:
                                   dtype=self.config.torch_dtype)
             if self.rank != 0:
                 return None
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=self.config.torch_dtype)
+            config = hf_model(self.loaded.module).config
+            model = auto_class(config, "policy").from_pretrained(str(tmp), dtype=self.config.torch_dtype)
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -265,7 +260,8 @@ class RankEngine:
         if self.rank != 0:
             return None
         return generate(
-            model, self.loaded.tokenizer, [np.asarray(p, dtype=np.int64) for p in prompts],
+            model, self.loaded.tokenizer, [model_input_from_plain(p) if len(p) > 1 else np.asarray(p[0], np.int64)
+                                           for p in prompts],
             SamplingParams(**params), num_samples, device=self.device,
             eos_token_id=self.engine_info["eos_token_id"], pad_token_id=self.runner.pad_id,
             prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
@@ -294,11 +290,8 @@ class RankEngine:
             params += _local_bytes(p)
             if p.grad is not None:
                 grads += _local_bytes(p.grad)
-        optim = 0
-        if self.runner.optimizer is not None:
-            for state in self.runner.optimizer.state.values():
-                optim += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-        return {"rank": self.rank, "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optim}
+        return {"rank": self.rank, "param_bytes": params, "grad_bytes": grads,
+                "optimizer_bytes": self.runner.optimizer.state_bytes()}
 
     def op_debug_fail(self, rank: int, mode: str):
         """Tests: make ``rank`` fail ("raise" or "exit") while the others wait in a collective."""
@@ -311,6 +304,6 @@ class RankEngine:
 
     def close(self) -> None:
         self._sampler = None
-        self.runner.optimizer = None
+        self.runner.optimizer.release()
         self.runner.scoring = None
         self.loaded = None

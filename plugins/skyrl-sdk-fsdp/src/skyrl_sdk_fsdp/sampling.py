@@ -14,10 +14,11 @@ from typing import Any
 import attrs
 import numpy as np
 
+from skyrl_sdk.engines.plain import model_input_to_plain
 from skyrl_sdk.errors import InputError
 from skyrl_sdk.models import load_config
 from skyrl_sdk.sampling import Decoder, SampleRequest, WeightsSource
-from skyrl_sdk.types import SampleOutput
+from skyrl_sdk.types import ModelInput, SampleOutput
 
 
 class RankZeroDecoder(Decoder):
@@ -27,8 +28,10 @@ class RankZeroDecoder(Decoder):
         self._engine = engine
 
     def generate(self, request: SampleRequest) -> list[SampleOutput]:
+        prompts = [model_input_to_plain(p) if isinstance(p, ModelInput) else (np.asarray(p, dtype=np.int64),)
+                   for p in request.prompts]  # a VLM's prompt travels with its prepared pixels
         return self._engine.dispatch_sample(
-            prompts=[np.asarray(p, dtype=np.int64) for p in request.prompts], params=attrs.asdict(request.params),
+            prompts=prompts, params=attrs.asdict(request.params),
             num_samples=int(request.num_samples), prompt_logprobs=bool(request.prompt_logprobs),
             topk_prompt_logprobs=int(request.topk_prompt_logprobs))
 

@@ -1,0 +1,171 @@
+"""Images for a vision-language model: checked against the limits, counted, then decoded.
+
+:meth:`ImageInputs.prepare` turns every ``ImageChunk`` of a call into a
+``PreparedImageChunk`` in two passes. The first reads only each image's header (format and
+size) and checks everything knowable before compute: the pixel limit per image (a small
+PNG can declare a huge canvas), the token count against the client's ``expected_tokens``
+(Tinker's count, so that ``loss_fn_inputs`` align), the image-token limits per datum and
+per call. Only then does the second pass decode the pixels and run the model's image
+processor, once per distinct image of the call. The server runs this on its compute thread,
+never on its event loop.
+
+The processor is the family's PIL one (``Qwen2VLImageProcessorPil``, numpy): the
+torchvision one is never imported.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..errors import InputError, ModelLoadError
+from ..types import ImageChunk, ModelInput, PreparedImageChunk
+
+#: PIL's names of the formats Tinker's image chunks carry.
+_PIL_FORMATS = {"PNG": "png", "JPEG": "jpeg"}
+
+
+@attrs.frozen
+class ImageLimits:
+    """Bounds on the image work of one call, checked before any image is decoded."""
+
+    #: Decoded pixels (width x height) of one image, read from its header.
+    max_pixels: int = 4096 * 4096
+    #: Positions the images of one datum (or prompt) take.
+    max_tokens_per_datum: int = 16384
+    #: Positions the images of one call (all its datums or prompts) take.
+    max_tokens_per_call: int = 65536
+
+
+def load_image_processor(directory: str | None, config: Any):
+    """The model's image processor, PIL backend: from ``preprocessor_config.json`` when the
+    directory has one, else the family's defaults sized to its vision tower."""
+    try:
+        import PIL  # noqa: F401
+    except ImportError:  # pragma: no cover - depends on the install
+        raise ModelLoadError("vision-language models read images with Pillow: pip install 'skyrl-sdk[vision]'") \
+            from None
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if directory is not None and (Path(directory) / "preprocessor_config.json").is_file():
+        from transformers import AutoImageProcessor
+
+        try:
+            return AutoImageProcessor.from_pretrained(directory, backend="pil")
+        except Exception as exc:
+            raise ModelLoadError(f"model {directory!r}: preprocessor_config.json could not be read: {exc}") from None
+    vision = config.vision_config
+    return Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                                    temporal_patch_size=vision.temporal_patch_size)
+
+
+class ImageInputs:
+    """A vision-language model's image processor, its image token and the limits."""
+
+    def __init__(self, processor: Any, *, image_token_id: int, limits: ImageLimits | None = None) -> None:
+        self.processor = processor
+        self.image_token_id = int(image_token_id)
+        self.merge_size = int(processor.merge_size)
+        self.limits = limits or ImageLimits()
+
+    @classmethod
+    def load(cls, directory: str | None, config: Any, limits: ImageLimits | None = None) -> ImageInputs:
+        return cls(load_image_processor(directory, config), image_token_id=config.image_token_id, limits=limits)
+
+    def count_tokens(self, width: int, height: int) -> int:
+        """Positions a ``width`` x ``height`` image takes (Tinker's ``expected_tokens``, computed
+        as tinker-cookbook computes it from the same processor)."""
+        return self.processor.get_number_of_image_patches(height, width, images_kwargs={}) // self.merge_size**2
+
+    def prepare(self, inputs: Sequence[ModelInput], error: Callable[[int, str], InputError]) -> list[ModelInput]:
+        """``inputs`` with every ``ImageChunk`` made a ``PreparedImageChunk``; ``error(i, message)``
+        builds the error of input ``i`` (a datum's or a prompt's). Nothing is decoded unless every
+        image of the call passes the checks."""
+        sizes: dict[tuple[int, int], tuple[int, int]] = {}
+        call_tokens = 0
+        for i, model_input in enumerate(inputs):
+            datum_tokens = 0
+            for j, chunk in enumerate(model_input.chunks):
+                if not isinstance(chunk, ImageChunk):
+                    continue
+                width, height = self._header(chunk, lambda msg, i=i, j=j: error(i, f"model_input.chunks[{j}]: {msg}"))
+                tokens = self.count_tokens(width, height)
+                if chunk.expected_tokens is not None and chunk.expected_tokens != tokens:
+                    raise error(i, f"model_input.chunks[{j}]: expected_tokens is {chunk.expected_tokens}, but this "
+                                   f"model's image processor makes the {width}x{height} image {tokens} tokens")
+                sizes[i, j] = (width, height)
+                datum_tokens += tokens
+            if datum_tokens > self.limits.max_tokens_per_datum:
+                raise error(i, f"its images take {datum_tokens} positions, over the limit of "
+                               f"{self.limits.max_tokens_per_datum} image tokens per datum "
+                               f"(max_image_tokens_per_datum)")
+            call_tokens += datum_tokens
+        if call_tokens > self.limits.max_tokens_per_call:
+            raise InputError(f"the images of this call take {call_tokens} positions, over the limit of "
+                             f"{self.limits.max_tokens_per_call} image tokens per call (max_image_tokens_per_call)")
+        if not sizes:
+            return list(inputs)
+        decoded: dict[str, PreparedImageChunk] = {}
+        out = []
+        for i, model_input in enumerate(inputs):
+            if not model_input.has_images:
+                out.append(model_input)
+                continue
+            chunks = []
+            for j, chunk in enumerate(model_input.chunks):
+                if isinstance(chunk, ImageChunk):
+                    digest = PreparedImageChunk.digest_of(chunk.data)
+                    if digest not in decoded:
+                        decoded[digest] = self._decode(chunk, digest, lambda msg, i=i, j=j: error(
+                            i, f"model_input.chunks[{j}]: {msg}"))
+                    chunk = decoded[digest]
+                chunks.append(chunk)
+            out.append(ModelInput(chunks))
+        return out
+
+    def _header(self, chunk: ImageChunk, error: Callable[[str], InputError]) -> tuple[int, int]:
+        """(width, height) from the image's header, its format and pixel count checked."""
+        from PIL import Image
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(chunk.data))
+        except Image.DecompressionBombError:
+            raise error(f"the image declares more than {Image.MAX_IMAGE_PIXELS * 2} pixels, over the limit of "
+                        f"{self.limits.max_pixels} pixels per image (max_image_pixels)") from None
+        except Exception:
+            raise error(f"the data is not a PNG or JPEG image ({len(chunk.data)} bytes could not be read)") from None
+        found = _PIL_FORMATS.get(image.format or "")
+        if found is None:
+            raise error(f"the data is a {image.format} image; image chunks carry 'png' or 'jpeg'")
+        if found != chunk.format:
+            raise error(f"format is {chunk.format!r} but the data is a {found.upper()} image")
+        width, height = image.size
+        if width * height > self.limits.max_pixels:
+            raise error(f"the image is {width}x{height} = {width * height} pixels, over the limit of "
+                        f"{self.limits.max_pixels} pixels per image (max_image_pixels)")
+        if min(width, height) < 1 or max(width, height) / min(width, height) > 200:
+            raise error(f"the image is {width}x{height}: its sides must be at most 200 times apart")
+        return width, height
+
+    def _decode(self, chunk: ImageChunk, digest: str, error: Callable[[str], InputError]) -> PreparedImageChunk:
+        from PIL import Image
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(chunk.data)).convert("RGB")
+        except Exception as exc:
+            raise error(f"the image could not be decoded: {exc}") from None
+        batch = self.processor(images=[image], return_tensors="np")
+        grid = tuple(int(x) for x in np.asarray(batch["image_grid_thw"]).reshape(3))
+        pixels = np.ascontiguousarray(np.asarray(batch["pixel_values"], dtype=np.float32))
+        return PreparedImageChunk(pixel_values=pixels, grid_thw=grid, merge_size=self.merge_size,
+                                  token_id=self.image_token_id, digest=digest)
