@@ -142,11 +142,31 @@ def test_refusals_name_the_option(pair):
                                                  r"options it serves params.max_tokens, params.temperature"):
         b.sampler.sample(WithNewOption([np.array(PROMPT)], types.SamplingParams(), topk_sample_logprobs=2))
     assert b.sampler.sample(WithNewOption([np.array(PROMPT)], types.SamplingParams(max_tokens=2)))[0].sequences
+    # the Backend hands a prompt with images over as a ModelInput (its images read): not served here
+    with pytest.raises(errors.InputError, match=r"prompt 1 holds images: the 'vllm' sampler serves token prompts "
+                                                 r"only; sample a vision-language model with Backend\(sampler="):
+        b.sampler.sample(SampleRequest([np.array(PROMPT), types.ModelInput.from_ints([1, 2])], types.SamplingParams()))
+
+
+def test_sleep_gives_the_memory_back_between_calls_on_a_gpu_and_is_refused_on_cpu():
+    """sleep_level 1: vLLM drops its KV cache and moves its weights to CPU memory after each call,
+    and samples the current weights again after waking. vLLM's CPU backend has no sleep mode."""
+    from skyrl_sdk_vllm.loading import on_cpu
+
+    with skyrl_sdk.Backend(model="tiny", sampler="vllm", sampler_config={**SMALL, "sleep_level": 1}) as b:
+        if on_cpu():
+            with pytest.raises(errors.InputError, match=r"sleep_level'\]: vLLM's CPU backend has no sleep mode"):
+                b.sample([PROMPT], {"max_tokens": 2})
+            return
+        for _ in range(2):
+            s = b.sample([PROMPT], {"max_tokens": 8, "seed": 1})[0].sequences[0]
+            assert b.sampler.engine.asleep == 1
+            np.testing.assert_allclose(s.logprobs, forward_logprobs(b, PROMPT, s.tokens), atol=1e-3)
+            train(b, steps=1)
 
 
 @pytest.mark.parametrize("config, message", [
     ({"kv_cache_gb": 1}, r"unknown key\(s\) \['kv_cache_gb'\] for the 'vllm' sampler; did you mean 'kv_cache_gib'"),
-    ({"sleep_level": 1}, r"sleep_level'\]: vLLM's CPU backend has no sleep mode"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization'\]: expected a value > 0.0 and <= 1.0, got 1.5"),
     ({"engine_args": {"dtype": "half"}}, r"engine_args'\]: \['dtype'\] are set by the vllm sampler"),
     ({"max_lora_rank": 12}, r"max_lora_rank'\]: expected one of vLLM's"),

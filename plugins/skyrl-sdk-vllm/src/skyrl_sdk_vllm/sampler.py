@@ -20,7 +20,7 @@ import numpy as np
 
 from skyrl_sdk.errors import InputError
 from skyrl_sdk.sampling import Sampler, SampleRequest, WeightsSource
-from skyrl_sdk.types import SampleOutput
+from skyrl_sdk.types import ModelInput, SampleOutput
 
 from . import engines, requests
 from .config import VllmSamplerConfig
@@ -73,6 +73,10 @@ class VllmSampler(Sampler):
         return self._outputs(request, distinct, source_of, outs)
 
     def _check_fits(self, request: SampleRequest) -> None:
+        for i, prompt in enumerate(request.prompts):
+            if isinstance(prompt, ModelInput):
+                raise InputError(f"prompt {i} holds images: the 'vllm' sampler serves token prompts only; "
+                                 f"sample a vision-language model with Backend(sampler='transformers')")
         limit = self.engine.max_model_len
         longest = max(len(p) for p in request.prompts) + request.params.max_tokens
         if longest > limit:
