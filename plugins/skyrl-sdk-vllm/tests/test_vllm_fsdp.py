@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import skyrl_sdk_fsdp  # noqa: F401  (this environment installs the fsdp plugin: no silent skip)
 from vllm_testutil import SMALL, forward_logprobs, train
 
 import skyrl_sdk
+import skyrl_sdk_fsdp  # noqa: F401  (this environment installs the fsdp plugin: no silent skip)
 
 PROMPT = list(range(5, 40))
 
