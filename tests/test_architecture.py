@@ -27,7 +27,7 @@ SOURCES = {
     "skyrl_sdk_vllm": ROOT / "plugins" / "skyrl-sdk-vllm" / "src" / "skyrl_sdk_vllm",
 }
 #: What uses the SDK from outside: modules named by their path from the repository root.
-CLIENT_DIRS = ("benchmarks", "examples", "scripts", "plugins/skyrl-sdk-fsdp/scripts")
+CLIENT_DIRS = ("benchmarks", "examples", "scripts", "plugins/skyrl-sdk-fsdp/scripts", "plugins/skyrl-sdk-vllm/scripts")
 #: Bottom to top; a module may import its own layer and the layers below. The plugin
 #: packages sit above all of them (they may use any public name of the core), the clients on top.
 LAYERS = (
