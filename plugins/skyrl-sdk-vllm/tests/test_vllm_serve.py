@@ -69,7 +69,7 @@ def _assert_samples_are_forwards(tc, sampler) -> list[list[int]]:
 def test_lora_clients_sample_through_vllm_and_stay_in_sync(server):
     url, log = server
     service = tinker.ServiceClient(base_url=url, api_key="tml-local")
-    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=3)
+    tc = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result(timeout=HANG_S)
     first = tc.save_weights_and_get_sampling_client().result(timeout=HANG_S)
     before = _assert_samples_are_forwards(tc, first)
     data = [tt.Datum(model_input=tt.ModelInput.from_ints(PROMPT[:-1]),
@@ -83,7 +83,7 @@ def test_lora_clients_sample_through_vllm_and_stay_in_sync(server):
     again = first.sample(tt.ModelInput.from_ints(PROMPT), 2, tt.SamplingParams(max_tokens=8, seed=4)).result(
         timeout=HANG_S)
     assert [list(s.tokens) for s in again.sequences] == before
-    base = service.create_sampling_client(base_model="tiny")
+    base = service.create_sampling_client(base_model="tiny").result(timeout=HANG_S)
     assert len(base.sample(tt.ModelInput.from_ints(PROMPT), 1, tt.SamplingParams(max_tokens=3)).result(
         timeout=HANG_S).sequences[0].tokens) == 3
     with httpx.Client(base_url=url, timeout=HANG_S) as http:
