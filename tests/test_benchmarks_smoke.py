@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 #: every benchmark registered in benchmarks/run.py must run in smoke mode
 BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "fsdp_loading", "scaling",
               "sampling", "tenancy", "serve_load", "mixed_precision", "activation_checkpointing", "qwen_0p5b", "grpo",
-              "optim_step", "pending_grads", "prefix_sharing", "prefix_memory", "grpo_long_prompts"]
+              "optim_step", "pending_grads", "prefix_sharing", "prefix_memory", "grpo_long_prompts",
+              "vllm_sampler"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")

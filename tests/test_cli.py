@@ -183,9 +183,10 @@ def test_serve_arguments_and_lazy_import(monkeypatch):
 
 @pytest.mark.parametrize("bad", ["{nope", "[1, 2]"])
 def test_serve_rejects_bad_engine_config(bad, capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["serve", "--engine-config", bad])
-    assert exc.value.code == 2 and "--engine-config" in capsys.readouterr().err
+    for flag in ("--engine-config", "--sampler-config"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["serve", flag, bad])
+        assert exc.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_demo_arguments(monkeypatch):
@@ -342,6 +343,10 @@ def test_a_closed_pipe_is_not_a_traceback():
         (["--engine", "fsdpp"], "--engine: unknown engine 'fsdpp'; available: ["),
         (["--engine-config", '{"devcie": "cpu"}'], "engine_config: unknown key 'devcie'"),
         (["--lazy", "--engine-config", '{"devcie": "cpu"}'], "engine_config: unknown key 'devcie'"),
+        (["--sampler", "nope"], "--sampler: unknown sampler 'nope'; available: ['transformers'"),
+        (["--sampler-config", '{"n": 1}'], "with sampler 'transformers': InputError: sampler_config: "
+                                            "the 'transformers' sampler takes no options, got ['n']"),
+        (["--lazy", "--sampler-config", '{"n": 1}'], "sampler 'transformers' with these configs: InputError"),
     ],
 )
 def test_serve_refuses_to_start_with_the_reason(argv, expected, tmp_path, capsys):
@@ -396,15 +401,52 @@ def test_an_unknown_option_shows_the_commands_own_usage(capsys):
 
 def test_serve_checks_a_model_directory_without_loading_it(tmp_path, capsys):
     from skyrl_sdk.cli import serve as serve_command
+    from skyrl_sdk.server.config import ServerConfig
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(serve_command.CannotServe, match="config.json could not be read"):
-        serve_command.preflight((str(tmp_path),), "local", {}, lazy=True)
+        serve_command.preflight(ServerConfig(models=(str(tmp_path),)), lazy=True)
     from skyrl_sdk.models.loading import tiny_config
 
     tiny_config().save_pretrained(tmp_path)
     with pytest.raises(serve_command.CannotServe, match="directory has no weights"):
-        serve_command.preflight((str(tmp_path),), "local", {}, lazy=True)
+        serve_command.preflight(ServerConfig(models=(str(tmp_path),)), lazy=True)
+
+
+def test_serve_tries_a_plugin_sampler_with_its_config_before_binding(fresh_plugins, tmp_path, capsys):
+    """A plugin sampler is built and samples one token at start-up, so a config it refuses
+    exits 2 naming it, before anything binds; one it accepts says what it is."""
+    import skyrl_sdk
+    from skyrl_sdk import errors, types
+    from skyrl_sdk.cli import serve as serve_command
+    from skyrl_sdk.sampling import Sampler
+    from skyrl_sdk.server.config import ServerConfig
+
+    @skyrl_sdk.register_sampler("picky")
+    class Picky(Sampler):
+        name = "picky"
+
+        def __init__(self, *, source, config):
+            if config.get("size", 1) > 2:
+                raise errors.InputError(f"sampler_config['size']: at most 2, got {config['size']}")
+            super().__init__(source=source, config=config)
+
+        def sample(self, request):
+            return [types.SampleOutput(sequences=[]) for _ in request.prompts]
+
+        def describe(self):
+            return f"picky of size {self.config.get('size', 1)}"
+
+    from _server_harness import free_port
+
+    argv = ["serve", "--port", str(free_port()), "--state-dir", str(tmp_path / "s"), "--sampler", "picky"]
+    assert cli.main([*argv, "--sampler-config", '{"size": 3}']) == 2
+    assert capsys.readouterr().err == ("skyrl-sdk serve: cannot start: model 'tiny' on engine 'local' with sampler "
+                                       "'picky': InputError: sampler_config['size']: at most 2, got 3\n")
+    said = serve_command.preflight(ServerConfig(sampler="picky", sampler_config={"size": 2}), lazy=True)
+    assert said == "picky of size 2"
+    assert "(models: tiny; engine: local; sampler: picky of size 2; state: " in \
+        serve_command.banner(ServerConfig(sampler="picky"), sampler=said)
 
 
 def _serve(tmp_path, port: int, *extra: str) -> subprocess.Popen:

@@ -56,7 +56,7 @@ def test_a_complete_engine_builds_and_its_optional_features_refuse_by_name(tmp_p
     with pytest.raises(InputError, match="engine 'complete' cannot save a training state"):
         engine.save_state(tmp_path)
     with pytest.raises(InputError, match="engine 'complete' cannot sample"):
-        engine.sample([], None, 1, False)
+        engine.weights_source()  # what a sampler reads
     engine.close()  # optional, and a no-op by default
 
 

@@ -97,19 +97,19 @@ def test_bad_scores_are_refused_by_name(backend, kwargs, match):
 
 
 def test_a_sampler_that_does_not_serve_a_score_refuses_it_by_name(fresh_plugins):
+    from skyrl_sdk.sampling import Sampler
+
     @skyrl_sdk.register_sampler("plain_only", description="serves samples, no other scores")
-    class PlainOnly:
-        def __init__(self, *, engine, config):
-            self.engine = engine
+    class PlainOnly(Sampler):
+        name = "plain_only"
 
-        def sample(self, prompts, params, num_samples, *, prompt_logprobs, topk_prompt_logprobs):
-            return self.engine.sample(prompts, params, num_samples, prompt_logprobs, topk_prompt_logprobs)
-
-        def close(self):
-            pass
+        def sample(self, request):
+            self.refuse(request, supported=("params.max_tokens",))
+            return self.source.decoder().generate(request)
 
     with Backend(model="tiny", sampler="plain_only") as b:
         assert len(b.sample([PROMPT], {"max_tokens": 2})[0].sequences) == 1  # the rest still works
-        for name, value in (("topk_sample_logprobs", 2), ("prompt_alt_tokens_k", 1)):
-            with pytest.raises(InputError, match=f"^{name}: sampler 'plain_only' does not support it"):
+        for name, value in (("topk_sample_logprobs", 2), ("prompt_alt_tokens_k", 1),
+                            ("target_prompt_logprobs", [np.full((len(PROMPT) - 1, 1), 3)])):
+            with pytest.raises(InputError, match=f"^the 'plain_only' sampler cannot serve {name};"):
                 b.sample([PROMPT], {"max_tokens": 2}, **{name: value})

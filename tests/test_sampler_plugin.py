@@ -1,4 +1,6 @@
-"""Samplers are plugins: the hook, Backend(sampler=...), the built-in ``transformers`` sampler.
+"""Samplers are plugins: the hook, Backend(sampler=...), the built-in ``transformers`` sampler,
+and the contract the registry and the Backend hold them to (a ``Sampler`` subclass that gets a
+``WeightsSource``, never the engine).
 
 A third-party sampler is a real installed distribution (a module + ``*.dist-info`` with an
 entry point in a temporary directory on ``sys.path``), found like a pip-installed package.
@@ -11,23 +13,28 @@ import pytest
 import skyrl_sdk
 from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk import errors, types
-from skyrl_sdk.sampling import TransformersSampler
+from skyrl_sdk.sampling import Sampler, TransformersSampler
 
 ECHO_PLUGIN = """
     import skyrl_sdk
     from skyrl_sdk import types
+    from skyrl_sdk.sampling import Sampler
 
     CALLS = []
 
-    class EchoSampler:
-        def __init__(self, *, engine, config):
-            CALLS.append(("init", engine.info.vocab_size, dict(config)))
+    class EchoSampler(Sampler):
+        name = "echo"
 
-        def sample(self, prompts, params, num_samples, *, prompt_logprobs, topk_prompt_logprobs):
-            CALLS.append(("sample", [p.tolist() for p in prompts], params.max_tokens, num_samples,
-                          prompt_logprobs, topk_prompt_logprobs))
+        def __init__(self, *, source, config):
+            super().__init__(source=source, config=config)
+            CALLS.append(("init", type(source).__name__, source.hf_config.vocab_size, dict(config)))
+
+        def sample(self, request):
+            CALLS.append(("sample", [p.tolist() for p in request.prompts], request.params.max_tokens,
+                          request.num_samples, request.prompt_logprobs, request.topk_prompt_logprobs,
+                          self.source.version))
             seq = lambda p: types.SampledSequence(tokens=p.tolist(), logprobs=[0.0] * len(p), stop_reason="length")
-            return [types.SampleOutput(sequences=[seq(p)] * num_samples) for p in prompts]
+            return [types.SampleOutput(sequences=[seq(p)] * request.num_samples) for p in request.prompts]
 
         def close(self):
             CALLS.append(("close",))
@@ -62,21 +69,31 @@ def test_a_plugin_sampler_serves_backend_sample(install):
 
     with skyrl_sdk.Backend(sampler="echo", sampler_config={"gpu_memory": 0.5}) as b:
         assert echo_sampler.CALLS == []  # built lazily, on the first sample
+        assert b.get_info().sampler == "echo"
         out = b.sample([[1, 2, 3]], {"max_tokens": 4}, num_samples=2, topk_prompt_logprobs=2)
         assert [s.tokens for s in out[0].sequences] == [[1, 2, 3], [1, 2, 3]]
-        b.sample([[5]], types.SamplingParams())
+        b.forward_backward([types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
+                                        loss_fn_inputs={"target_tokens": [2, 3]})], "cross_entropy")
+        b.sample([[5]], types.SamplingParams())  # no step yet: the same weights
+        b.optim_step(types.AdamParams(learning_rate=1e-3))
+        b.sample([[5]], types.SamplingParams())  # the step moved the version
         with pytest.raises(errors.InputError, match="prompt 0"):  # the Backend still validates first
             b.sample([[99999]], types.SamplingParams())
     assert echo_sampler.CALLS == [
-        ("init", 320, {"gpu_memory": 0.5}),
-        ("sample", [[1, 2, 3]], 4, 2, False, 2),
-        ("sample", [[5]], 16, 1, False, 0),
+        ("init", "EngineWeights", 320, {"gpu_memory": 0.5}),
+        ("sample", [[1, 2, 3]], 4, 2, False, 2, 0),
+        ("sample", [[5]], 16, 1, False, 0, 0),
+        ("sample", [[5]], 16, 1, False, 0, 1),
         ("close",),
     ]
 
 
-def test_unknown_sampler_and_bad_config_are_clear_errors():
-    with pytest.raises(errors.UnknownNameError, match=r"unknown sampler 'vllm'; available: \['transformers'\]"):
+def test_unknown_sampler_and_bad_config_are_clear_errors(monkeypatch):
+    monkeypatch.setenv("SKYRL_SDK_PLUGINS", "")  # the built-ins only, whatever this environment installed
+    with pytest.raises(errors.UnknownNameError, match=r"unknown sampler 'vllm'; available: \['transformers'\] "
+                                                      r"\(sampler 'vllm' comes with: "
+                                                      r"pip install 'skyrl-sdk-vllm\[gpu\]' \(CUDA\) or "
+                                                      r"'skyrl-sdk-vllm\[cpu\]'\)"):
         skyrl_sdk.Backend(sampler="vllm")
     with pytest.raises(errors.InputError, match="sampler_config: expected a mapping"):
         skyrl_sdk.Backend(sampler_config=[("a", 1)])
@@ -106,3 +123,80 @@ def test_malformed_and_duplicate_sampler_registrations(install):
     """)
     with pytest.raises(errors.DuplicateRegistrationError, match="sampler 'transformers'"):
         plugins.get_plugins()
+
+
+def test_a_sampler_class_must_subclass_sampler_and_implement_sample(install):
+    """The registry holds a sampler class to the contract when its plugin registers: not a
+    ``Sampler`` (the old duck-typed shape) or missing ``sample``: refused, naming why."""
+    install("duck_sampler", """
+        import skyrl_sdk
+
+        class Duck:
+            def __init__(self, *, source, config): ...
+            def sample(self, request): ...
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_samplers(register):
+            register("duck", Duck)
+    """)
+    install("half_sampler", """
+        import skyrl_sdk
+        from skyrl_sdk.sampling import Sampler
+
+        class Half(Sampler):
+            def describe(self):
+                return "half"
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_samplers(register):
+            register("half", Half)
+    """)
+    loaded = plugins.get_plugins()
+    errors_by_plugin = {p.name: p.error for p in loaded.plugins}
+    assert "Duck must subclass skyrl_sdk.sampling.Sampler" in errors_by_plugin["duck_sampler"]
+    assert "Half does not implement the abstract method(s) sample" in errors_by_plugin["half_sampler"]
+    assert not {"duck", "half"} & set(loaded.registry.samplers)
+    with pytest.raises(TypeError, match="sample"):  # the ABC itself fails when instantiated
+        Sampler(source=None, config={})
+
+
+def test_a_factory_function_must_return_a_sampler(install):
+    """A plain function may be the factory; what it returns is checked when the Backend builds it."""
+    install("func_sampler", """
+        import skyrl_sdk
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_samplers(register):
+            register("func", lambda *, source, config: object())
+    """)
+    with skyrl_sdk.Backend(sampler="func") as b:
+        with pytest.raises(errors.PluginError, match="sampler 'func': its factory returned object, not a "
+                                                     "skyrl_sdk.sampling.Sampler"):
+            b.sample([[1, 2]], types.SamplingParams(max_tokens=1))
+
+
+def test_request_names_the_options_it_sets_and_refuse_names_each_unserved_one():
+    import numpy as np
+
+    from skyrl_sdk.sampling import SampleRequest
+
+    plain = SampleRequest([np.array([1, 2])], types.SamplingParams())
+    assert plain.options_set() == []
+    busy = SampleRequest([np.array([1, 2])], types.SamplingParams(max_tokens=3, top_k=5, stop=["x"]),
+                         num_samples=4, prompt_logprobs=True, topk_prompt_logprobs=2)
+    assert busy.options_set() == ["params.max_tokens", "params.top_k", "params.stop", "num_samples",
+                                  "prompt_logprobs", "topk_prompt_logprobs"]
+
+    class Narrow(Sampler):
+        name = "narrow"
+
+        def sample(self, request):
+            self.refuse(request, ["params.max_tokens", "num_samples"])
+            return []
+
+    narrow = Narrow(source=None, config={})
+    assert narrow.sample(SampleRequest([np.array([1])], types.SamplingParams(max_tokens=2), 3)) == []
+    with pytest.raises(errors.InputError, match=r"the 'narrow' sampler cannot serve params.top_k, params.stop, "
+                                                r"prompt_logprobs, topk_prompt_logprobs; of the options it serves "
+                                                r"params.max_tokens, num_samples"):
+        narrow.sample(busy)

@@ -363,6 +363,8 @@ def _fwdbwd_body(model_id, seq_id) -> bytes:
 def test_replayed_seq_id_runs_once_and_order_is_kept(server):
     with _raw(server) as http:
         model_id = _raw_model(http)
+        info = http.post("/api/v1/get_info", json={"model_id": model_id}).json()
+        assert (info["is_lora"], info["lora_rank"], info["sampler"]) == (True, 2, "transformers")  # which sampler serves
         proto = {"Content-Type": "application/x-protobuf"}
         # optim_step (seq 2) arrives before the forward_backward (seq 1) it must follow
         optim = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 2,

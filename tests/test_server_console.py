@@ -290,6 +290,7 @@ def test_the_server_view_is_for_operators(world):
         work = {w["owner"]: w for w in srv["work"]}
         assert work["alice"]["live_models"] == 1 and work["bob"]["live_models"] == 1
         assert srv["limits"]["max_num_samples"] == 256 and srv["limits"]["models"] == ["tiny"]
+        assert (srv["limits"]["sampler"], srv["limits"]["sampler_config"]) == ("transformers", {})
         # the request and connection limits in force (this server runs with their defaults)
         assert (srv["limits"]["max_tokens_per_request"], srv["limits"]["max_queued_requests"],
                 srv["limits"]["header_timeout_s"]) == (524288, 1024, 10.0)

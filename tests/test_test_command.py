@@ -35,20 +35,25 @@ def test_tox_runs_both_suites_with_the_same_arguments_and_keeps_going():
 
 def test_every_test_file_is_in_exactly_one_suite():
     """The server suite is every ``tests/test_server*.py`` (by name: a new file needs no list
-    in tox.ini), the main suite every other test file, the plugins' included."""
+    in tox.ini), the vllm suite the vLLM sampler's tests (they need vLLM), the main suite every
+    other test file, the other plugins' included; a run without --suite leaves the vllm ones out."""
     spec = importlib.util.spec_from_file_location("repo_conftest", ROOT / "conftest.py")
     conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
 
     def suite_of(path: Path) -> set[str]:
-        return {s for s in ("main", "server")
+        return {s for s in ("main", "server", "vllm")
                 if not conftest.pytest_ignore_collect(path, SimpleNamespace(getoption=lambda _, s=s: s))}
 
     files = list((ROOT / "tests").glob("test_*.py")) + list(ROOT.glob("plugins/*/tests/test_*.py"))
     suites = {p.relative_to(ROOT).as_posix(): suite_of(p) for p in files}
     assert {p for p, s in suites.items() if s == {"server"}} == {
         f"tests/{p.name}" for p in (ROOT / "tests").glob("test_server*.py")}
-    assert all(s in ({"main"}, {"server"}) for s in suites.values()), suites
+    assert {p for p, s in suites.items() if s == {"vllm"}} == {
+        p.relative_to(ROOT).as_posix() for p in ROOT.glob("plugins/skyrl-sdk-vllm/tests/test_*.py")} != set()
+    assert all(s in ({"main"}, {"server"}, {"vllm"}) for s in suites.values()), suites
+    plain = SimpleNamespace(getoption=lambda _: None)  # no --suite: everything but the vllm suite
+    assert all(bool(conftest.pytest_ignore_collect(ROOT / p, plain)) == (s == {"vllm"}) for p, s in suites.items())
 
 
 def collected(*args: str) -> list[str]:

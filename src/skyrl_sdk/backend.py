@@ -23,7 +23,7 @@ from .builtin_plugins import get_registry
 from .engines import call_grads
 from .errors import CheckpointError, CriticExportWarning, DatumError, InputError
 from .inputs.coerce import adam_params_from_any, data_from_any, lora_config_from_any
-from .inputs.sample import sample_request
+from .inputs.sample import sample_call
 from .losses.metrics import MetricAccumulator
 from .losses.resolve import ResolvedLoss, reading_values
 from .losses.run import add_prepared_inputs
@@ -31,7 +31,7 @@ from .losses.stability import SequenceRecords, resolve_provenance
 from .losses.validation import check_call, check_prompts, check_target_ids, inputs_for_forward
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
 from .models.value_head import critic_export_note, write_critic_card
-from .sampling import unsupported_options
+from .plugins.samplers import Sampler, SampleRequest, check_sampler
 from .types import (
     AdamParams,
     Datum,
@@ -94,6 +94,7 @@ class Backend:
         self.sampler_name = sampler
         self._sampler_config = dict(sampler_config or {})
         self._sampler = None  # built on the first sample(): a sampler may hold a second model
+        self._source = None  # what the sampler reads: the engine's weights_source(), built with it
         self.model_name = str(model)
         self.role = role
         self.dialect = dialect
@@ -250,6 +251,7 @@ class Backend:
             if self.grad_accumulation == "mean" and self._calls_since_step > 1:
                 scale = 1.0 / self._calls_since_step
             metrics = self.engine.optim_step(params, scale)
+            self.weights_changed()
             metrics["num_forward_backward_calls"] = float(self._calls_since_step)
             self._calls_since_step = 0
             return OptimStepOutput(metrics=metrics)
@@ -285,10 +287,11 @@ class Backend:
         None: the output's ``target_prompt_logprobs``) and ``prompt_alt_tokens_k=k`` (k draws
         at every prompt position after the first, at the request's temperature: the output's
         ``prompt_alt_tokens``). Served by this Backend's sampler (``sampler=``); a score the
-        sampler does not serve is refused by name.
+        sampler does not serve is refused by name. The sampler is built on the first call
+        with the engine's weights (``Engine.weights_source()``).
         """
-        call = sample_request(prompts, sampling_params, num_samples, prompt_logprobs, topk_prompt_logprobs,
-                              record_stability_info, topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k)
+        call = sample_call(prompts, sampling_params, num_samples, prompt_logprobs, topk_prompt_logprobs,
+                           record_stability_info, topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k)
         params = call.sampling_params
         prompts = list(call.prompts)
         where = [i for i, p in enumerate(prompts) if isinstance(p, ModelInput)]
@@ -300,18 +303,11 @@ class Backend:
         check_prompts([p.to_numpy() if isinstance(p, ModelInput) else p for p in prompts], self.vocab_size,
                       self.engine.info.max_positions, params.max_tokens)
         check_target_ids(call.target_prompt_logprobs, self.vocab_size)
-        scores = call.scores()
+        request = SampleRequest(prompts, params, call.num_samples, call.prompt_logprobs, call.topk_prompt_logprobs,
+                                call.topk_sample_logprobs, call.target_prompt_logprobs, call.prompt_alt_tokens_k)
         with self._lock:
             self._check_open()
-            if self._sampler is None:
-                factory = get_registry().sampler_spec(self.sampler_name).factory
-                self._sampler = factory(engine=self.engine, config=dict(self._sampler_config))
-            missing = unsupported_options(self._sampler.sample, scores)
-            if missing:
-                raise InputError(f"{missing[0]}: sampler {self.sampler_name!r} does not support it")
-            outs = self._sampler.sample(prompts, params, call.num_samples,
-                                        prompt_logprobs=call.prompt_logprobs,
-                                        topk_prompt_logprobs=call.topk_prompt_logprobs, **scores)
+            outs = self._built_sampler().sample(request)
         if not call.record_stability_info:
             return outs
         return [self._recorded(p, out) for p, out in zip(call.prompts, outs, strict=True)]
@@ -322,6 +318,29 @@ class Backend:
         self.sequences.record(prompt, out.sequences, ids)
         return attrs.evolve(out, sequences=[attrs.evolve(s, sequence_id=i)
                                             for s, i in zip(out.sequences, ids, strict=True)])
+
+    @property
+    def sampler(self) -> Sampler | None:
+        """The sampler serving :meth:`sample` once the first call built it (None before): its
+        ``describe()`` says what it is."""
+        return self._sampler
+
+    def _built_sampler(self) -> Sampler:
+        """(holding the lock) The sampler, built on first use with the engine's weights source."""
+        if self._sampler is None:
+            factory = get_registry().sampler_spec(self.sampler_name).factory
+            source = self.engine.weights_source()
+            sampler = check_sampler(factory(source=source, config=dict(self._sampler_config)), self.sampler_name)
+            self._source, self._sampler = source, sampler
+            logger.info("sampler of %s: %s", self.model_name, sampler.describe())
+        return self._sampler
+
+    def weights_changed(self) -> None:
+        """Tell the sampler the engine's weights changed, so it samples the new ones. ``optim_step``
+        and ``load_state`` call it; call it after changing the weights any other way."""
+        with self._lock:
+            if self._source is not None:
+                self._source.weights_changed()
 
     # ---- saving -----------------------------------------------------------------------
     def save_weights_for_sampler(
@@ -392,6 +411,7 @@ class Backend:
                         f"{mine.get(key)!r} here"
                     )
             self.engine.load_state(directory, meta["engine_state"], optimizer)
+            self.weights_changed()
             self._calls_since_step = 0
             return LoadStateOutput(path=str(directory.resolve()), optimizer_loaded=optimizer)
 
@@ -406,6 +426,7 @@ class Backend:
             lora_rank=self.lora.rank if self.lora is not None else None,
             role=self.role,
             engine=self.engine_name,
+            sampler=self.sampler_name,
             num_parameters=info.num_parameters,
             num_trainable_parameters=info.num_trainable_parameters,
             # an in-process engine's runner knows it now (its self-test runs at the first call)

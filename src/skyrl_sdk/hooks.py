@@ -61,11 +61,12 @@ def skyrl_sdk_register_samplers(register):
     """Register samplers: what serves ``Backend.sample`` (and the server's sampling clients).
 
     Call ``register(name, factory, *, description='')``; ``Backend(sampler=name)`` selects one
-    (``"transformers"``, the built-in, by default). The Backend calls
-    ``factory(engine=..., config=...)`` on its first ``sample`` with its engine (whose weights
-    are the ones to sample from) and its ``sampler_config`` dict; the result has
-    ``sample(prompts, params, num_samples, *, prompt_logprobs, topk_prompt_logprobs)``
-    returning one ``SampleOutput`` per prompt, and ``close()``.
+    (``"transformers"``, the built-in, by default). ``factory`` is a subclass of
+    ``skyrl_sdk.sampling.Sampler`` (the registry refuses a class that is not) or a callable
+    returning one. The Backend calls ``factory(source=..., config=...)`` on its first ``sample``
+    with its engine's ``WeightsSource`` (the weights to sample from, never the engine) and its
+    ``sampler_config`` dict; the result's ``sample(request)`` gets a ``SampleRequest`` and
+    returns one ``SampleOutput`` per prompt (docs/engines.md, Samplers).
     """
 
 

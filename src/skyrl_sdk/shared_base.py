@@ -58,21 +58,25 @@ class SharedBase:
                                   max_adapters=max_lora_adapters, offload_dir=offload_dir)
 
     def backend(self, lora: Any, *, seed: int | None = None, dialect: str | None = None,
-                grad_accumulation: str = "sum", label: str = "") -> Backend:
+                grad_accumulation: str = "sum", label: str = "", sampler: str = "transformers",
+                sampler_config: Mapping[str, Any] | None = None) -> Backend:
         """A new LoRA client: a :class:`Backend` with its own adapter on the shared base.
-        Closing the Backend frees its adapter."""
+        Closing the Backend frees its adapter. A sampler that holds its own copy of the weights
+        (``sampler="vllm"``) serves every client of this base from one copy of the base."""
         config = lora_config_from_any(lora)
         if config is None:
             raise InputError("lora: a shared base trains LoRA adapters only; full fine-tuning needs its own "
                              "copy of the weights (a plain Backend without lora)")
         return Backend(model=self.model, engine=_Factory(self.shared, label), lora=config, role=self.role,
                        dialect=dialect or self.dialect, seed=self.seed if seed is None else seed,
-                       grad_accumulation=grad_accumulation)
+                       grad_accumulation=grad_accumulation, sampler=sampler, sampler_config=sampler_config)
 
-    def base_backend(self, *, dialect: str | None = None) -> Backend:
+    def base_backend(self, *, dialect: str | None = None, sampler: str = "transformers",
+                     sampler_config: Mapping[str, Any] | None = None) -> Backend:
         """The base model itself as a read-only Backend (forward, sample, export), sharing the weights."""
         return Backend(model=self.model, engine=_Factory(self.shared, "base", base_only=True), role=self.role,
-                       dialect=dialect or self.dialect, seed=self.seed)
+                       dialect=dialect or self.dialect, seed=self.seed, sampler=sampler,
+                       sampler_config=sampler_config)
 
     def stats(self) -> dict[str, Any]:
         """What is loaded: base bytes, each adapter's bytes (or offloaded), offload counts and times."""

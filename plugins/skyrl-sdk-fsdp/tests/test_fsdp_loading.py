@@ -55,7 +55,7 @@ def test_sharded_load_equals_local(family, source, lora, tmp_path):
     kwargs = {"lora": types.LoraConfig(rank=4, seed=11)} if lora else {}
     fsdp, local = _pair(model_dir, **kwargs)
     try:
-        assert fsdp.engine.weights_source == source
+        assert fsdp.engine.weights_loaded_from == source
         # the initial weights: bit-identical (read from the same files / drawn from the same seed)
         fsdp.save_weights_for_sampler(tmp_path / "f0")
         local.save_weights_for_sampler(tmp_path / "l0")
@@ -85,7 +85,7 @@ def test_sharded_critic_on_tied_softcapped_family(tmp_path):
     model_dir = make_family_dir("gemma2", tmp_path / "gemma2")
     fsdp, local = _pair(model_dir, role="critic")
     try:
-        assert fsdp.engine.weights_source == "files"  # the tied lm_head is not part of a critic
+        assert fsdp.engine.weights_loaded_from == "files"  # the tied lm_head is not part of a critic
         rng = np.random.default_rng(0)
         data = [types.Datum(model_input=types.ModelInput.from_ints(rng.integers(0, 256, n)),
                             loss_fn_inputs={"values": np.zeros(n, np.float32),

@@ -263,7 +263,7 @@ Point the tinker client at it:
   export TINKER_BASE_URL=http://127.0.0.1:8000   # or ServiceClient(base_url="http://127.0.0.1:8000")
   export TINKER_API_KEY=tml-anything             # the client insists on a key starting with "tml-",
                                                  # even when the server checks none (no --api-key)
-Models, engine and engine config are checked before the server binds; a problem exits with
+Models, engine, sampler and their configs are checked before the server binds; a problem exits with
 status 2 and the reason. See docs/server.md.
 """
 
@@ -279,6 +279,11 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="local", help="engine name (default local)")
     p.add_argument("--engine-config", type=_json_object, default=None, metavar="JSON",
                    help='engine options as a JSON object, e.g. \'{"device": "cpu"}\'')
+    p.add_argument("--sampler", default="transformers",
+                   help="what serves the sampling clients: 'transformers' (built in, default) or a sampler "
+                        "plugin's name, e.g. 'vllm' (pip install 'skyrl-sdk-vllm[gpu]')")
+    p.add_argument("--sampler-config", type=_json_object, default=None, metavar="JSON",
+                   help='sampler options as a JSON object, e.g. \'{"gpu_memory_utilization": 0.4}\'')
     p.add_argument("--state-dir", default="./skyrl-server-state",
                    help="checkpoints and saved weights (default ./skyrl-server-state)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),

@@ -1,11 +1,12 @@
 """``skyrl-sdk serve``: check everything a client will need, bind, then say how to connect.
 
 The server itself creates a Backend only when a client asks for a model, so a wrong
-``--model``, ``--engine`` or ``--engine-config`` would otherwise surface minutes later as a
-failed ``create_model``. Here they are checked first, and the state dir is locked for this
-server and written once (docs/server.md, "State dir"); a problem exits with status 2 and one
-``cannot start: ...`` line; the banner is printed once the port is bound. An abnormal end
-(a fatal signal, an exception that ends the server or a thread) leaves a line in the log.
+``--model``, ``--engine``, ``--sampler`` or their configs would otherwise surface minutes later
+as a failed ``create_model`` or ``sample``. Here they are checked first, and the state dir is
+locked for this server and written once (docs/server.md, "State dir"); a problem exits with
+status 2 and one ``cannot start: ...`` line; the banner is printed once the port is bound. An
+abnormal end (a fatal signal, an exception that ends the server or a thread) leaves a line in
+the log.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ EXIT_FATAL = 3
 
 
 class CannotServe(SkyrlError, ValueError):
-    """A served model, the engine or its config fails the start-up check."""
+    """A served model, the engine, the sampler or a config fails the start-up check."""
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
@@ -47,6 +48,16 @@ def check_engine(engine: str) -> None:
         get_registry().engine_spec(engine)
     except InputError as exc:
         raise InputError(f"--engine: {exc}") from None
+
+
+def check_sampler(sampler: str) -> None:
+    """The sampler is registered (a plugin sampler needs its package installed)."""
+    from ..builtin_plugins import get_registry
+
+    try:
+        get_registry().sampler_spec(sampler)
+    except InputError as exc:
+        raise InputError(f"--sampler: {exc}") from None
 
 
 def check_port(host: str, port: int) -> None:
@@ -73,32 +84,42 @@ def check_model_files(model: str) -> None:
         raise InputError(f"model {model!r}: directory has no weights (*.safetensors or *.bin)")
 
 
-def trial_backend(model: str, engine: str, engine_config: dict[str, Any]) -> None:
-    """Build and close one Backend: the engine accepts its config and the model loads with it."""
+def trial_backend(model: str, config: Any) -> str:
+    """Build one Backend as the server will, sample one token (a sampler checks its config when
+    it is built), close it. Returns the sampler's ``describe()`` line."""
     from ..backend import Backend
 
-    Backend(model=model, engine=engine, engine_config=engine_config).close()
+    with Backend(model=model, engine=config.engine, engine_config=config.engine_config, sampler=config.sampler,
+                 sampler_config=config.sampler_config) as backend:
+        backend.sample([[0]], {"max_tokens": 1})
+        return backend.sampler.describe()
 
 
-def preflight(models: tuple[str, ...], engine: str, engine_config: dict[str, Any], lazy: bool) -> None:
-    """Raise :class:`CannotServe` naming the first problem; cheap checks run first.
+def preflight(config: Any, lazy: bool) -> str:
+    """Raise :class:`CannotServe` naming the first problem; cheap checks run first. Returns
+    what the sampler says of itself, for the log.
 
-    Without ``lazy`` every model is loaded once with the engine. With ``lazy`` the engine
-    and its config are tried on the built-in ``tiny`` model instead, and the served models'
-    files are only inspected, so a big model's weights load once, when a client asks.
+    Without ``lazy`` every model is loaded once with the engine (and a plugin sampler samples a
+    token from it). With ``lazy`` the engine, the sampler and their configs are tried on the
+    built-in ``tiny`` model instead, and the served models' files are only inspected, so a big
+    model's weights load once, when a client asks.
     """
     try:
-        check_engine(engine)
-        for model in models:
+        check_engine(config.engine)
+        check_sampler(config.sampler)
+        for model in config.models:
             check_model_files(model)
     except SkyrlError as exc:
         raise CannotServe(str(exc)) from None
-    for model in ("tiny",) if lazy else models:
+    said = config.sampler
+    for model in ("tiny",) if lazy else config.models:
         try:
-            trial_backend(model, engine, engine_config)
+            said = trial_backend(model, config)
         except Exception as exc:  # whatever stops a Backend now would stop the first client later
-            where = f"engine {engine!r} with this --engine-config" if lazy else f"model {model!r} on engine {engine!r}"
+            where = (f"engine {config.engine!r} and sampler {config.sampler!r} with these configs" if lazy
+                     else f"model {model!r} on engine {config.engine!r} with sampler {config.sampler!r}")
             raise CannotServe(f"{where}: {type(exc).__name__}: {exc}") from None
+    return said
 
 
 def client_hint(url: str, api_key: str | None, key_from_env: bool = False, keys_file: str | None = None) -> str:
@@ -135,13 +156,17 @@ def bound_port(server: Any) -> int | None:
     return None
 
 
-def banner(config: Any, key_from_env: bool = False, keys_file: str | None = None, port: int | None = None) -> str:
-    """What ``serve`` prints once bound; ``port`` is the bound one (default ``config.port``)."""
+def banner(config: Any, key_from_env: bool = False, keys_file: str | None = None, port: int | None = None,
+           sampler: str | None = None) -> str:
+    """What ``serve`` prints once bound; ``port`` is the bound one (default ``config.port``);
+    ``sampler``: what the sampler said of itself at the start-up check (its ``describe()``),
+    else its name."""
     port = config.port if port is None else port
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     url = f"http://{host}:{port}"
     return (f"skyrl-sdk serve: listening on http://{config.host}:{port} "
-            f"(models: {', '.join(config.models)}; engine: {config.engine}; state: {config.state_dir})\n"
+            f"(models: {', '.join(config.models)}; engine: {config.engine}; sampler: {sampler or config.sampler}; "
+            f"state: {config.state_dir})\n"
             f"{client_hint(url, config.api_key, key_from_env, keys_file)}\n"
             f"{console_hint(url, config.owners() is not None)}\n  Ctrl-C stops it.")
 
@@ -187,7 +212,7 @@ def serve(args: Any) -> int:
     try:
         check_port(getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000))
         config = ServerConfig.from_args(args)
-        preflight(config.models, config.engine, config.engine_config, lazy=bool(getattr(args, "lazy", False)))
+        sampler = preflight(config, lazy=bool(getattr(args, "lazy", False)))
         state_lock = claim_state_dir(config)
     except SkyrlError as exc:
         print(f"skyrl-sdk serve: cannot start: {exc}", file=sys.stderr)
@@ -206,7 +231,8 @@ def serve(args: Any) -> int:
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:  # bound and listening; a failed bind has exited already
-                print(banner(config, key_from_env, keys_file, bound_port(self)), file=sys.stderr, flush=True)
+                print(banner(config, key_from_env, keys_file, bound_port(self), sampler), file=sys.stderr,
+                      flush=True)
 
     server = AnnouncingServer(edge.server_config(app, config))
     install_crash_reports()

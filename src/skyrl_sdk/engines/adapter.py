@@ -15,19 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 from ..errors import CheckpointError, InputError
 from ..losses.resolve import ResolvedLoss
 from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, save_tensors
 from ..models.loading import LoadedModel, hf_model
-from ..types import AdamParams, Datum, SampleOutput, SamplingParams
+from ..types import AdamParams, Datum
 from .base import EngineInfo, EngineResult
 from .export import export_hf_directory, lora_unties_head, save_peft_adapter
 from .local import LocalEngine
 from .pool import Adapter, AdapterPool, solo_name
 from .state import StateLayout, check_engine_metadata, check_state_files
+from .weights import EngineWeights
 
 
 def _owner(key: str, names: set[str]) -> str | None:
@@ -106,12 +106,11 @@ class _OnSharedBase(LocalEngine):
     def _key(self) -> str | None:
         return self.adapter.name if self.adapter is not None else None
 
-    def sample(
-        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
-        topk_prompt_logprobs: int = 0, **scores,
-    ) -> list[SampleOutput]:
-        with self.shared.using(self.adapter):
-            return super().sample(prompts, params, num_samples, prompt_logprobs, topk_prompt_logprobs, **scores)
+    def weights_source(self) -> EngineWeights:
+        """This adapter (or the bare base) on the shared base: its base key is the pool, so a
+        sampler may serve all of the pool's adapters from one copy of the base."""
+        return EngineWeights(self, module=self.shared.loaded.module, peft=self.shared.module, adapter=self._key(),
+                             base_key=self.shared, turn=lambda: self.shared.using(self.adapter))
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         with self.shared.using(self.adapter):

@@ -6,10 +6,10 @@ An engine owns a model and its optimizer. The Backend validates and converts eve
 subclass :class:`Engine`: set :attr:`~Engine.info` and :attr:`~Engine.tokenizer` in
 ``__init__`` and implement :meth:`~Engine.run`, :meth:`~Engine.optim_step` and
 :meth:`~Engine.zero_grad` (abstract: a subclass without them fails at construction);
-saving, exporting and sampling are optional (the defaults refuse with a message naming the
-engine). An engine that runs a model in its own process builds it
-with :func:`scoring_model`, :func:`runner_options` and :meth:`EngineInfo.of`, as the local,
-shared-base and FSDP rank engines do.
+saving, exporting and sampling (:meth:`~Engine.weights_source`, what a sampler reads) are
+optional (the defaults refuse with a message naming the engine). An engine that runs a model
+in its own process builds it with :func:`scoring_model`, :func:`runner_options` and
+:meth:`EngineInfo.of`, as the local, shared-base and FSDP rank engines do.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from ..models.images import ImageInputs, ImageLimits
 from ..models.loading import LoadedModel, load_config, max_positions
 from ..models.scoring import ScoringModel, count_parameters
 from ..models.vlm import is_vision_language
-from ..types import AdamParams, Datum, SampleOutput, SamplingParams
+from ..plugins.samplers import WeightsSource
+from ..types import AdamParams, Datum
 from .config import EngineConfig
 
 
@@ -120,15 +121,10 @@ class Engine(abc.ABC):
         """Write a Hugging Face model directory (config, safetensors, tokenizer)."""
         raise self.unsupported("export weights")
 
-    def sample(
-        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
-        topk_prompt_logprobs: int = 0,
-    ) -> list[SampleOutput]:
-        """Generate ``num_samples`` continuations per prompt from the current weights (the built-in
-        ``transformers`` sampler calls this; ``topk_prompt_logprobs=k`` adds Tinker's top-k prompt logprobs).
-        An engine that serves Tinker's other scores takes them as keyword arguments
-        (``topk_sample_logprobs``, ``target_prompt_logprobs``, ``prompt_alt_tokens_k``, as the
-        local engine does); a request for one an engine does not take is refused by name."""
+    def weights_source(self) -> WeightsSource:
+        """The current weights as a sampler sees them (``skyrl_sdk.sampling.WeightsSource``): built
+        once per Backend, on its first ``sample``. In-process engines return
+        :class:`~.weights.EngineWeights`."""
         raise self.unsupported("sample")
 
     def close(self) -> None:  # noqa: B027 (optional: nothing to free by default)

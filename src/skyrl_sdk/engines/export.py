@@ -219,3 +219,18 @@ def export_hf_directory(
         tokenizer.save_pretrained(str(directory))
     if image_processor is not None:
         image_processor.save_pretrained(str(directory))
+
+
+def base_state_dict(peft_module) -> dict[str, torch.Tensor]:
+    """The base weights under a peft wrapper, named as the plain model names them, with no
+    adapter merged (every ``lora_*`` tensor left out): what a LoRA sampler starts from."""
+    from peft.tuners.lora import LoraLayer
+
+    inner = hf_model(peft_module)
+    state = {k: v for k, v in inner.state_dict().items() if "lora_" not in k}
+    for name, layer in inner.named_modules():
+        if isinstance(layer, LoraLayer):
+            for leaf in ("weight", "bias"):
+                if f"{name}.base_layer.{leaf}" in state:
+                    state[f"{name}.{leaf}"] = state.pop(f"{name}.base_layer.{leaf}")
+    return state

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import InputError
@@ -16,7 +15,7 @@ from ..losses.resolve import ResolvedLoss
 from ..models.activation_checkpointing import enable_activation_checkpointing
 from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, save_tensors
 from ..models.loading import LoadedModel, hf_model, load_model
-from ..types import AdamParams, Datum, LoraConfig, SampleOutput, SamplingParams
+from ..types import AdamParams, Datum, LoraConfig
 from .base import Engine, EngineInfo, EngineResult, image_inputs, runner_options, scoring_model
 from .config import EngineConfig
 from .export import (
@@ -26,8 +25,10 @@ from .export import (
     merged_lora_state_dict,
     save_peft_adapter,
 )
+from .pool import SOLO_ADAPTER
 from .runner import ModelRunner
 from .state import StateLayout, check_engine_metadata, check_state_files
+from .weights import EngineWeights
 
 logger = logging.getLogger(__name__)
 
@@ -104,25 +105,10 @@ class LocalEngine(Engine):
         )
 
     # ---- sampling ---------------------------------------------------------------------
-    def sample(
-        self, prompts: Sequence[np.ndarray], params: SamplingParams, num_samples: int, prompt_logprobs: bool,
-        topk_prompt_logprobs: int = 0, *, topk_sample_logprobs: int = 0,
-        target_prompt_logprobs: Sequence[np.ndarray | None] | None = None, prompt_alt_tokens_k: int = 0,
-    ) -> list[SampleOutput]:
-        from ..sampling import generate
-
-        if self.loaded.role != "policy":
-            raise InputError("sampling needs a policy model; this Backend's role is 'critic'")
-        if self.config.dtype != "float32":  # bf16 samples are rescored, on forward's shared rows
-            self.runner.prefix.check(self.device)
-        with self.runner.compute_precision():  # sample in the dtype forward computes in
-            return generate(
-                self.loaded.module, self.tokenizer, prompts, params, num_samples,
-                device=self.device, eos_token_id=self.info.eos_token_id, pad_token_id=self.runner.pad_id,
-                prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
-                prefix_min_tokens=self.runner.prefix.min_tokens, topk_sample_logprobs=topk_sample_logprobs,
-                target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k,
-            )
+    def weights_source(self) -> EngineWeights:
+        module = self.loaded.module
+        return EngineWeights(self, module=module, peft=module if self.loaded.lora is not None else None,
+                             adapter=SOLO_ADAPTER if self.loaded.lora is not None else None)
 
     def close(self) -> None:
         self.runner.optimizer.release()

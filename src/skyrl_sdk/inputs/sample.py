@@ -2,8 +2,8 @@
 here, so both accept and refuse the same things with the same messages (the server adds its
 bounds on ``num_samples`` and ``topk_prompt_logprobs``).
 
-A new option of the call goes here, in one place: a field of :class:`SampleRequest`, a
-parameter of :func:`sample_request` and its key in :data:`CALL_KEYS` (then the server reads it
+A new option of the call goes here, in one place: a field of :class:`SampleCall`, a
+parameter of :func:`sample_call` and its key in :data:`CALL_KEYS` (then the server reads it
 from Tinker's JSON ``SampleRequest`` by the same name).
 """
 
@@ -22,7 +22,7 @@ from ..types.numbers import check_number, check_sample_counts
 from .coerce import prompts_from_any, sampling_params_from_any
 from .tinker_json import TENSOR_KEYS, model_input_from_json
 
-#: the keys of Tinker's JSON ``SampleRequest`` that are arguments of :func:`sample_request`
+#: the keys of Tinker's JSON ``SampleRequest`` that are arguments of :func:`sample_call`
 #: by the same name (``prompt``, one prompt, is read apart)
 CALL_KEYS = ("sampling_params", "num_samples", "prompt_logprobs", "topk_prompt_logprobs", "record_stability_info",
              "topk_sample_logprobs", "prompt_alt_tokens_k")
@@ -31,7 +31,7 @@ MAX_TARGET_PROMPT_IDS = 1024
 
 
 @attrs.frozen(eq=False)
-class SampleRequest:
+class SampleCall:
     """One sample call's checked values."""
 
     #: each prompt's token ids (1-D int64, at least one token), or its ``ModelInput`` when it
@@ -60,10 +60,10 @@ class SampleRequest:
         return {k: (list(v) if k == "target_prompt_logprobs" else v) for k, v in asked.items() if v}
 
 
-def sample_request(prompts: Any, sampling_params: Any = None, num_samples: Any = 1, prompt_logprobs: Any = False,
+def sample_call(prompts: Any, sampling_params: Any = None, num_samples: Any = 1, prompt_logprobs: Any = False,
                    topk_prompt_logprobs: Any = 0, record_stability_info: Any = False, topk_sample_logprobs: Any = 0,
                    target_prompt_logprobs: Any = None, prompt_alt_tokens_k: Any = 0, *,
-                   max_num_samples: int | None = None, max_topk: int | None = None) -> SampleRequest:
+                   max_num_samples: int | None = None, max_topk: int | None = None) -> SampleCall:
     """Check a sample call's arguments, the prompts first; values already typed (token-id
     arrays, a ``SamplingParams``) pass through unchanged. ``max_topk`` bounds every width
     (top-k prompt and sample logprobs, alternative draws per position)."""
@@ -81,7 +81,7 @@ def sample_request(prompts: Any, sampling_params: Any = None, num_samples: Any =
     for name, asked in (("record_stability_info", record_stability_info), ("prompt_alt_tokens_k", widths[1])):
         if asked and images:
             raise InputError(f"{name}: not available for a prompt with images")
-    return SampleRequest(tuple(arrays), params, num_samples, prompt_logprobs, topk, record_stability_info,
+    return SampleCall(tuple(arrays), params, num_samples, prompt_logprobs, topk, record_stability_info,
                          widths[0], targets, widths[1])
 
 
@@ -126,8 +126,8 @@ def declared_length(prompt: np.ndarray | ModelInput) -> int:
     return sum(c.length if not isinstance(c, ImageChunk) else c.expected_tokens or 0 for c in prompt.chunks)
 
 
-def sample_request_from_json(body: Mapping[str, Any], *, max_num_samples: int | None = None,
-                             max_topk: int | None = None) -> SampleRequest:
+def sample_call_from_json(body: Mapping[str, Any], *, max_num_samples: int | None = None,
+                             max_topk: int | None = None) -> SampleCall:
     """The call in Tinker's JSON ``SampleRequest`` (one ``prompt``; a key sent as null takes
     its default). The other keys (where to sample from, how to shape the answer) are the
     caller's to read."""
@@ -140,7 +140,7 @@ def sample_request_from_json(body: Mapping[str, Any], *, max_num_samples: int | 
     given = {k: body[k] for k in CALL_KEYS if body.get(k) is not None}
     if body.get("target_prompt_logprobs") is not None:
         given["target_prompt_logprobs"] = [target_ids_from_json(body["target_prompt_logprobs"])]
-    return sample_request([prompt], **given, max_num_samples=max_num_samples, max_topk=max_topk)
+    return sample_call([prompt], **given, max_num_samples=max_num_samples, max_topk=max_topk)
 
 
 def target_ids_from_json(obj: Any) -> np.ndarray:

@@ -16,6 +16,7 @@ import attrs
 from ..errors import DuplicateRegistrationError, PluginError, UnknownNameError, did_you_mean
 from ..losses.base import DialectSpec, LossSpec
 from ..losses.resolve import ResolvedLoss, resolve_loss
+from .samplers import Sampler
 
 _ROLES = ("policy", "critic")
 
@@ -31,7 +32,9 @@ class FactorySpec:
 
 
 #: What to install for a well-known name that is missing (said with "unknown engine 'fsdp'").
-_INSTALL_HINTS = {("engine", "fsdp"): " (engine 'fsdp' comes with: pip install skyrl-sdk-fsdp)"}
+_INSTALL_HINTS = {("engine", "fsdp"): " (engine 'fsdp' comes with: pip install skyrl-sdk-fsdp)",
+                  ("sampler", "vllm"): " (sampler 'vllm' comes with: pip install 'skyrl-sdk-vllm[gpu]' (CUDA) or "
+                                       "'skyrl-sdk-vllm[cpu]')"}
 
 
 @attrs.define
@@ -159,6 +162,12 @@ class Registry:
         return self._register_factory("engine", self.engines, plugin, name, factory, description)
 
     def register_sampler(self, plugin: str, name: str, factory: Callable, *, description: str = "") -> FactorySpec:
+        """A sampler class must subclass :class:`~.samplers.Sampler` (and, as any factory class,
+        implement its abstract methods); any other callable's result is checked when the Backend
+        builds it (:func:`~.samplers.check_sampler`)."""
+        if inspect.isclass(factory) and not issubclass(factory, Sampler):
+            raise PluginError(f"plugin {plugin!r}, sampler {name!r}: {factory.__qualname__} must subclass "
+                              f"skyrl_sdk.sampling.Sampler (docs/engines.md, Samplers)")
         return self._register_factory("sampler", self.samplers, plugin, name, factory, description)
 
     def _register_factory(self, kind: str, table: dict, plugin: str, name: str, factory: Callable,

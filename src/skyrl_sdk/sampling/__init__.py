@@ -1,28 +1,31 @@
-"""Generation from the current weights: our own KV-cached decode loop (see ``decode``).
+"""Generation from the current weights: the sampler contract and our own KV-cached decode loop.
+
+The contract (:mod:`skyrl_sdk.plugins.samplers`, re-exported here): a :class:`Sampler` gets a
+:class:`WeightsSource` (the model's facts, its weights, a version that moves when they change,
+and a :class:`Decoder` where they live) and a :class:`SampleRequest` per call;
+docs/engines.md, Samplers, has it in full.
 
 Returned logprobs are those of the sampled tokens under the model's own distribution
 (temperature 1, no top-k / top-p), i.e. what ``forward`` reports for the same tokens, so
 they can be fed back as the ``logprobs`` input of RL losses. Stop rules follow Tinker
 (``stops``); draws use a per-request ``torch.Generator`` (``draw``); prompt logprobs and the
 rescoring of low-precision samples are in ``scores``. This module registers the built-in
-``transformers`` sampler (a sampler plugin's factory returns an object with ``sample`` and
-``close``, see hooks.py); ``generate`` loads lazily, so plugin loading stays light.
+``transformers`` sampler; ``generate`` loads lazily, so plugin loading stays light.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InputError
 from ..hooks import hookimpl
+from ..plugins.samplers import AdapterWeights, Sampler, SampleRequest, WeightsSource
+from ..types import SampleOutput
+from .decoder import Decoder, ModuleDecoder
 
-__all__ = ["SCORE_OPTIONS", "generate", "unsupported_options"]
-
-#: Tinker's optional scores beyond prompt logprobs, passed to samplers (and engines) as keyword
-#: arguments only when asked for, so one that does not take them still serves every other request
-SCORE_OPTIONS = ("topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k")
+__all__ = ["AdapterWeights", "Decoder", "ModuleDecoder", "SampleRequest", "Sampler", "TransformersSampler",
+           "WeightsSource", "generate"]
 
 
 def __getattr__(name: str) -> Any:
@@ -33,31 +36,19 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def unsupported_options(fn: Callable, options: Mapping[str, Any]) -> list[str]:
-    """The names in ``options`` that ``fn`` takes no keyword argument for."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return []
-    return [name for name in options if name not in params or params[name].kind is params[name].POSITIONAL_ONLY]
+class TransformersSampler(Sampler):
+    """Our decode loop on the weights where they live (the source's :class:`Decoder`): the
+    trainer's own module, in its own process, so it always samples the current weights."""
 
+    name = "transformers"
 
-class TransformersSampler:
-    """Samples with the engine's own model through our decode loop (``engine.sample``)."""
-
-    def __init__(self, *, engine: Any, config: Mapping[str, Any]) -> None:
+    def __init__(self, *, source: WeightsSource, config: Mapping[str, Any]) -> None:
         if config:
             raise InputError(f"sampler_config: the 'transformers' sampler takes no options, got {sorted(config)}")
-        self.engine = engine
+        super().__init__(source=source, config=config)
 
-    def sample(self, prompts, params, num_samples, *, prompt_logprobs, topk_prompt_logprobs, **scores):
-        missing = unsupported_options(self.engine.sample, scores)
-        if missing:
-            raise InputError(f"{missing[0]}: engine {self.engine.name!r} does not compute it, so its "
-                             f"'transformers' sampler cannot serve it")
-        return self.engine.sample(prompts, params, num_samples, prompt_logprobs, topk_prompt_logprobs, **scores)
-
-    def close(self) -> None:
-        self.engine = None
+    def sample(self, request: SampleRequest) -> list[SampleOutput]:
+        return self.source.decoder().generate(request)
 
 
 @hookimpl

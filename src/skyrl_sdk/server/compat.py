@@ -34,7 +34,7 @@ ROWS: dict[tuple[str, str], tuple[bool, str, str]] = {
     ("PUT", "/api/v1/sessions/{session_id}/project"): (False, "`RestClient.assign_session_project`", "projects are a hosted-service feature"),
     ("GET", "/api/v1/sessions/{session_id}/trace_export"): (False, "`RestClient.export_session_trace`", "no server-side traces"),
     ("POST", "/api/v1/create_model"): (True, "`create_lora_training_client`", "LoRA rank/seed/train_mlp/attn/unembed honoured; AdamW only; model id `{session}:train:{n}`"),
-    ("POST", "/api/v1/get_info"): (True, "training-client creation", "`tokenizer_id` = local tokenizer directory"),
+    ("POST", "/api/v1/get_info"): (True, "training-client creation", "`tokenizer_id` = local tokenizer directory; adds `sampler` (which sampler serves; the client ignores it)"),
     ("POST", "/api/v1/copy_weights"): (False, "`RestClient.copy_weights`", "copies a checkpoint into another project; this server has no projects"),
     ("POST", "/api/v1/forward_backward"): (True, "`forward_backward`, `forward`, `forward_backward_custom`", "protobuf in/out; dense + sparse CSR tensors; multi-chunk prompts; encoded-text and image chunks (a vision-language base); provenance spans; `loss_fn_config_v2` (numbers and text); every built-in loss incl. `stable_reinforce`"),
     ("POST", "/api/v1/optim_step"): (True, "`optim_step(AdamParams)`", "every field honoured; `DimuonParams` -> user error"),

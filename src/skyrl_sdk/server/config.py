@@ -126,17 +126,22 @@ def _models(value: Any) -> tuple[str, ...]:
     return models or ("tiny",)
 
 
-def _engine_config(value: Any) -> dict[str, Any]:
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"--engine-config: not valid JSON: {exc}") from None
-    if not isinstance(value, Mapping):
-        raise InputError(f"--engine-config: expected a JSON object, got {type(value).__name__}")
-    return dict(value)
+def _json_object(flag: str):
+    def convert(value: Any) -> dict[str, Any]:
+        if value is None or value == "":
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{flag}: not valid JSON: {exc}") from None
+        if not isinstance(value, Mapping):
+            raise InputError(f"{flag}: expected a JSON object, got {type(value).__name__}")
+        return dict(value)
+    return convert
+
+
+_engine_config = _json_object("--engine-config")
 
 
 @attrs.frozen
@@ -162,6 +167,9 @@ class ServerConfig:
     models: tuple[str, ...] = attrs.field(default=("tiny",), converter=_models)
     engine: str = "local"
     engine_config: dict[str, Any] = attrs.field(factory=dict, converter=_engine_config)
+    #: what serves the sampling clients (``--sampler``; docs/engines.md, Samplers) and its options
+    sampler: str = "transformers"
+    sampler_config: dict[str, Any] = attrs.field(factory=dict, converter=_json_object("--sampler-config"))
     state_dir: Path = attrs.field(default=Path("./skyrl-server-state"), converter=lambda p: Path(p).expanduser())
     api_key: str | None = None
     api_keys: dict[str, str] = attrs.field(factory=dict)
@@ -247,7 +255,7 @@ class ServerConfig:
     @classmethod
     def from_args(cls, args: Any) -> ServerConfig:
         """From ``skyrl-sdk serve``'s argparse namespace (host, port, model, engine,
-        engine_config, state_dir, api_key, api_keys, session_timeout, max_seq_len,
+        engine_config, sampler, sampler_config, state_dir, api_key, api_keys, session_timeout, max_seq_len,
         max_num_samples, max_lora_adapters, max_memory, snapshot_memory, max_tokens_per_request,
         max_queued_requests, header_timeout, max_connections, allowed_host). The API key falls back to
         $SKYRL_SDK_API_KEY."""
@@ -276,6 +284,8 @@ class ServerConfig:
             models=getattr(args, "model", None),
             engine=getattr(args, "engine", None) or "local",
             engine_config=getattr(args, "engine_config", None),
+            sampler=getattr(args, "sampler", None) or "transformers",
+            sampler_config=getattr(args, "sampler_config", None),
             state_dir=getattr(args, "state_dir", None) or "./skyrl-server-state",
             api_key=api_key,
             allowed_hosts=getattr(args, "allowed_host", None) or (),

@@ -124,7 +124,8 @@ def _work(rt: Runtime) -> list[dict[str, Any]]:
 
 def _limits(rt: Runtime) -> dict[str, Any]:
     c = rt.config
-    return {"engine": c.engine, "models": list(c.models), "share_base": c.share_base,
+    return {"engine": c.engine, "sampler": c.sampler, "sampler_config": dict(c.sampler_config),
+            "models": list(c.models), "share_base": c.share_base,
             "max_memory_bytes": c.max_memory, "max_lora_adapters": c.max_lora_adapters,
             "snapshot_memory_bytes": c.snapshot_memory, "session_timeout_s": c.session_timeout_s,
             "max_seq_len": c.max_seq_len, "max_num_samples": c.max_num_samples, "max_body_bytes": c.max_body_bytes,

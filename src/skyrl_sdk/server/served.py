@@ -102,6 +102,11 @@ class ServedModels:
         return self._limits.get(base_model, self.config.max_seq_len)
 
     # ---- building Backends ------------------------------------------------------------------------
+    def sampler_options(self) -> dict[str, Any]:
+        """The sampler every Backend of this server samples with (``--sampler``): a plugin sampler
+        holding its own copy of the weights serves a shared base's clients from one copy."""
+        return {"sampler": self.config.sampler, "sampler_config": dict(self.config.sampler_config)}
+
     def shares(self, base_model: str) -> bool:
         """Whether LoRA clients of ``base_model`` share one base (local engine, a served model)."""
         return self.config.share_base and self.config.engine == "local" and base_model in self._limits
@@ -139,7 +144,7 @@ class ServedModels:
         need = weight_bytes(model, self._dtype_bytes()) * (TRAINING_COPIES if training and lora is None else 1)
         self.budget.check(what, need, self.shared_bytes())
         backend = Backend(model=model, engine=self.config.engine, engine_config=self.engine_config,
-                          lora=lora, seed=self.config.seed)
+                          lora=lora, seed=self.config.seed, **self.sampler_options())
         self.budget.add(backend, need)
         return backend
 
@@ -148,7 +153,8 @@ class ServedModels:
         the shared base for LoRA, else a copy of its own."""
         with RNG_LOCK:
             if lora is not None and self.shares(base_model):
-                backend = self._pool(base_model).backend(lora, seed=self.config.seed, label=label)
+                backend = self._pool(base_model).backend(lora, seed=self.config.seed, label=label,
+                                                         **self.sampler_options())
             else:
                 kind = "a full fine-tuning copy" if lora is None else "a LoRA model (own copy)"
                 backend = self._own_copy(base_model, lora, f"{kind} of {base_model}", training=True)
@@ -162,8 +168,8 @@ class ServedModels:
         with RNG_LOCK:
             if self.shares(model) and not own_copy:
                 pool = self._pool(model)
-                backend = pool.backend(lora, seed=self.config.seed, label="sampler") if lora is not None \
-                    else pool.base_backend()
+                backend = pool.backend(lora, seed=self.config.seed, label="sampler", **self.sampler_options()) \
+                    if lora is not None else pool.base_backend(**self.sampler_options())
             else:
                 backend = self._own_copy(model, lora, f"a sampler copy of {model}", training=False)
         self.log_loaded()

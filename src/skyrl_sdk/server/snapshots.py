@@ -77,6 +77,7 @@ def load_tensors(backend: Any, tensors: dict[str, torch.Tensor]) -> None:
                               f"unexpected {extra[:3]}")
         for name, p in params.items():
             p.copy_(tensors[name])
+    backend.weights_changed()  # a sampler holding its own copy of the weights reloads them
 
 
 class SnapshotCache:

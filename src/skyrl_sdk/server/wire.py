@@ -25,7 +25,7 @@ from ..errors import InputError, quoted, refuse_unknown_keys
 from ..inputs import sample as sample_call
 from ..inputs.coerce import adam_params_from_any
 from ..inputs.limits import prompt_length_problem
-from ..inputs.sample import SampleRequest
+from ..inputs.sample import SampleCall
 from ..inputs.tinker_proto import SERVER_LIMIT
 from ..types import AdamParams, ModelInput
 from ..types.numbers import check_number
@@ -264,7 +264,7 @@ class SampleSpec:
     """An asample request: the call, typed as ``Backend.sample`` takes it, and how to shape
     its answer (``prompt_logprobs_last_n``)."""
 
-    request: SampleRequest
+    request: SampleCall
     prompt_logprobs_last_n: int | None = None
 
     @property
@@ -287,9 +287,9 @@ class SampleSpec:
 
 def parse_sample_request(body: Mapping[str, Any], max_num_samples: int) -> SampleSpec:
     """A JSON ``SampleRequest`` (everything except where to sample from): the call through
-    :func:`skyrl_sdk.inputs.sample.sample_request_from_json`, the prompt first, then
+    :func:`skyrl_sdk.inputs.sample.sample_call_from_json`, the prompt first, then
     ``num_samples`` (at most ``max_num_samples``)."""
-    request = sample_call.sample_request_from_json(body, max_num_samples=max_num_samples,
+    request = sample_call.sample_call_from_json(body, max_num_samples=max_num_samples,
                                                    max_topk=MAX_TOPK_PROMPT_LOGPROBS)
     last_n = body.get("prompt_logprobs_last_n")
     if last_n is not None:
@@ -320,6 +320,8 @@ def model_info_json(model_id: str, base_model: str, info: Any) -> dict[str, Any]
         "is_lora": info.is_lora,
         "lora_rank": info.lora_rank,
         "model_name": base_model,
+        # not in tinker's GetInfoResponse (its client ignores it): which sampler serves this model
+        "sampler": info.sampler,
     }
 
 

@@ -131,3 +131,5 @@ class ModelInfo:
     #: Whether datums that start alike (an RL group's prompt) are computed with their common
     #: head once: "on: ..." or "off: <why>" (engine_config ``prefix_sharing``).
     prefix_sharing: str = "off"
+    #: The sampler's registry name: what serves ``sample`` (``"transformers"``, ``"vllm"``, ...).
+    sampler: str = "transformers"

@@ -19,15 +19,16 @@ import attrs
 import numpy as np
 
 from skyrl_sdk.engines import Engine, EngineConfig, EngineInfo, EngineResult, ResolvedLoss, image_inputs
-from skyrl_sdk.engines.plain import datums_to_plain, loss_to_plain, model_input_to_plain
+from skyrl_sdk.engines.plain import datums_to_plain, loss_to_plain
 from skyrl_sdk.engines.state import StateLayout, check_engine_metadata, check_state_files
 from skyrl_sdk.errors import CheckpointError, InputError
 from skyrl_sdk.losses.metrics import MetricAccumulator
 from skyrl_sdk.models import load_tokenizer
 from skyrl_sdk.models.prefix import find_groups
-from skyrl_sdk.types import AdamParams, Datum, LoraConfig, ModelInput, SampleOutput, SamplingParams
+from skyrl_sdk.types import AdamParams, Datum, LoraConfig, SampleOutput
 
 from .options import FSDP_KEYS, SHARDED_DIR, FSDPOptions, launcher_env
+from .sampling import FSDPWeights
 from .split import split_by_tokens
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class FSDPEngine(Engine):
             )
         self.device_type = device.type
         self.role = role
+        self.lora = lora
         env = launcher_env()
         launcher = self.options.launcher
         if launcher == "auto":
@@ -101,7 +103,7 @@ class FSDPEngine(Engine):
         self._state_layout = StateLayout.from_plain(first["state_layout"])
         self.info = EngineInfo(**first["engine_info"])
         #: how the ranks got their weights: "files" (each read its own slices) or "rank0" (scattered)
-        self.weights_source = first["weights_source"]
+        self.weights_loaded_from = first["weights_loaded_from"]
         tok_dir = self.info.tokenizer_dir
         self.tokenizer = load_tokenizer(tok_dir) if tok_dir else None
         #: a vision-language model's image processor: the Backend reads images through it here,
@@ -193,19 +195,12 @@ class FSDPEngine(Engine):
         self._all("export_weights", directory=str(directory), merge_lora=bool(merge_lora))
 
     # ---- sampling ---------------------------------------------------------------------
-    def sample(
-        self, prompts: Sequence[np.ndarray | ModelInput], params: SamplingParams, num_samples: int,
-        prompt_logprobs: bool, topk_prompt_logprobs: int = 0,
-    ) -> list[SampleOutput]:
-        if self.role != "policy":
-            raise InputError("sampling needs a policy model; this Backend's role is 'critic'")
-        plain = [model_input_to_plain(p) if isinstance(p, ModelInput) else (np.asarray(p, dtype=np.int64),)
-                 for p in prompts]
-        return self._all(
-            "sample", prompts=plain, params=attrs.asdict(params),
-            num_samples=int(num_samples), prompt_logprobs=bool(prompt_logprobs),
-            topk_prompt_logprobs=int(topk_prompt_logprobs),
-        )[0]
+    def weights_source(self) -> FSDPWeights:
+        return FSDPWeights(self)
+
+    def dispatch_sample(self, **request: Any) -> list[SampleOutput]:
+        """(``RankZeroDecoder``) Our decode loop on rank 0's gathered copy of the weights."""
+        return self._all("sample", **request)[0]
 
     # ---- introspection ----------------------------------------------------------------
     def gradients(self) -> dict[str, np.ndarray]:

@@ -88,7 +88,7 @@ class RankEngine:
         )
         materialize(self.loaded, source, self.device, full)
         del full
-        self.weights_source = source
+        self.weights_loaded_from = source
         # FSDP2's mixed precision casts the gathered parameters: no autocast on the ranks. A
         # failure mid-call stops the engine (the ranks may be out of step in their collectives),
         # so keeping pending gradients apart during a call would cost a gradient buffer for nothing.
@@ -106,7 +106,7 @@ class RankEngine:
             engine_info=self.engine_info,
             state_layout=self.state_layout.to_plain(),
             aliases=self.aliases,
-            weights_source=self.weights_source,
+            weights_loaded_from=self.weights_loaded_from,
             world_size=self.session.world_size,
             device=str(self.device),
             pid=os.getpid(),
@@ -254,7 +254,8 @@ class RankEngine:
         return model
 
     def op_sample(self, prompts: list, params: dict, num_samples: int, prompt_logprobs: bool,
-                  topk_prompt_logprobs: int = 0):
+                  topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0, prompt_alt_tokens_k: int = 0,
+                  target_prompt_logprobs: list | None = None):
         self._collectives()
         model = self._sampler_model()
         if self.rank != 0:
@@ -265,6 +266,8 @@ class RankEngine:
             SamplingParams(**params), num_samples, device=self.device,
             eos_token_id=self.engine_info["eos_token_id"], pad_token_id=self.runner.pad_id,
             prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs, target_prompt_logprobs=target_prompt_logprobs,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
 
     # ---- introspection ----------------------------------------------------------------

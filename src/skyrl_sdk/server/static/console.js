@@ -363,7 +363,8 @@ function renderServer(srv) {
   parts.push(el("h3", {}, "Limits"));
   const l = srv.limits;
   parts.push(table(["limit", "value"], [
-    ["engine", l.engine], ["models", l.models.join(", ")], ["shared base", l.share_base ? "on" : "off"],
+    ["engine", l.engine], ["sampler", Object.keys(l.sampler_config).length ? `${l.sampler} ${JSON.stringify(l.sampler_config)}` : l.sampler],
+    ["models", l.models.join(", ")], ["shared base", l.share_base ? "on" : "off"],
     ["--max-memory", l.max_memory_bytes ? fmtBytes(l.max_memory_bytes) : "none"],
     ["--max-lora-adapters", l.max_lora_adapters ?? "none"], ["--snapshot-memory", fmtBytes(l.snapshot_memory_bytes)],
     ["--session-timeout", `${l.session_timeout_s} s`], ["--max-seq-len", l.max_seq_len ?? "the model's"],

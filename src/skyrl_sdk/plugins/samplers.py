@@ -1,0 +1,199 @@
+"""The sampler contract: what serves ``Backend.sample``, and the narrow view of the model it gets.
+
+It sits in the plugins layer so the registry can hold sampler plugins to it when they
+register; ``skyrl_sdk.sampling`` re-exports it beside the decode loop.
+
+A :class:`Sampler` is built once per Backend, on its first ``sample``, with a
+:class:`WeightsSource` (never the engine) and its ``sampler_config``. The source gives what
+decoding needs and nothing else: the model's facts (tokenizer, config, EOS / padding ids,
+LoRA config, compute dtype), the weights (a Hugging Face directory to start from, the
+current tensors in memory, a LoRA adapter's tensors), a :attr:`~WeightsSource.version` that
+moves whenever the weights change (``optim_step``, ``load_state``), and, for our own decode
+loop, a :class:`skyrl_sdk.sampling.Decoder` where the weights live. The built-in
+``transformers`` sampler runs that decoder; an inference engine (the ``vllm`` plugin) loads the weights into its own
+engine and reloads what changed when the version moves.
+
+Both classes are ABCs: a subclass missing an abstract method fails when it is instantiated,
+with ``TypeError`` naming the method, and the registry refuses such a sampler class when its
+plugin registers it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from ..errors import InputError, PluginError
+from ..types import LoraConfig, ModelInput, SampleOutput, SamplingParams
+
+
+@attrs.frozen(eq=False)
+class SampleRequest:
+    """One validated ``Backend.sample`` call, as a sampler receives it.
+
+    ``prompts`` are int64 arrays checked against the vocabulary and the model's positions (a
+    prompt with images, for a vision-language model, is a ``ModelInput`` whose images are read
+    already); ``params`` is a :class:`~skyrl_sdk.types.SamplingParams`. New options arrive as new fields
+    with a default that asks for nothing, so a sampler can refuse, by name, any field it does
+    not serve that a caller set (:meth:`options_set`).
+    """
+
+    prompts: Sequence[np.ndarray | ModelInput]
+    params: SamplingParams
+    num_samples: int = 1
+    #: each prompt token's logprob given the ones before
+    prompt_logprobs: bool = False
+    #: per prompt position, the k most likely (token id, logprob) pairs (0: none)
+    topk_prompt_logprobs: int = 0
+    #: per sampled position, the k most likely (token id, logprob) pairs: each sequence's
+    #: ``topk_logprobs`` (0: none)
+    topk_sample_logprobs: int = 0
+    #: per prompt, an int64 ``[len(prompt) - 1, K]`` array of token ids to score at positions
+    #: 1.. (-1: none), or None: the output's ``target_prompt_logprobs``
+    target_prompt_logprobs: Sequence[np.ndarray | None] | None = None
+    #: k draws at every prompt position after the first, at the request's temperature: the
+    #: output's ``prompt_alt_tokens`` (0: none)
+    prompt_alt_tokens_k: int = 0
+
+    def options_set(self) -> list[str]:
+        """The names of the options this request sets away from their defaults: its own fields
+        (``prompt_logprobs``, ...) and ``SamplingParams``' (``params.top_k``, ...)."""
+        default_params = SamplingParams()
+        names = [f"params.{f.name}" for f in attrs.fields(SamplingParams)
+                 if getattr(self.params, f.name) != getattr(default_params, f.name)]
+        for f in attrs.fields(type(self)):
+            if f.name not in ("prompts", "params") and getattr(self, f.name) != f.default:
+                names.append(f.name)
+        return names
+
+
+@attrs.frozen
+class AdapterWeights:
+    """A LoRA adapter as peft saves it: ``adapter_config.json``'s fields and the tensors of
+    ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight``, ...)."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+class WeightsSource(ABC):
+    """The model a sampler samples from, narrowed to what decoding needs (see the module docstring).
+
+    Engines build one (``Engine.weights_source()``); the Backend bumps :attr:`version` after
+    every call that changes the weights. Attributes every source sets: ``tokenizer``,
+    ``hf_config`` (the transformers config), ``eos_token_id``, ``pad_token_id``, ``lora``
+    (a :class:`~skyrl_sdk.types.LoraConfig` or None), ``dtype`` (the compute dtype's name,
+    ``"float32"`` or ``"bfloat16"``) and ``device`` (where the weights live).
+    """
+
+    tokenizer: Any = None
+    hf_config: Any = None
+    eos_token_id: int | None = None
+    pad_token_id: int = 0
+    lora: LoraConfig | None = None
+    dtype: str = "float32"
+    device: torch.device = torch.device("cpu")
+    #: the name the Backend was built with (a hub id, a directory, ``"tiny"``): for messages
+    model_name: str = ""
+
+    _version: int = 0
+
+    @property
+    def version(self) -> int:
+        """Moves (never back) whenever the weights change: a sampler holding a copy of them
+        reloads when it differs from the version it loaded."""
+        return self._version
+
+    def weights_changed(self) -> None:
+        """Say the weights changed (the Backend calls it after ``optim_step`` and ``load_state``)."""
+        self._version += 1
+
+    @property
+    def base_key(self) -> Hashable:
+        """Sources with equal keys have the same base weights, which never change: the LoRA
+        adapters of one shared base (``skyrl_sdk.SharedBase``, the server's LoRA clients). A
+        sampler may then serve them all from one copy of the base. By default, unique."""
+        return self
+
+    # ---- the weights ----------------------------------------------------------------------
+    @abstractmethod
+    def export_base(self, directory: Path) -> None:
+        """Write a Hugging Face model directory (config, safetensors, tokenizer) into the existing
+        empty ``directory``: the base weights of a LoRA model (no adapter merged), else the
+        current weights, in the compute dtype. What an inference engine starts from."""
+
+    def base_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors :meth:`export_base` writes, by their Hugging Face names, current values:
+        what a sampler of a full fine-tuning model reloads after the version moved. In-process
+        engines yield their live tensors (read them, do not keep or change them); this default
+        goes through a temporary directory."""
+        from safetensors.torch import load_file
+
+        with tempfile.TemporaryDirectory(prefix="skyrl-weights-") as tmp:
+            self.export_base(Path(tmp))
+            for file in sorted(Path(tmp).glob("*.safetensors")):
+                yield from load_file(str(file)).items()
+
+    def adapter_weights(self) -> AdapterWeights:
+        """The LoRA adapter's current tensors (copies: the caller may keep them), or
+        ``InputError`` for a model without LoRA."""
+        raise InputError(f"model {self.model_name}: no LoRA adapter to read (this Backend trains all weights)")
+
+    # ---- our decode loop ------------------------------------------------------------------
+    @abstractmethod
+    def decoder(self) -> Any:
+        """A :class:`skyrl_sdk.sampling.Decoder` on the weights where they live: the built-in
+        sampler runs our decode loop through it."""
+
+
+class Sampler(ABC):
+    """What serves ``Backend.sample`` (registered with ``skyrl_sdk_register_samplers``).
+
+    The Backend builds it on its first ``sample`` as ``factory(source=..., config=...)`` and
+    calls :meth:`close` from ``Backend.close()``. Subclasses implement :meth:`sample`;
+    ``config`` is a copy of the Backend's ``sampler_config`` (refuse unknown keys by name).
+    """
+
+    #: the name the sampler is registered under (messages, ``get_info().sampler``)
+    name: str = "custom"
+
+    def __init__(self, *, source: WeightsSource, config: Mapping[str, Any]) -> None:
+        self.source = source
+        self.config = dict(config)
+
+    @abstractmethod
+    def sample(self, request: SampleRequest) -> list[SampleOutput]:
+        """One :class:`~skyrl_sdk.types.SampleOutput` per prompt, ``request.num_samples``
+        sequences each, from the source's current weights (see docs/engines.md, Samplers)."""
+
+    def describe(self) -> str:
+        """One line for ``get_info().sampler``, the server's log and the console: the name, and
+        what a user should know of this instance (an engine version, a memory setting)."""
+        return self.name
+
+    def refuse(self, request: SampleRequest, supported: Sequence[str]) -> None:
+        """``InputError`` naming every option ``request`` sets that is not in ``supported``
+        (option names as :meth:`SampleRequest.options_set` gives them)."""
+        unsupported = [n for n in request.options_set() if n not in supported]
+        if unsupported:
+            raise InputError(f"the {self.name!r} sampler cannot serve {', '.join(unsupported)}; of the "
+                             f"options it serves {', '.join(supported) or 'none'}")
+
+    def close(self) -> None:  # noqa: B027  (optional: most samplers hold nothing to free)
+        """Free what the sampler holds; called once or more (must be idempotent)."""
+
+
+def check_sampler(obj: Any, name: str) -> Sampler:
+    """``obj`` if it is a :class:`Sampler`, else ``PluginError`` naming the sampler ``name``
+    (what a registered factory that is not a Sampler class returned)."""
+    if not isinstance(obj, Sampler):
+        raise PluginError(f"sampler {name!r}: its factory returned {type(obj).__qualname__}, not a "
+                          f"skyrl_sdk.sampling.Sampler (docs/engines.md, Samplers)")
+    return obj
