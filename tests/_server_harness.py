@@ -71,6 +71,11 @@ class ServerThread:
 
         return tinker.ServiceClient(base_url=self.url, api_key=api_key)
 
+    def rest_client(self, api_key: str = API_KEY):
+        import tinker
+
+        return tinker.RestClient(base_url=self.url, api_key=api_key)
+
 
 def raw_client(server: ServerThread, api_key: str | None = API_KEY):
     """A plain httpx client for raw requests (no key header when ``api_key`` is None)."""

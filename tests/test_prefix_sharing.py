@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -137,10 +138,29 @@ def test_a_group_call_is_planned_shared(pair):
     assert not _shares(plain, data)
 
 
+def _recorded_group_data(shared, plain):
+    """GRPO groups sampled (recorded) from ``shared``, both Backends holding the records: the
+    datums of a loss that needs provenance (``stable_reinforce``)."""
+    from skyrl_sdk import rl
+
+    prompts = [list(range(5, 25)), list(range(30, 48))]
+    outs = shared.sample(prompts, {"max_tokens": 6, "seed": 3}, num_samples=4, record_stability_info=True)
+    plain.sequences = shared.sequences
+    data = []
+    for prompt, out in zip(prompts, outs, strict=True):
+        advantages = rl.group_advantages([float(i % 3) for i in range(len(out.sequences))])
+        data += [rl.datum_from_sample(prompt, seq, a) for seq, a in zip(out.sequences, advantages, strict=True)]
+    return data
+
+
 @pytest.mark.parametrize("loss_fn", sorted(n for n, s in get_registry().losses.items() if s.role == "policy"))
 def test_every_policy_loss_and_reduction_with_kl_and_entropy(pair, loss_fn):
     shared, plain = pair
     data = make_group_data(seed=1)
+    if get_registry().losses[loss_fn].needs_provenance:  # its inputs come from recorded samples
+        data = _recorded_group_data(shared, plain)
+        data = [attrs.evolve(d, loss_fn_inputs={**d.loss_fn_inputs, "ref_logprobs": d.loss_fn_inputs["logprobs"]})
+                if "logprobs" in d.loss_fn_inputs else d for d in data]
     if loss_fn in ("cross_entropy", "reinforce"):  # inputs they do not take
         data = _only(data, *CE, "ref_logprobs", *(("advantages",) if loss_fn == "reinforce" else ()))
     assert _shares(shared, data)

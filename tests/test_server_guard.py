@@ -66,6 +66,19 @@ def test_query_integers_outside_int64_are_400_naming_them(srv, path):
     assert len(r.text) < 400  # a 5000-digit value is not echoed
 
 
+@pytest.mark.parametrize("path", [
+    "/api/v1/training_runs?limit=-1", "/api/v1/training_runs?offset=-5", "/api/v1/checkpoints?limit=1001",
+    "/api/v1/checkpoints?offset=-1", "/api/v1/sessions?limit=-1", "/console/api/runs?offset=-1",
+])
+def test_listing_pages_out_of_range_are_400_naming_the_parameter(srv, path):
+    """Before: a negative limit or offset of the catalog listings was silently taken as 0."""
+    with raw_client(srv) as http:
+        r = http.get(path)
+        assert http.get(path.split("?")[0] + "?limit=5&offset=0").status_code == 200
+    name = path.split("?")[1].split("=")[0]
+    assert r.status_code == 400 and r.json()["detail"].startswith(f"{name}: expected an integer "), r.text
+
+
 def test_every_answer_carries_nosniff_and_no_store(srv):
     """JSON of /api/v1 and /console/api, protobuf results, and the guard's own refusals (before:
     only the console's page had them)."""

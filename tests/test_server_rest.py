@@ -18,6 +18,7 @@ from tinker import types as tt
 from _limits import HANG_S
 from _server_harness import ServerThread, next_token_datum
 from skyrl_sdk import Backend
+from skyrl_sdk.models.loading import quiet_peft_wrap
 from skyrl_sdk.server.config import read_api_keys
 from skyrl_sdk.server.exports import DownloadLinks
 from skyrl_sdk.server.tinker_paths import TinkerPath
@@ -39,8 +40,8 @@ def world(tmp_path_factory):
         trainer.forward_backward([next_token_datum(8)], "cross_entropy").result(timeout=HANG_S)
         trainer.optim_step(tt.AdamParams(learning_rate=5e-2)).result(timeout=HANG_S)
         bob = srv.service_client(api_key=BOB)
-        yield dict(srv=srv, alice=alice, bob=bob, trainer=trainer, rest_a=alice.create_rest_client(),
-                   rest_b=bob.create_rest_client())
+        yield dict(srv=srv, alice=alice, bob=bob, trainer=trainer, rest_a=srv.rest_client(api_key=ALICE),
+                   rest_b=srv.rest_client(api_key=BOB))
         alice.close("success").result()
         bob.close("success").result()
 
@@ -76,7 +77,8 @@ def test_an_export_downloads_and_loads_in_transformers_and_peft(world, tmp_path)
     with Backend(model="tiny") as base_backend:  # the served base, as its owner would have it
         base_backend.save_weights_for_sampler(tmp_path / "base")
     base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"))
-    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    with quiet_peft_wrap():  # peft reads a deprecated transformers attribute while wrapping
+        adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
     np.testing.assert_allclose(hf_logprobs(adapted), want, atol=1e-4)
 
 

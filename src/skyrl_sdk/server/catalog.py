@@ -60,7 +60,7 @@ class Catalog:
                              self.store.last_checkpoint(run["run_id"], "sampler"))
 
     def training_runs(self, owner: str, limit: int, offset: int) -> dict[str, Any]:
-        runs, total = self.store.list_runs(owner, max(0, limit), max(0, offset))
+        runs, total = self.store.list_runs(owner, limit, offset)
         return {"training_runs": [self.training_run(owner, r["run_id"]) for r in runs],
                 "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
@@ -69,7 +69,7 @@ class Catalog:
         if run_id is not None:
             self.run(owner, run_id)
             return {"checkpoints": self.store.list_checkpoints(owner, run_id)[0], "cursor": None}
-        checkpoints, total = self.store.list_checkpoints(owner, None, max(0, limit), max(0, offset))
+        checkpoints, total = self.store.list_checkpoints(owner, None, limit, offset)
         return {"checkpoints": checkpoints, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
     async def delete_checkpoint(self, owner: str, run_id: str, checkpoint_id: str) -> None:

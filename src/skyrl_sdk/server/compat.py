@@ -27,7 +27,7 @@ ROWS: dict[tuple[str, str], tuple[bool, str, str]] = {
     ("POST", "/api/v1/client/dynamic_config"): (True, "every client", "`sample_cancel_enabled: false`"),
     ("POST", "/api/v1/create_session"): (True, "`ServiceClient()`", "`display_name`, `user_metadata`, `tags` kept"),
     ("POST", "/api/v1/session_heartbeat"): (True, "every 10 s", "410 once the session ended"),
-    ("POST", "/api/v1/sessions/{session_id}/finish"): (True, "`close()`, `with` exit", "releases the session's models and recorded sequences"),
+    ("POST", "/api/v1/sessions/{session_id}/finish"): (True, "`close(\"success\")`, `with` exit", "releases the session's models and recorded sequences"),
     ("GET", "/api/v1/sessions"): (True, "`RestClient.list_sessions`", "the caller's sessions"),
     ("GET", "/api/v1/sessions/{session_id}"): (True, "`RestClient.get_session`", ""),
     ("POST", "/api/v1/sessions/search"): (True, "`RestClient.search_sessions`", "filters by id, display name, user_metadata, status; pages by cursor; only the caller's own sessions (every owner type reads as the caller's)"),

@@ -17,12 +17,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import InputError
 from ..version import __version__
 from .edge import default_max_connections
 from .guard import CONSOLE_STATIC
 from .history import MAX_POINTS
-from .routes import owner, runtime
+from .routes import in_range, owner, runtime
 from .runtime import Runtime
 
 router = APIRouter()
@@ -59,13 +58,6 @@ for _path in sorted(CONSOLE_STATIC):
     router.get(_path)(_static_route(_path))
 
 
-def _in_range(name: str, value: int, low: int, high: int | None = None) -> int:
-    if value < low or (high is not None and value > high):
-        wanted = f"in {low}..{high}" if high is not None else f">= {low}"
-        raise InputError(f"{name}: expected an integer {wanted}, got {value}")
-    return value
-
-
 # ---- runs ---------------------------------------------------------------------------------------
 @router.get("/console/api/me")
 async def me(request: Request) -> dict:
@@ -76,7 +68,7 @@ async def me(request: Request) -> dict:
 
 @router.get("/console/api/runs")
 async def runs(request: Request, limit: int = 50, offset: int = 0) -> dict:
-    limit, offset = _in_range("limit", limit, 1, MAX_RUNS_PAGE), _in_range("offset", offset, 0)
+    limit, offset = in_range("limit", limit, 1, MAX_RUNS_PAGE), in_range("offset", offset, 0)
     return await runtime(request).catalog.console_runs(owner(request), limit, offset)
 
 
@@ -87,7 +79,7 @@ async def run_detail(run_id: str, request: Request) -> dict:
 
 @router.get("/console/api/runs/{run_id}/curves")
 async def curves(run_id: str, request: Request, points: int = 1000) -> Response:
-    points = _in_range("points", points, 2, MAX_POINTS)
+    points = in_range("points", points, 2, MAX_POINTS)
     body = await runtime(request).catalog.curves_body(owner(request), run_id, points)
     return Response(body, media_type="application/json")
 

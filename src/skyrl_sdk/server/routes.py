@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..errors import InputError
 from . import wire
 from .guard import BODY_SCOPE_KEY, OWNER_SCOPE_KEY
 from .runtime import Runtime
@@ -116,7 +117,7 @@ async def finish_session(session_id: str, request: Request) -> dict:
 
 @router.get("/sessions")
 async def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
-    return runtime(request).sessions.list(owner(request), limit, offset)
+    return runtime(request).sessions.list(owner(request), *page(limit, offset))
 
 
 @router.get("/sessions/{session_id}")
@@ -133,6 +134,8 @@ async def telemetry(request: Request) -> dict:
 # ---- training ------------------------------------------------------------------------------------
 #: Routes answered with a future: the runtime accepts the body (forward_backward's is protobuf)
 #: and answers with a request id; the client then long-polls ``/retrieve_future``.
+#: the most rows one listing page returns (training runs, checkpoints, sessions)
+MAX_PAGE = 1000
 FUTURE_ROUTES = ("create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
                  "save_weights_external",
                  "load_weights", "asample")
@@ -185,9 +188,22 @@ async def cancel_future(request: Request) -> dict:
 
 
 # ---- catalog: training runs and checkpoints ------------------------------------------------------
+def in_range(name: str, value: int, low: int, high: int | None = None) -> int:
+    """A query integer within ``low..high``, else a 400 naming it (never clamped)."""
+    if value < low or (high is not None and value > high):
+        wanted = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise InputError(f"{name}: expected an integer {wanted}, got {value}")
+    return value
+
+
+def page(limit: int, offset: int) -> tuple[int, int]:
+    """A listing's ``limit`` (0..MAX_PAGE) and ``offset`` (>= 0)."""
+    return in_range("limit", limit, 0, MAX_PAGE), in_range("offset", offset, 0)
+
+
 @router.get("/training_runs")
 async def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
-    return runtime(request).catalog.training_runs(owner(request), limit, offset)
+    return runtime(request).catalog.training_runs(owner(request), *page(limit, offset))
 
 
 @router.get("/training_runs/{run_id}")
@@ -208,7 +224,7 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -
 
 @router.get("/checkpoints")
 async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
-    return runtime(request).catalog.checkpoints(owner(request), None, limit, offset)
+    return runtime(request).catalog.checkpoints(owner(request), None, *page(limit, offset))
 
 
 @router.post("/weights_info")

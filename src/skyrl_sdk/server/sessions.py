@@ -122,7 +122,7 @@ class Sessions:
             self._reaper = None
 
     def list(self, owner: str, limit: int, offset: int) -> dict:
-        rows, _ = self.store.list_sessions(owner, max(0, limit), max(0, offset))
+        rows, _ = self.store.list_sessions(owner, limit, offset)
         return {"sessions": [r["session_id"] for r in rows]}
 
     def get(self, owner: str, session_id: str) -> dict:
