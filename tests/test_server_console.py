@@ -333,9 +333,25 @@ def test_the_page_needs_no_key_and_carries_no_data(world):
 
 
 # ---- the catalog service (routes and console) ------------------------------------------------------
-def test_deleting_a_checkpoint_removes_its_files_off_the_event_loop(tmp_path):
-    """The directory is removed on a thread: a removal that waits for the event loop (to answer
-    another request) finishes; run on the loop it would wait for itself until HANG_S."""
+CATALOG_CALLS = {  # a catalog call, the store method it reaches
+    "delete_checkpoint": (lambda c, tp: c.delete_checkpoint("alice", tp.run_id, tp.checkpoint_id), "delete_checkpoint"),
+    "training_runs": (lambda c, tp: c.training_runs("alice", 10, 0), "list_runs"),
+    "training_run": (lambda c, tp: c.training_run("alice", tp.run_id), "last_checkpoint"),
+    "checkpoints": (lambda c, tp: c.checkpoints("alice", None, 10, 0), "list_checkpoints"),
+    "weights_info": (lambda c, tp: c.weights_info("alice", str(tp)), "resolve_checkpoint"),
+    "publish": (lambda c, tp: c.publish("alice", tp.run_id, tp.checkpoint_id, True), "update_checkpoint"),
+    "set_ttl": (lambda c, tp: c.set_ttl("alice", tp.run_id, tp.checkpoint_id, None), "update_checkpoint"),
+    "console_runs": (lambda c, tp: c.console_runs("alice", 10, 0), "list_runs"),
+    "console_run": (lambda c, tp: c.console_run("alice", tp.run_id), "list_checkpoints"),
+    "curves_body": (lambda c, tp: c.curves_body("alice", tp.run_id, 10), "run"),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CATALOG_CALLS))
+def test_catalog_calls_touch_the_store_off_the_event_loop(tmp_path, call):
+    """The store's lock can be held by a save on the compute thread through a file sync, so every
+    catalog call reaches the store on a thread: a store method that waits for the event loop
+    (to answer another request) finishes; called on the loop it would wait for itself until HANG_S."""
     import asyncio
     import threading
 
@@ -352,25 +368,30 @@ def test_deleting_a_checkpoint_removes_its_files_off_the_event_loop(tmp_path):
     (store.checkpoint_dir(tp) / "weights.bin").write_bytes(b"x" * 10)
     store.add_checkpoint(tp)
     catalog = Catalog(store, History(tmp_path / "h.sqlite3"), {}, list)
-    loop_answered = threading.Event()
-    real_delete = store.delete_checkpoint
+    invoke, store_method = CATALOG_CALLS[call]
+    loop_answered, reached = threading.Event(), threading.Event()
+    real = getattr(store, store_method)
 
-    def delete_when_the_loop_answers(path):
-        assert loop_answered.wait(HANG_S), "the removal blocked the event loop"
-        return real_delete(path)
+    def when_the_loop_answers(*args, **kwargs):
+        reached.set()
+        assert loop_answered.wait(HANG_S), f"{call} blocked the event loop"
+        return real(*args, **kwargs)
 
-    store.delete_checkpoint = delete_when_the_loop_answers
+    setattr(store, store_method, when_the_loop_answers)
 
     async def main():
-        deleting = asyncio.ensure_future(catalog.delete_checkpoint("alice", tp.run_id, tp.checkpoint_id))
-        await asyncio.sleep(0)  # the deletion has started; the loop still answers
+        calling = asyncio.ensure_future(invoke(catalog, tp))
+        await asyncio.sleep(0)  # the call has started; the loop still answers
         loop_answered.set()
-        await deleting
-        with pytest.raises(NotFoundError):  # another owner's checkpoint reads as unknown
-            await catalog.delete_checkpoint("bob", tp.run_id, tp.checkpoint_id)
+        await calling
 
     asyncio.run(main())
-    assert not store.checkpoint_dir(tp).exists() and store.checkpoint(tp, "alice") is None
+    assert reached.is_set()
+    setattr(store, store_method, real)
+    if call == "delete_checkpoint":
+        assert not store.checkpoint_dir(tp).exists() and store.checkpoint(tp, "alice") is None
+        with pytest.raises(NotFoundError):  # another owner's checkpoint reads as unknown
+            asyncio.run(catalog.delete_checkpoint("bob", tp.run_id, tp.checkpoint_id))
     catalog.history.close()
     store.close()
 

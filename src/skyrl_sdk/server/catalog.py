@@ -6,14 +6,17 @@ through this one service.
 Another owner's run reads as unknown (404). Publishing, as Tinker defines it: only the
 training run's owner publishes or unpublishes; while published, any owner of this server may
 *read* the checkpoint by its ``tinker://`` path (sample from it, load it, its weights info),
-never list, change or delete it. File work (deleting a checkpoint's directory) and the metric
-history's reads run off the event loop.
+never list, change or delete it. Every read and write of the store, file work (deleting a
+checkpoint's directory) and the metric history's reads run off the event loop: the store's lock
+may be held by a save on the compute thread through a file sync, and no other client's request
+may wait for that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,6 +36,14 @@ LIVE_S = 30.0
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 
 
+def on_a_thread(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The public, awaitable form of a catalog method that touches the store: it runs on a thread."""
+    @functools.wraps(method)
+    async def off_loop(self: Catalog, *args: Any) -> Any:
+        return await asyncio.to_thread(method, self, *args)
+    return off_loop
+
+
 class Catalog:
     """Runs and checkpoints of each owner (see the module docstring). ``models`` is the
     runtime's live training models by id; ``sampling_sessions`` lists the sampling sessions
@@ -46,66 +57,78 @@ class Catalog:
         self.sampling_sessions = sampling_sessions
 
     # ---- Tinker's catalog routes ------------------------------------------------------------------
-    def run(self, owner: str, run_id: Any) -> dict[str, Any]:
+    def _run(self, owner: str, run_id: Any) -> dict[str, Any]:
         """``owner``'s training run record, or NotFoundError."""
         run = self.store.run(run_id, owner) if isinstance(run_id, str) else None
         if run is None:
             raise NotFoundError(f"unknown training run {quoted(run_id)}")
         return run
 
-    def training_run(self, owner: str, run_id: Any) -> dict[str, Any]:
+    run = on_a_thread(_run)
+
+    def _training_run(self, owner: str, run_id: Any) -> dict[str, Any]:
         """Tinker's ``TrainingRun`` JSON."""
-        run = self.run(owner, run_id)
+        run = self._run(owner, run_id)
         return wire.run_json(run, self.store.last_checkpoint(run["run_id"], "training"),
                              self.store.last_checkpoint(run["run_id"], "sampler"))
 
+    training_run = on_a_thread(_training_run)
+
+    @on_a_thread
     def training_runs(self, owner: str, limit: int, offset: int) -> dict[str, Any]:
         runs, total = self.store.list_runs(owner, limit, offset)
-        return {"training_runs": [self.training_run(owner, r["run_id"]) for r in runs],
+        return {"training_runs": [self._training_run(owner, r["run_id"]) for r in runs],
                 "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
+    @on_a_thread
     def checkpoints(self, owner: str, run_id: str | None, limit: int = 10**9, offset: int = 0) -> dict[str, Any]:
         """One run's checkpoints (all of them), or a page of all the owner's."""
         if run_id is not None:
-            self.run(owner, run_id)
+            self._run(owner, run_id)
             return {"checkpoints": self.store.list_checkpoints(owner, run_id)[0], "cursor": None}
         checkpoints, total = self.store.list_checkpoints(owner, None, limit, offset)
         return {"checkpoints": checkpoints, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
-    async def delete_checkpoint(self, owner: str, run_id: str, checkpoint_id: str) -> None:
-        """Delete an owned checkpoint's record and files; its directory is removed on a thread."""
+    @on_a_thread
+    def delete_checkpoint(self, owner: str, run_id: str, checkpoint_id: str) -> None:
+        """Delete an owned checkpoint's record and files."""
         tp = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}")
-        if self.store.run(tp.run_id, owner) is None or not await asyncio.to_thread(self.store.delete_checkpoint, tp):
+        if self.store.run(tp.run_id, owner) is None or not self.store.delete_checkpoint(tp):
             raise NotFoundError(f"no checkpoint {tp} on this server")
 
+    @on_a_thread
     def weights_info(self, owner: str, tinker_path: Any) -> dict[str, Any]:
         """The weights info of the caller's checkpoint, or of another owner's published one."""
         tp, _ = self.store.resolve_checkpoint(tinker_path, owner, readable=True)
         return wire.weights_info_json(self.store.run(tp.run_id, None))
 
+    @on_a_thread
     def export_directory(self, owner: str, tinker_path: Any) -> Path:
         """The directory of one of ``owner``'s own external-weights exports (never another owner's)."""
         return self.store.resolve_checkpoint(tinker_path, owner, kind="external")[1]
 
-    def owned_checkpoint(self, owner: str, run_id: str, checkpoint_id: str) -> TinkerPath:
+    def _owned_checkpoint(self, owner: str, run_id: str, checkpoint_id: str) -> TinkerPath:
         """``owner``'s live checkpoint ``<run_id>/<checkpoint_id>``; 404 for another owner's (published or not)."""
         tp = TinkerPath.parse(f"tinker://{run_id}/{checkpoint_id}")
         if self.store.run(tp.run_id, owner) is None or self.store.checkpoint(tp, owner) is None:
             raise NotFoundError(f"no checkpoint {tp} of yours on this server")
         return tp
 
+    @on_a_thread
     def publish(self, owner: str, run_id: str, checkpoint_id: str, public: bool) -> None:
-        self.store.update_checkpoint(self.owned_checkpoint(owner, run_id, checkpoint_id), public=public)
+        self.store.update_checkpoint(self._owned_checkpoint(owner, run_id, checkpoint_id), public=public)
 
+    @on_a_thread
     def set_ttl(self, owner: str, run_id: str, checkpoint_id: str, ttl_seconds: Any) -> None:
         """Expire the checkpoint ``ttl_seconds`` from now (3600 s to 10 years), or never (None)."""
-        tp = self.owned_checkpoint(owner, run_id, checkpoint_id)
+        tp = self._owned_checkpoint(owner, run_id, checkpoint_id)
         expires = None
         if ttl_seconds is not None:
             expires = time.time() + check_number("ttl_seconds", ttl_seconds, low=MIN_TTL_S, high=MAX_TTL_S,
                                                  integer=True)
         self.store.update_checkpoint(tp, expires_at=expires)
 
+    @on_a_thread
     def search_sessions(self, owner: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return session_search.search_sessions(self.store, owner, body)
 
@@ -133,18 +156,22 @@ class Catalog:
                 "sampling_sessions": len(sessions)}
 
     async def console_runs(self, owner: str, limit: int, offset: int) -> dict[str, Any]:
-        rows, total = self.store.list_runs(owner, limit, offset)
+        rows, total = await asyncio.to_thread(self.store.list_runs, owner, limit, offset)
         summaries = await self.history.summaries_off_loop([r["run_id"] for r in rows])
         sessions = self._sessions_by_run()
         return {"runs": [self._console_run(r, summaries[r["run_id"]], sessions.get(r["run_id"], [])) for r in rows],
                 "total": total, "limit": limit, "offset": offset}
 
     async def console_run(self, owner: str, run_id: str) -> dict[str, Any]:
-        run = self.run(owner, run_id)
+        run, checkpoints = await self._run_and_checkpoints(owner, run_id)
         summary = (await self.history.summaries_off_loop([run_id]))[run_id]
         sessions = self._sessions_by_run().get(run_id, [])
         return {**self._console_run(run, summary, sessions), "sampling_session_ids": sorted(sessions)[-50:],
-                "checkpoints": self.store.list_checkpoints(owner, run_id)[0]}
+                "checkpoints": checkpoints}
+
+    @on_a_thread
+    def _run_and_checkpoints(self, owner: str, run_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        return self._run(owner, run_id), self.store.list_checkpoints(owner, run_id)[0]
 
     def history_dropped(self) -> int:
         """Metric points the history dropped (its writer fell behind): the operators' view shows it."""
@@ -153,5 +180,5 @@ class Catalog:
     async def curves_body(self, owner: str, run_id: str, points: int) -> bytes:
         """One run's curves as JSON bytes, computed on the history's reader thread (shared by
         identical concurrent requests, cached per step count)."""
-        self.run(owner, run_id)
+        await self.run(owner, run_id)
         return await self.history.curves_body(run_id, points)

@@ -30,13 +30,13 @@ def _owner(request: Request) -> str:
 
 @router.post(CHECKPOINT + "/publish")
 async def publish(run_id: str, segment: str, name: str, request: Request) -> dict:
-    runtime(request).catalog.publish(_owner(request), run_id, f"{segment}/{name}", True)
+    await runtime(request).catalog.publish(_owner(request), run_id, f"{segment}/{name}", True)
     return {}
 
 
 @router.delete(CHECKPOINT + "/publish")
 async def unpublish(run_id: str, segment: str, name: str, request: Request) -> dict:
-    runtime(request).catalog.publish(_owner(request), run_id, f"{segment}/{name}", False)
+    await runtime(request).catalog.publish(_owner(request), run_id, f"{segment}/{name}", False)
     return {}
 
 
@@ -45,7 +45,7 @@ async def set_ttl(run_id: str, segment: str, name: str, request: Request) -> dic
     body = json_object(request.scope.get(BODY_SCOPE_KEY) or b"")
     if "ttl_seconds" not in body or set(body) - {"ttl_seconds"}:
         raise InputError(f"set ttl: expected {{\"ttl_seconds\": seconds or null}}, got keys {sorted(body)}")
-    runtime(request).catalog.set_ttl(_owner(request), run_id, f"{segment}/{name}", body["ttl_seconds"])
+    await runtime(request).catalog.set_ttl(_owner(request), run_id, f"{segment}/{name}", body["ttl_seconds"])
     return {}
 
 
@@ -54,7 +54,7 @@ async def external_weights_urls(run_id: str, segment: str, name: str, request: R
     """Signed links to the files of one of the caller's own exports (another owner reads a
     published checkpoint by loading it, and may export that run of its own)."""
     rt = runtime(request)
-    directory = rt.catalog.export_directory(_owner(request), f"tinker://{run_id}/{segment}/{name}")
+    directory = await rt.catalog.export_directory(_owner(request), f"tinker://{run_id}/{segment}/{name}")
     return rt.downloads.sign(directory, str(request.base_url))
 
 
@@ -67,7 +67,7 @@ async def download(token: str, file: str, request: Request) -> FileResponse:
 @router.post("/sessions/search")
 async def search_sessions(request: Request) -> dict:
     body = json_object(request.scope.get(BODY_SCOPE_KEY) or b"")
-    return runtime(request).catalog.search_sessions(_owner(request), body)
+    return await runtime(request).catalog.search_sessions(_owner(request), body)
 
 
 def _declined(method: str, path: str):

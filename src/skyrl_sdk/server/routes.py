@@ -203,17 +203,17 @@ def page(limit: int, offset: int) -> tuple[int, int]:
 
 @router.get("/training_runs")
 async def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
-    return runtime(request).catalog.training_runs(owner(request), *page(limit, offset))
+    return await runtime(request).catalog.training_runs(owner(request), *page(limit, offset))
 
 
 @router.get("/training_runs/{run_id}")
 async def get_training_run(run_id: str, request: Request) -> dict:
-    return runtime(request).catalog.training_run(owner(request), run_id)
+    return await runtime(request).catalog.training_run(owner(request), run_id)
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
 async def list_checkpoints(run_id: str, request: Request) -> dict:
-    return runtime(request).catalog.checkpoints(owner(request), run_id)
+    return await runtime(request).catalog.checkpoints(owner(request), run_id)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
@@ -224,10 +224,10 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -
 
 @router.get("/checkpoints")
 async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
-    return runtime(request).catalog.checkpoints(owner(request), None, *page(limit, offset))
+    return await runtime(request).catalog.checkpoints(owner(request), None, *page(limit, offset))
 
 
 @router.post("/weights_info")
 async def weights_info(request: Request) -> dict:
     body = await json_body(request, "weights_info")
-    return runtime(request).catalog.weights_info(owner(request), body.get("tinker_path"))
+    return await runtime(request).catalog.weights_info(owner(request), body.get("tinker_path"))
