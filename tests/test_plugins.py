@@ -339,6 +339,24 @@ def test_register_kept_and_called_after_the_hook_is_refused(site):
         sys.modules["skyrl_fake_keeper"].KEPT[0]("late", lambda b, c: None, description="x", required_inputs=())
 
 
+def test_a_plugin_handed_to_the_manager_after_the_hooks_ran_is_refused_not_ignored():
+    """The hooks are not historic (pluggy refuses wrappers on historic hooks), so a late
+    ``manager.register`` would never be called: it is refused, naming the plugin and the ways in."""
+
+    import skyrl_sdk
+
+    class Late:
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_losses(self, register):
+            register("late_loss", lambda b, c: None, description="x", required_inputs=())
+
+    loaded = builtin_plugins.get_plugins()
+    before = loaded.manager.get_plugins()
+    with pytest.raises(PluginError, match=r"plugin 'late'.*already ran.*@skyrl_sdk.register_loss.*reset\(\)"):
+        loaded.manager.register(Late(), name="late")
+    assert loaded.manager.get_plugins() == before and "late_loss" not in loaded.registry.losses
+
+
 # ---- duplicates --------------------------------------------------------------------------
 
 

@@ -12,6 +12,10 @@ called once, through pluggy (``manager.hook.<name>(register=...)``), so hook wra
 says how each ``register`` call and each failure is traced to its plugin). A plugin that
 fails to import or to register is rolled back, reported and skipped; the others still load.
 Two plugins registering one name is an error naming both.
+
+The hooks are not historic (pluggy refuses hook wrappers on historic hooks, and wrappers
+matter more here), so a plugin object handed to the manager after the hooks ran would never be
+called: :class:`SealedPluginManager` refuses it by name instead, saying what to do.
 """
 
 from __future__ import annotations
@@ -59,6 +63,22 @@ class PluginInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self, recurse=True, value_serializer=lambda i, a, v: list(v) if isinstance(v, tuple) else v)
+
+
+class SealedPluginManager(pluggy.PluginManager):
+    """A ``pluggy.PluginManager`` that refuses registrations once the registration hooks ran
+    (they would silently do nothing: the registry was built from that one round of calls)."""
+
+    sealed = False
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        if self.sealed:
+            raise PluginError(
+                f"plugin {name or _module_name(plugin)!r}: skyrl-sdk's registration hooks already ran in this "
+                f"process, so a plugin registered now would never be called. Declare its parts in this process "
+                f"with @skyrl_sdk.register_loss / register_dialect / register_engine / register_sampler, or "
+                f"install it as an entry point (group {ENTRY_POINT_GROUP!r}) and call skyrl_sdk.plugins.reset()")
+        return super().register(plugin, name=name)
 
 
 @attrs.frozen
@@ -167,7 +187,7 @@ def _call_registration_hooks(manager: pluggy.PluginManager, loaded: dict[str, _C
 def load_plugins(builtins: Sequence[Any]) -> LoadedPlugins:
     """Build a fresh registry: ``builtins`` (plugin modules or objects, named after their
     module) first, then entry-point plugins sorted by name."""
-    manager = pluggy.PluginManager(ENTRY_POINT_GROUP)
+    manager = SealedPluginManager(ENTRY_POINT_GROUP)
     manager.add_hookspecs(hooks)
     infos: list[PluginInfo] = []
     candidates, excluded = _candidates(builtins, infos)
@@ -186,6 +206,7 @@ def load_plugins(builtins: Sequence[Any]) -> LoadedPlugins:
             continue
         loaded[candidate.name] = candidate
     by_plugin = _call_registration_hooks(manager, loaded, infos)
+    manager.sealed = True
     registry = Registry()
     for name, candidate in loaded.items():  # load order: duplicates name the earlier plugin first
         registry.add(by_plugin.get(name, Registry()))
