@@ -54,6 +54,16 @@ FSDP_LAYERS = (
     ("the request dispatcher", ("dispatch",)),
     ("controller and entry points", ("engine", "entrypoint", "transport", "split", "sampling", "")),
 )
+#: Inside the server, bottom to top: its folders are its layers (docs/architecture.md); the
+#: settings (``config``) below them all, the package's face (``create_app``, ``ServerConfig``) on top.
+SERVER_LAYERS = (
+    ("settings", ("skyrl_sdk.server.config",)),
+    ("wire", ("skyrl_sdk.server.wire",)),
+    ("state", ("skyrl_sdk.server.state",)),
+    ("compute", ("skyrl_sdk.server.compute",)),
+    ("http", ("skyrl_sdk.server.http",)),
+    ("the package's face", ("skyrl_sdk.server",)),
+)
 #: A third party's private names we read or write, and why there is no public way. Our own
 #: packages may not define these names (the list cannot hide a private of ours).
 THIRD_PARTY_PRIVATE = {
@@ -357,12 +367,12 @@ def test_the_import_scan_sees_strings_and_both_type_checking_branches(tmp_path):
         "import importlib\nfrom typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from ..engines import local\nelse:\n    from ..sampling import decode\n"
         "BUILTINS = ('skyrl_sdk.engines.runner', 'skyrl_sdk.models.loading:load_model')\n"
-        "importlib.import_module('skyrl_sdk.server.app')\nimportlib.import_module('..cli.demo', __package__)\n"
+        "importlib.import_module('skyrl_sdk.server.http.app')\nimportlib.import_module('..cli.demo', __package__)\n"
         "NOT_A_MODULE = 'skyrl_sdk.owner'\n")
     found = sorted((line, target) for line, target, _ in _imports("skyrl_sdk.plugins.manager", file))
     assert found == [(4, "skyrl_sdk.engines.local"), (6, "skyrl_sdk.sampling.decode"),
                      (7, "skyrl_sdk.engines.runner"), (7, "skyrl_sdk.models.loading"),
-                     (8, "skyrl_sdk.server.app"), (9, "skyrl_sdk.cli.demo")], found
+                     (8, "skyrl_sdk.server.http.app"), (9, "skyrl_sdk.cli.demo")], found
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] == "skyrl_sdk_fsdp"))
@@ -376,6 +386,22 @@ def test_the_fsdp_plugin_goes_one_way(module):
               for line, target, _ in _imports(module, MODULES[module])
               if target.split(".")[0] == "skyrl_sdk_fsdp" and layer_of(inner(target), FSDP_LAYERS) > mine]
     assert not upward, f"{module} ({FSDP_LAYERS[mine][0]}) imports from above it: {upward}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("skyrl_sdk.server")))
+def test_the_server_folders_are_layers(module):
+    """wire -> state -> compute -> http, each importing only its own folder and those below."""
+    mine = layer_of(module, SERVER_LAYERS)
+    upward = [f"line {line}: {target} ({SERVER_LAYERS[layer_of(target, SERVER_LAYERS)][0]})"
+              for line, target, _ in _imports(module, MODULES[module])
+              if target.startswith("skyrl_sdk.server.") and layer_of(target, SERVER_LAYERS) > mine]
+    assert not upward, f"{module} ({SERVER_LAYERS[mine][0]}) imports from a server layer above it: {upward}"
+
+
+def test_every_server_module_is_in_a_layer_folder():
+    loose = [m for m in MODULES if m.startswith("skyrl_sdk.server.") and m.count(".") == 2
+             and m not in ("skyrl_sdk.server.config",) and MODULES[m].name != "__init__.py"]
+    assert not loose, f"server modules outside the layer folders (wire/ state/ compute/ http/): {loose}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -23,7 +23,7 @@ from tinker import types as tt
 from tinker.proto import tinker_public_pb2 as pb
 
 from skyrl_sdk.inputs import tinker_proto
-from skyrl_sdk.server import wire
+from skyrl_sdk.server.wire import envelopes as wire
 
 
 def _message(fn, *args, **kwargs) -> str:
@@ -67,7 +67,7 @@ def test_sample_counts_and_lengths_read_alike():
 
 
 def test_adam_params_and_lora_config_read_alike():
-    from skyrl_sdk.server.runtime import lora_config_from_any as server_lora  # what create_model uses
+    from skyrl_sdk.server.compute.runtime import lora_config_from_any as server_lora  # what create_model uses
 
     assert server_lora is coerce.lora_config_from_any
     assert _message(wire.parse_adam_params, {"adam_params": {"lr": 1e-3}}) == _message(
@@ -249,7 +249,7 @@ def test_protobuf_datums_are_the_same_typed_values():
 def test_outputs_go_to_the_wire_as_the_engine_made_them():
     from tinker.proto.response_conv import deserialize_forward_backward_output
 
-    from skyrl_sdk.server.proto import forward_backward_output_to_proto
+    from skyrl_sdk.server.wire.proto import forward_backward_output_to_proto
 
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(n).astype(np.float32) for n in (3, 5, 2)]

@@ -21,7 +21,7 @@ from _server_harness import API_KEY, ServerThread, raw_client
 from skyrl_sdk import types
 from skyrl_sdk.errors import InputError
 from skyrl_sdk.server.config import DEFAULT_OWNER, ServerConfig, read_api_keys
-from skyrl_sdk.server.history import SERIES, History
+from skyrl_sdk.server.state.history import SERIES, History
 
 ALICE, BOB, OPS = "tml-alice", "tml-bob", "tml-ops"
 
@@ -125,7 +125,7 @@ STEPS_UNDER_LOAD = 100
 def test_writes_wait_for_the_stores_writes_and_a_failed_write_loses_nothing(tmp_path):
     import threading
 
-    from skyrl_sdk.server.store import Store
+    from skyrl_sdk.server.state.store import Store
 
     store = Store(tmp_path)
     h = History(store.root / "server.sqlite3", flush_s=3600)
@@ -357,9 +357,9 @@ def test_catalog_calls_touch_the_store_off_the_event_loop(tmp_path, call):
 
     from _limits import HANG_S
     from skyrl_sdk.errors import NotFoundError
-    from skyrl_sdk.server.catalog import Catalog
-    from skyrl_sdk.server.store import Store
-    from skyrl_sdk.server.tinker_paths import TinkerPath
+    from skyrl_sdk.server.compute.catalog import Catalog
+    from skyrl_sdk.server.state.store import Store
+    from skyrl_sdk.server.wire.tinker_paths import TinkerPath
 
     store = Store(tmp_path / "state")
     store.add_run("sess-1:train:0", "alice", "sess-1", "tiny", None, None)

@@ -22,8 +22,8 @@ zstandard = pytest.importorskip("zstandard")
 from tinker.proto import tinker_public_pb2 as pb
 
 from _server_harness import API_KEY, ServerThread, next_token_datum, raw_client, wait_result
-from skyrl_sdk.server.bodies import Bodies, unzstd_capped
-from skyrl_sdk.server.edge import install_accept_log_limiter
+from skyrl_sdk.server.http.edge import install_accept_log_limiter
+from skyrl_sdk.server.wire.bodies import Bodies, unzstd_capped
 
 HANG = 60
 PROTO = {"Content-Type": "application/x-protobuf"}
@@ -248,7 +248,7 @@ def test_accept_failures_are_logged_once_per_interval(caplog):
     passed: list[dict] = []
     loop.set_exception_handler(lambda lp, ctx: passed.append(ctx))
     install_accept_log_limiter(loop, every_s=3600)
-    with caplog.at_level(logging.WARNING, logger="skyrl_sdk.server.edge"):
+    with caplog.at_level(logging.WARNING, logger="skyrl_sdk.server.http.edge"):
         for _ in range(500):
             loop.call_exception_handler({"message": "socket.accept() out of system resource",
                                          "exception": OSError(24, "Too many open files")})

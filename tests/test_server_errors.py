@@ -18,7 +18,7 @@ from tinker import types as tt
 from _limits import HANG_S
 from _server_harness import ServerThread
 from skyrl_sdk.errors import DatumError, InputError, NotFoundError, PluginError
-from skyrl_sdk.server.futures import Result
+from skyrl_sdk.server.compute.futures import Result
 
 
 def _category(exc: BaseException) -> tuple[str, str]:

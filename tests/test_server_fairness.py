@@ -14,8 +14,8 @@ import torch
 
 from skyrl_sdk import Backend, SharedBase
 from skyrl_sdk.engines import turns
-from skyrl_sdk.server.executor import SHUTDOWN_MESSAGE, Executor
-from skyrl_sdk.server.futures import Job, Result
+from skyrl_sdk.server.compute.executor import SHUTDOWN_MESSAGE, Executor
+from skyrl_sdk.server.compute.futures import Job, Result
 from skyrl_sdk.testing import make_sft_data, weights_of
 
 HANG = 60  # seconds: only a hang takes this long

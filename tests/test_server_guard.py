@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 
 from _limits import HANG_S
 from _server_harness import API_KEY, ServerThread, raw_client, wait_result
-from skyrl_sdk.server.guard import MAX_HEADER_BYTES
+from skyrl_sdk.server.http.guard import MAX_HEADER_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_the_tinker_client_trains_against_a_keyless_server(tmp_path):
 def test_curves_are_read_on_one_thread_once_per_step_count(srv, monkeypatch):
     """Ten consoles polling one run: one computation at a time, none repeated for a step count
     already answered (before: ten at once on the default pool, each answer encoded on the loop)."""
-    from skyrl_sdk.server.history import History
+    from skyrl_sdk.server.state.history import History
 
     history = srv.runtime.history
     service = srv.service_client()

@@ -78,8 +78,8 @@ def test_skipped_optim_step_reaches_the_real_client(srv):
 
 
 def test_result_json_is_strict():
-    from skyrl_sdk.server.futures import Result
-    from skyrl_sdk.server.wire import optim_step_json
+    from skyrl_sdk.server.compute.futures import Result
+    from skyrl_sdk.server.wire.envelopes import optim_step_json
 
     body = Result.json({"a": float("nan"), "b": [float("inf"), 1.5], "c": {"d": -float("inf")}}).body
     assert json.loads(body) == {"a": None, "b": [None, 1.5], "c": {"d": None}}
@@ -111,8 +111,8 @@ def test_sequence_length_limit(srv, model):
 
 
 def test_sequence_limit_defaults_to_the_models_positions():
+    from skyrl_sdk.server.compute.served import ServedModels
     from skyrl_sdk.server.config import ServerConfig
-    from skyrl_sdk.server.served import ServedModels
 
     assert ServedModels(ServerConfig()).max_seq_len("tiny") == 2048  # tiny's max_position_embeddings
     assert ServedModels(ServerConfig(max_seq_len=100)).max_seq_len("tiny") == 100
@@ -265,7 +265,7 @@ def test_retry_after_its_record_expired_is_refused(srv, model):
 def test_expired_retry_keys_stay_bounded():
     """The keys of swept records are remembered within a horizon and up to a cap, not forever."""
     from skyrl_sdk.errors import InputError
-    from skyrl_sdk.server.futures import FutureStore, Result
+    from skyrl_sdk.server.compute.futures import FutureStore, Result
 
     loop = asyncio.new_event_loop()
     store = FutureStore(loop, retention_s=0.0, expired_horizon_s=3600.0, max_expired=50)
@@ -381,7 +381,7 @@ def test_the_tinker_client_cuts_a_big_batch_below_the_token_limit(srv):
 
 
 def test_an_owners_queue_bound_refuses_up_front_and_spares_other_owners(tmp_path):
-    from skyrl_sdk.server.futures import Job, Result
+    from skyrl_sdk.server.compute.futures import Job, Result
 
     keys = {"tml-bob-0123456789abc": "bob"}
     with ServerThread(tmp_path / "state", max_queued_requests=3, api_keys=keys) as server:
@@ -424,7 +424,7 @@ def test_errors_quote_at_most_about_100_characters_of_a_value(srv):
 
 def test_failed_results_kept_are_bounded_in_bytes():
     from skyrl_sdk.errors import InputError
-    from skyrl_sdk.server.futures import FutureStore, Result
+    from skyrl_sdk.server.compute.futures import FutureStore, Result
 
     async def main():
         store = FutureStore(asyncio.get_running_loop(), max_failed_bytes=10 * (FutureStore.RECORD_BYTES + 200))

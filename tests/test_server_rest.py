@@ -19,9 +19,9 @@ from _limits import HANG_S
 from _server_harness import ServerThread, next_token_datum
 from skyrl_sdk import Backend
 from skyrl_sdk.models.loading import quiet_peft_wrap
+from skyrl_sdk.server.compute.exports import DownloadLinks
 from skyrl_sdk.server.config import read_api_keys
-from skyrl_sdk.server.exports import DownloadLinks
-from skyrl_sdk.server.tinker_paths import TinkerPath
+from skyrl_sdk.server.wire.tinker_paths import TinkerPath
 
 #: the client marks some RestClient calls experimental; calling them is what these tests are for
 pytestmark = pytest.mark.filterwarnings("ignore::tinker.ExperimentalWarning")

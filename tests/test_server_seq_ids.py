@@ -16,8 +16,8 @@ import pytest
 
 from _limits import HANG_S
 from _server_harness import ServerThread, next_token_datum
-from skyrl_sdk.server.executor import Executor
-from skyrl_sdk.server.futures import Job, Result, Sequencer
+from skyrl_sdk.server.compute.executor import Executor
+from skyrl_sdk.server.compute.futures import Job, Result, Sequencer
 
 
 def _recorder():

@@ -17,7 +17,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from _limits import HANG_S
 from _server_harness import ServerThread, raw_client, wait_result
 from skyrl_sdk import Backend, types
-from skyrl_sdk.server.memory import weight_bytes
+from skyrl_sdk.server.compute.memory import weight_bytes
 from skyrl_sdk.testing import make_sft_data
 
 RANK, SEED = 4, 7

@@ -23,8 +23,8 @@ from tinker import types as tt
 
 from _limits import HANG_S
 from _server_harness import API_KEY, ServeProcess, ServerThread, free_port, next_token_datum
-from skyrl_sdk.server.statedir import StateDirError, StateDirLock
-from skyrl_sdk.server.store import Store
+from skyrl_sdk.server.state.statedir import StateDirError, StateDirLock
+from skyrl_sdk.server.state.store import Store
 
 
 # ---- one server at a time ---------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_a_save_whose_record_fails_leaves_nothing_and_can_be_retried(tmp_path):
 @pytest.mark.slow  # a server process
 def test_every_acknowledged_step_is_in_the_history_after_kill_9(tmp_path):
     """Before: written once a second, so a kill -9 right after an acknowledged step lost it."""
-    from skyrl_sdk.server.history import History
+    from skyrl_sdk.server.state.history import History
 
     state = tmp_path / "state"
     with ServeProcess(state, "--api-key", API_KEY) as srv:

@@ -161,7 +161,7 @@ def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
 
 
 def test_server_adam_params_suggest_the_close_key_in_the_in_process_words():
-    from skyrl_sdk.server.wire import parse_adam_params
+    from skyrl_sdk.server.wire.envelopes import parse_adam_params
 
     for fields in ({"learning_rat": 1e-4}, {"bta1": 0.9, "bta2": 0.99}):
         with pytest.raises(InputError) as in_process:

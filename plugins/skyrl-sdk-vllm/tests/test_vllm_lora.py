@@ -49,7 +49,7 @@ def test_clients_of_a_shared_base_share_one_engine_and_keep_their_own_versions()
     (max_cpu_loras=1) every switch drops the other's, which comes back from memory. A snapshot
     sampler (what the server builds for save_weights_and_get_sampling_client) is one more
     adapter version on the same engine, and keeps sampling the version it was made from."""
-    from skyrl_sdk.server.snapshots import load_tensors, take_tensors
+    from skyrl_sdk.server.compute.snapshots import load_tensors, take_tensors
 
     config = {**SMALL, "max_loras": 1, "max_cpu_loras": 1}
     with skyrl_sdk.SharedBase(model="tiny") as base:

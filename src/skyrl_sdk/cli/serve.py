@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, SkyrlError
-from ..server import edge  # uvicorn: the [server] extra, imported here so `skyrl-sdk serve` can say what to install
-from ..server.app import create_app
 from ..server.config import API_KEY_ENV, ServerConfig, is_loopback
-from ..server.statedir import StateDirLock, check_writable
+from ..server.http import (
+    edge,  # uvicorn: the [server] extra, imported here so `skyrl-sdk serve` can say what to install
+)
+from ..server.http.app import create_app
+from ..server.state.statedir import StateDirLock, check_writable
 from .threads import apply as apply_threads
 
 logger = logging.getLogger(__name__)

@@ -16,8 +16,6 @@ from typing import Any
 import attrs
 
 from ..errors import InputError, quoted
-from .caps import DEFAULT_MAX_SESSIONS_PER_OWNER
-from .memory import parse_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +23,8 @@ API_KEY_ENV = "SKYRL_SDK_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 DEFAULT_SESSION_TIMEOUT_S = 300.0
 DEFAULT_MAX_NUM_SAMPLES = 256
+#: ``ServerConfig.max_sessions_per_owner``: an owner's sessions open at once (neither finished nor expired)
+DEFAULT_MAX_SESSIONS_PER_OWNER = 256
 #: ``--snapshot-memory`` when not given: in-memory weight snapshots of ephemeral sampling sessions
 DEFAULT_SNAPSHOT_MEMORY = 2 * 1024**3
 #: the owner of everything when the server has one key (``--api-key``) or none
@@ -44,6 +44,27 @@ DEFAULT_MAX_TOKENS_PER_REQUEST = 2**19
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 #: ``--header-timeout``: a connection must send its request line and headers within this
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(value: Any, field: str = "--max-memory") -> int | None:
+    """``"8GiB"``, ``"500MB"``, ``"123"`` or an integer -> bytes (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number, unit = value, ""
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise InputError(f"{field}: expected a size such as 8GiB, 500MB or a number of bytes, got {quoted(value)}")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise InputError(f"{field}: expected a positive size, got {quoted(value)}")
+    return size
 
 
 def read_api_keys(path: str | os.PathLike, operators: set[str] | None = None) -> dict[str, str]:
@@ -218,7 +239,7 @@ class ServerConfig:
     #: a job of at most this many tokens may run between another job's micro-batches
     #: (docs/server.md, Fairness)
     turn_tokens: int = 8192
-    #: the connection edge (``server/edge.py``): a connection's request line and headers must
+    #: the connection edge (``server/http/edge.py``): a connection's request line and headers must
     #: arrive within ``header_timeout_s`` (and the next request's within it of the last answer)
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     #: open connections; beyond it the oldest idle one is closed (None: min(1000, fd limit / 2))
@@ -230,7 +251,7 @@ class ServerConfig:
     #: nor may it pause longer than this between two pieces (else 408; nginx's client_body_timeout)
     body_idle_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     #: ``--allowed-host``: names a server without API keys answers besides the loopback names and
-    #: its ``--host`` (``*``: any; see ``server/origins.py``)
+    #: its ``--host`` (``*``: any; see ``server/http/origins.py``)
     allowed_hosts: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     #: a JSON body, after zstd (the protobuf forward_backward keeps ``max_body_bytes``); the
     #: largest real one, a sample request's prompt, is under 1 MB even at 131072 tokens

@@ -17,12 +17,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..version import __version__
+from ...version import __version__
+from ..compute.runtime import Runtime
+from ..state.history import MAX_POINTS
 from .edge import default_max_connections
 from .guard import CONSOLE_STATIC
-from .history import MAX_POINTS
 from .routes import in_range, owner, runtime
-from .runtime import Runtime
 
 router = APIRouter()
 

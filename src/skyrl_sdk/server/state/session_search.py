@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import InputError, quoted, refuse_unknown_keys
-from ..types.numbers import check_number
+from ...errors import InputError, quoted, refuse_unknown_keys
+from ...types.numbers import check_number
+from ..wire.tinker_paths import iso
 from .store import Store
-from .tinker_paths import iso
 
 #: the one project every session of this server is in
 PROJECT_ID = "default"

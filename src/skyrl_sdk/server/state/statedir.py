@@ -21,7 +21,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from ..errors import InputError
+from ...errors import InputError
 
 LOCK_NAME = "server.lock"
 DATABASE_NAME = "server.sqlite3"

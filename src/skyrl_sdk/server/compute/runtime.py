@@ -7,7 +7,7 @@ Route handlers (event loop) call into :class:`Runtime`; every Backend call happe
 compute executor (:mod:`.executor`) through the owning model's queue, in fair turns, so the
 event loop never blocks on compute. Every request carries its API key's owner: another
 owner's ids read as unknown, and an owner's unfinished requests are bounded. Sampling lives
-in :mod:`.sampling`, request parsing and response shapes in :mod:`.wire` / :mod:`.proto`
+in :mod:`.sampling`, request parsing and response shapes in :mod:`..wire.envelopes` / :mod:`..wire.proto`
 (large bodies parsed off the event loop, :mod:`.bodies`), durable records in :mod:`.store`.
 """
 
@@ -21,23 +21,24 @@ from typing import Any
 
 import attrs
 
-from ..errors import InputError, NotFoundError, quoted
-from ..inputs import tinker_proto
-from ..inputs.coerce import lora_config_from_any
-from ..losses.stability import SequenceRecords
-from . import proto, visibility, wire
-from .bodies import Bodies
+from ...errors import InputError, NotFoundError, quoted
+from ...inputs import tinker_proto
+from ...inputs.coerce import lora_config_from_any
+from ...losses.stability import SequenceRecords
+from ..config import ServerConfig
+from ..wire.bodies import Bodies
+from ..state.history import History
+from ..state.statedir import StateDirLock
+from ..state.store import Store
+from ..wire import envelopes, proto
+from . import visibility
 from .catalog import Catalog
-from .config import ServerConfig
 from .executor import SHUTDOWN_MESSAGE, Executors
 from .exports import DownloadLinks
 from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
-from .history import History
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
-from .statedir import StateDirLock
-from .store import Store
 from .weights import EXPIRY_SWEEP_S, WeightRequests
 
 logger = logging.getLogger(__name__)
@@ -99,13 +100,13 @@ class Runtime(WeightRequests):
                                               self.config.max_tokens_per_request)
                 rec = self.forward_backward(owner, req)
             else:
-                rec = handlers[route](owner, await self.bodies.parse(raw, wire.json_request, raw, route))
+                rec = handlers[route](owner, await self.bodies.parse(raw, envelopes.json_request, raw, route))
         except InputError as exc:
             rec = self.futures.failed(owner, exc, prefix="sample" if route == "asample" else "req")
         except _ShuttingDown:
             rec = self.futures.create(owner, None, prefix="sample" if route == "asample" else "req")
             self.futures.finish(rec, Result.error(SHUTDOWN_MESSAGE, "server"))
-        out = wire.future_json(rec.request_id, rec.model_id)
+        out = envelopes.future_json(rec.request_id, rec.model_id)
         if route == "asample":
             out["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(rec.extra.get("num_samples", 0))]
         return out
@@ -186,7 +187,7 @@ class Runtime(WeightRequests):
         model.worker.put(Job(run=close, done=lambda r: model.worker.close(wait=False), what="release"))
 
     def create_model(self, owner: str, body: dict) -> FutureRecord:
-        req = wire.parse_new_model(body)
+        req = envelopes.parse_new_model(body)
 
         def plan():
             return self.served.resolve(req.base_model), lora_config_from_any(req.lora_config), req.user_metadata, None
@@ -196,7 +197,7 @@ class Runtime(WeightRequests):
     def load_weights(self, owner: str, body: dict) -> FutureRecord:
         """Create-from-state (session_id + model_seq_id) or a load into an existing model."""
         if body.get("session_id") is not None:
-            req = wire.parse_new_model(body, from_state=True)
+            req = envelopes.parse_new_model(body, from_state=True)
 
             def plan():
                 tp, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
@@ -207,7 +208,7 @@ class Runtime(WeightRequests):
             return self._create(owner, req, plan, {"model_id": req.model_id, "path": req.path, "type": "load_weights"})
 
         def make(model: TrainingModel):
-            req = wire.parse_load(body)
+            req = envelopes.parse_load(body)
             _, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
 
             def load() -> Result:
@@ -221,7 +222,7 @@ class Runtime(WeightRequests):
 
         return self._sequenced(owner, body, "load_weights", make, cost=None)
 
-    def _create(self, owner: str, req: wire.NewModel, plan: Callable[[], tuple], answer: dict) -> FutureRecord:
+    def _create(self, owner: str, req: envelopes.NewModel, plan: Callable[[], tuple], answer: dict) -> FutureRecord:
         """Create a model (fresh, or from a checkpoint directory). Everything is checked before
         anything is registered, so a rejected request leaves no model, worker or record."""
         self.sessions.open(owner, req.session_id)
@@ -277,7 +278,7 @@ class Runtime(WeightRequests):
         model = self.model(owner, body.get("model_id"))
         await asyncio.wait_for(model.ready.wait(), timeout=3600)
         # the client names its samplers' base model by model_name, and loads their tokenizer by it
-        return wire.model_info_json(model.model_id, self.served.client_name(model.base_model),
+        return envelopes.model_info_json(model.model_id, self.served.client_name(model.base_model),
                                     model.require_backend().get_info())
 
     # ---- training requests (sequenced per model) -----------------------------------------------
@@ -288,7 +289,7 @@ class Runtime(WeightRequests):
         found by ``make_run`` fails the future but still takes its turn, so later requests
         do not wait for a seq_id that will never come."""
         if body is not None:
-            model_id, seq = wire.model_id(body), wire.seq_id(body)
+            model_id, seq = envelopes.model_id(body), envelopes.seq_id(body)
         model = self._live_model(owner, model_id)
         dedup = (owner, "model", model.model_id, "seq_id", seq) if seq is not None else None
         if (old := self.futures.lookup(dedup)) is not None:
@@ -334,7 +335,7 @@ class Runtime(WeightRequests):
 
     def optim_step(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
-            params = wire.parse_adam_params(body)
+            params = envelopes.parse_adam_params(body)
 
             def run() -> Result:
                 backend = model.require_backend()
@@ -342,7 +343,7 @@ class Runtime(WeightRequests):
                 out = backend.optim_step(params)
                 model.version += 1
                 self.history.optim_step(model.model_id, out.metrics)
-                return Result.json(wire.optim_step_json(out.metrics))
+                return Result.json(envelopes.optim_step_json(out.metrics))
 
             return run
 
@@ -350,9 +351,9 @@ class Runtime(WeightRequests):
 
     # ---- sampling ------------------------------------------------------------------------------
     def create_sampling_session(self, owner: str, body: dict) -> str:
-        session_id = wire.session_id(body)
-        seq = wire.integer(body, "sampling_session_seq_id")
-        source = wire.parse_sampler_source(body)
+        session_id = envelopes.session_id(body)
+        seq = envelopes.integer(body, "sampling_session_seq_id")
+        source = envelopes.parse_sampler_source(body)
         self.sessions.open(owner, session_id)
         sid = f"{session_id}:sample:{seq}"
         self.sampling.create(owner, session_id, sid, source.model_path, source.base_model)
@@ -364,12 +365,12 @@ class Runtime(WeightRequests):
         return {"sampler_id": s.sid, "base_model": self.served.client_name(s.base_model), "model_path": s.model_path}
 
     def sample(self, owner: str, body: dict) -> FutureRecord:
-        spec = wire.parse_sample_request(body, self.config.max_num_samples)
-        sid, seq = wire.parse_sample_ref(body)
+        spec = envelopes.parse_sample_request(body, self.config.max_num_samples)
+        sid, seq = envelopes.parse_sample_ref(body)
         if sid is not None:
             session = self.sampling.session(owner, sid)
         else:
-            source = wire.parse_sampler_source(body)
+            source = envelopes.parse_sampler_source(body)
             session = self.sampling.session_from(owner, source.model_path, source.base_model, "adhoc")
         dedup = (owner, "sampling session", sid, "seq_id", seq) if sid is not None and seq is not None else None
         if (old := self.futures.lookup(dedup)) is not None:

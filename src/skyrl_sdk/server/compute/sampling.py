@@ -28,19 +28,19 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..errors import InputError, NotFoundError, quoted
-from ..inputs.coerce import lora_config_from_any
-from ..models.weight_files import weights_problem
-from . import proto
-from .config import ServerConfig
+from ...errors import InputError, NotFoundError, quoted
+from ...inputs.coerce import lora_config_from_any
+from ...models.weight_files import weights_problem
+from ..config import ServerConfig
+from ..state.store import Store
+from ..wire import proto
+from ..wire.envelopes import SampleSpec
+from ..wire.tinker_paths import TinkerPath
 from .executor import Executors, Queue
 from .futures import Job, Result
 from .served import RNG_LOCK, ServedModels
 from .sessions import TrainingModel
 from .snapshots import SnapshotCache, WeightsSnapshot, load_tensors, supports_memory_snapshots, take_tensors
-from .store import Store
-from .tinker_paths import TinkerPath
-from .wire import SampleSpec
 
 
 @attrs.define(eq=False)

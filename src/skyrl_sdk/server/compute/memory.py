@@ -10,42 +10,22 @@ when it trains (4x the weights' bytes). The estimate comes from the model's conf
 
 from __future__ import annotations
 
-import re
 import threading
 import weakref
 from typing import Any
 
-from ..errors import InputError, quoted
+from ...errors import InputError
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 #: bytes per weight byte of a training copy: weights, gradients, AdamW exp_avg and exp_avg_sq
 TRAINING_COPIES = 4
-
-
-def parse_bytes(value: Any, field: str = "--max-memory") -> int | None:
-    """``"8GiB"``, ``"500MB"``, ``"123"`` or an integer -> bytes (None stays None)."""
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        number, unit = value, ""
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise InputError(f"{field}: expected a size such as 8GiB, 500MB or a number of bytes, got {quoted(value)}")
-        number, unit = float(match.group(1)), match.group(2).lower()
-    size = int(number * _UNITS[unit])
-    if size <= 0:
-        raise InputError(f"{field}: expected a positive size, got {quoted(value)}")
-    return size
 
 
 def weight_bytes(model: str, dtype_bytes: int) -> int:
     """Bytes of ``model``'s weights at ``dtype_bytes`` per parameter (from its config, no load)."""
     import torch
 
-    from ..models.loading import load_config
-    from ..models.vlm import auto_class
+    from ...models.loading import load_config
+    from ...models.vlm import auto_class
 
     config, _ = load_config(model)
     with torch.device("meta"):

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import uuid
 
-from . import wire
+from ..wire.tinker_paths import TinkerPath
+from ..wire import envelopes
 from .exports import age_recipients, export_external
 from .futures import FutureRecord, Result
 from .sessions import TrainingModel
-from .tinker_paths import TinkerPath
 
 #: how often expired checkpoints are deleted (an expired one is gone from every answer at once)
 EXPIRY_SWEEP_S = 60.0
@@ -26,7 +26,7 @@ class WeightRequests:
 
     def save_weights(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
-            save = wire.parse_save(body)
+            save = envelopes.parse_save(body)
             tp = TinkerPath(model.model_id, "training", save.name)
             self.store.checkpoint_dir(tp)  # a path inside the state dir, checked now
 
@@ -44,7 +44,7 @@ class WeightRequests:
     def save_weights_external(self, owner: str, body: dict) -> FutureRecord:
         """Export the weights for download (:mod:`.exports`): an external_weights checkpoint."""
         def make(model: TrainingModel):
-            save, raw_recipients = wire.parse_external_save(body)
+            save, raw_recipients = envelopes.parse_external_save(body)
             recipients = age_recipients(raw_recipients)
             tp = TinkerPath(model.model_id, "external", save.name)
             self.store.checkpoint_dir(tp)  # a path inside the state dir, checked now
@@ -70,7 +70,7 @@ class WeightRequests:
 
     def save_weights_for_sampler(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
-            req = wire.parse_sampler_save(body)
+            req = envelopes.parse_sampler_save(body)
             if (save := req.save) is not None:
                 tp = TinkerPath(model.model_id, "sampler", save.name)
                 self.store.checkpoint_dir(tp)  # a path inside the state dir, checked now

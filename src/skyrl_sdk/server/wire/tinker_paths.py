@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import InputError, quoted
+from ...errors import InputError, quoted
 
 #: tinker path segment -> checkpoint type (Tinker's names)
 SEGMENT_TO_KIND = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}

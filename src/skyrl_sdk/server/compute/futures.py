@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import InputError, PluginError, clipped
+from ...errors import InputError, PluginError, clipped
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 :func:`client_routes` reads the client's source (``ast``, nothing imported or run) for every
 HTTP call it can make under ``/api/v1``; :data:`ROWS` says, per route, whether this server
 serves it and how. :func:`render_matrix` writes the table docs/server.md carries between its
-``compat-matrix`` markers; ``python -m skyrl_sdk.server.compat`` prints it.
+``compat-matrix`` markers; ``python -m skyrl_sdk.server.wire.compat`` prints it.
 ``tests/test_server_compat.py`` fails when a client route has no row, a row names a route the
 client no longer has, the docs differ from the rendering, or a row disagrees with what the
 server answers. Routes this server declines answer 404 with :data:`NOT_SERVED_PREFIX` and the

@@ -40,9 +40,9 @@ import re
 import urllib.parse
 from typing import Any
 
+from ..config import DEFAULT_OWNER
+from ..wire.bodies import Bodies
 from . import origins
-from .bodies import Bodies
-from .config import DEFAULT_OWNER
 
 #: the console's page and its static files: they carry no data, so they need no key (what the
 #: page shows comes from /console/api/*, behind the key like every other route)

@@ -11,14 +11,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from ..errors import InputError, NotFoundError, clipped, quoted
-from ..version import __version__
+from ...errors import InputError, NotFoundError, clipped, quoted
+from ...version import __version__
+from ..compute.runtime import Runtime
+from ..config import ServerConfig
+from ..state.statedir import StateDirLock
+from ..wire.bodies import Bodies
 from . import console, origins, rest, routes
-from .bodies import Bodies
-from .config import ServerConfig
 from .guard import Guard
-from .runtime import Runtime
-from .statedir import StateDirLock
 
 logger = logging.getLogger(__name__)
 

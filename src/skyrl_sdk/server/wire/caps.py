@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import InputError
+from ...errors import InputError
 
 #: bytes of one ``user_metadata`` object, as compact JSON
 MAX_METADATA_BYTES = 16 * 1024
@@ -20,8 +20,6 @@ MAX_METADATA_BYTES = 16 * 1024
 MAX_TAGS, MAX_TAG_CHARS = 64, 256
 #: a session's display name (Tinker's session search matches words in it)
 MAX_DISPLAY_NAME_CHARS = 256
-#: ``ServerConfig.max_sessions_per_owner``: an owner's sessions open at once (neither finished nor expired)
-DEFAULT_MAX_SESSIONS_PER_OWNER = 256
 
 
 def metadata(value: Any, field: str = "user_metadata") -> dict | None:

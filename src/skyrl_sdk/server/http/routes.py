@@ -14,10 +14,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import InputError
-from . import wire
+from ...errors import InputError
+from ..compute.runtime import Runtime
+from ..wire import envelopes
 from .guard import BODY_SCOPE_KEY, OWNER_SCOPE_KEY
-from .runtime import Runtime
 
 router = APIRouter(prefix="/api/v1")
 
@@ -39,10 +39,10 @@ async def body(request: Request) -> bytes:
 
 async def json_body(request: Request, route: str) -> dict[str, Any]:
     """The JSON object body of ``route`` (an empty body is ``{}``); InputError when it is not
-    one or has a key the route's request does not (:data:`~.wire.REQUEST_KEYS`). A large body
+    one or has a key the route's request does not (:data:`~..wire.envelopes.REQUEST_KEYS`). A large body
     is parsed off the event loop."""
     raw = await body(request)
-    return await runtime(request).bodies.parse(raw, wire.json_request, raw, route)
+    return await runtime(request).bodies.parse(raw, envelopes.json_request, raw, route)
 
 
 async def submit(request: Request, route: str) -> dict[str, Any]:

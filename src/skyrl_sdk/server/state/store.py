@@ -19,12 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, NotFoundError
-from ..models.checkpoint import clean_interrupted_saves, protect_directory
-from .config import DEFAULT_OWNER
+from ...errors import InputError, NotFoundError
+from ...models.checkpoint import clean_interrupted_saves, protect_directory
+from ..config import DEFAULT_OWNER
+from ..wire.tinker_paths import KIND_TO_SEGMENT, NAME_RE, SEGMENT_TO_KIND, TinkerPath, check_name, check_run_id, iso
 from .reconcile import reconcile_checkpoints
 from .statedir import StateDirLock
-from .tinker_paths import KIND_TO_SEGMENT, NAME_RE, SEGMENT_TO_KIND, TinkerPath, check_name, check_run_id, iso
 
 logger = logging.getLogger(__name__)
 

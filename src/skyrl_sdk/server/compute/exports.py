@@ -24,9 +24,9 @@ from typing import Any
 
 import attrs
 
-from ..errors import InputError, NotFoundError
-from ..models.checkpoint import atomic_directory
-from .tinker_paths import iso
+from ...errors import InputError, NotFoundError
+from ...models.checkpoint import atomic_directory
+from ..wire.tinker_paths import iso
 
 #: how long a signed download link works
 LINK_TTL_S = 3600.0

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-from ..inputs.sample import SampleCall
-from ..types import ForwardBackwardOutput, SampleOutput
+from ...inputs.sample import SampleCall
+from ...types import ForwardBackwardOutput, SampleOutput
 
 _NUMPY_TO_PROTO = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
 

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..losses.reduction import call_normalizers
+from ...losses.reduction import call_normalizers
 
 logger = logging.getLogger(__name__)
 

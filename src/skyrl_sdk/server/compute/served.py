@@ -15,9 +15,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, quoted
-from ..types import LoraConfig
-from .config import ServerConfig
+from ...errors import InputError, quoted
+from ...types import LoraConfig
+from ..config import ServerConfig
 from .memory import TRAINING_COPIES, MemoryBudget, weight_bytes
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def _canonical(name: str) -> str:
 
 def position_limit(model: str) -> int | None:
     """The model's ``max_position_embeddings`` (or equivalent) from its config.json, if any."""
-    from ..models.loading import TINY_DIR, max_positions
+    from ...models.loading import TINY_DIR, max_positions
 
     directory = TINY_DIR if model == "tiny" else Path(model).expanduser()
     try:
@@ -91,7 +91,7 @@ class ServedModels:
         """The name of ``base_model`` a tinker client can load the tokenizer of offline (it calls
         ``AutoTokenizer.from_pretrained(name)`` on a sampler's base model): a served directory as
         it is; ``tiny`` as the directory of its tokenizer files (which names it here too)."""
-        from ..models.loading import TINY_DIR, TINY_NAME
+        from ...models.loading import TINY_DIR, TINY_NAME
 
         return str(TINY_DIR.resolve()) if base_model == TINY_NAME else base_model
 
@@ -121,7 +121,7 @@ class ServedModels:
         return sum(s["base_bytes"] + s["adapter_bytes"] for s in (p.stats() for p in pools))
 
     def _pool(self, base_model: str):
-        from ..shared_base import SharedBase
+        from ...shared_base import SharedBase
 
         with self._pools_lock:
             pool = self._pools.get(base_model)
@@ -139,7 +139,7 @@ class ServedModels:
         return pool
 
     def _own_copy(self, model: str, lora: LoraConfig | None, what: str, training: bool):
-        from ..backend import Backend
+        from ...backend import Backend
 
         need = weight_bytes(model, self._dtype_bytes()) * (TRAINING_COPIES if training and lora is None else 1)
         self.budget.check(what, need, self.shared_bytes())

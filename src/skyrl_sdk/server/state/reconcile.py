@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..models.checkpoint import is_checkpoint_dir
+from ...models.checkpoint import is_checkpoint_dir
 
 logger = logging.getLogger(__name__)
 

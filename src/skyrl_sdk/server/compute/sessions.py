@@ -20,14 +20,14 @@ from typing import Any
 
 import attrs
 
-from ..errors import InputError, NotFoundError, quoted
-from ..types import LoraConfig
-from . import caps, wire
-from .config import ServerConfig
+from ...errors import InputError, NotFoundError, quoted
+from ...types import LoraConfig
+from ..config import ServerConfig
+from ..state.store import Store
+from ..wire import caps, envelopes
 from .executor import Queue
 from .futures import Sequencer
 from .snapshots import WeightsSnapshot
-from .store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Sessions:
     def heartbeat(self, owner: str, body: dict) -> str | None:
         """Record a heartbeat; for a finished or expired session, the message saying so
         (answered 410, on which the tinker client stops its heartbeat loop)."""
-        session_id = wire.session_id(body)
+        session_id = envelopes.session_id(body)
         try:
             self.open(owner, session_id)
         except NotFoundError:
@@ -129,7 +129,7 @@ class Sessions:
         row = self.store.session(session_id, owner)
         if row is None:
             raise NotFoundError(f"unknown session {quoted(session_id)}")
-        return wire.session_json(row, self.store.run_ids_of_session(session_id, owner))
+        return envelopes.session_json(row, self.store.run_ids_of_session(session_id, owner))
 
 
 @attrs.define(eq=False)

@@ -21,14 +21,14 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..errors import InputError, quoted, refuse_unknown_keys
-from ..inputs import sample as sample_call
-from ..inputs.coerce import adam_params_from_any
-from ..inputs.limits import prompt_length_problem
-from ..inputs.sample import SampleCall
-from ..inputs.tinker_proto import SERVER_LIMIT
-from ..types import AdamParams, ModelInput
-from ..types.numbers import check_number
+from ...errors import InputError, quoted, refuse_unknown_keys
+from ...inputs import sample as sample_call
+from ...inputs.coerce import adam_params_from_any
+from ...inputs.limits import prompt_length_problem
+from ...inputs.sample import SampleCall
+from ...inputs.tinker_proto import SERVER_LIMIT
+from ...types import AdamParams, ModelInput
+from ...types.numbers import check_number
 from . import caps
 from .tinker_paths import check_name, check_run_id, iso
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 
-from ..errors import InputError
-from .compat import ROWS, not_served_detail
+from ...errors import InputError
+from ..wire.compat import ROWS, not_served_detail
+from ..wire.envelopes import json_object
 from .guard import BODY_SCOPE_KEY, OWNER_SCOPE_KEY
-from .wire import json_object
 
 router = APIRouter(prefix="/api/v1")
 CHECKPOINT = "/training_runs/{run_id}/checkpoints/{segment}/{name}"

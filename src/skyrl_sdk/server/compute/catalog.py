@@ -22,13 +22,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotFoundError, quoted
-from ..types.numbers import check_number
-from . import session_search, wire
-from .history import History
+from ...errors import NotFoundError, quoted
+from ...types.numbers import check_number
+from ..wire.tinker_paths import TinkerPath, iso
+from ..state import session_search
+from ..state.history import History
+from ..state.store import Store
+from ..wire import envelopes
 from .sessions import TrainingModel
-from .store import Store
-from .tinker_paths import TinkerPath, iso
 
 #: a model whose worker had work within this many seconds is "live", else "idle"
 LIVE_S = 30.0
@@ -69,7 +70,7 @@ class Catalog:
     def _training_run(self, owner: str, run_id: Any) -> dict[str, Any]:
         """Tinker's ``TrainingRun`` JSON."""
         run = self._run(owner, run_id)
-        return wire.run_json(run, self.store.last_checkpoint(run["run_id"], "training"),
+        return envelopes.run_json(run, self.store.last_checkpoint(run["run_id"], "training"),
                              self.store.last_checkpoint(run["run_id"], "sampler"))
 
     training_run = on_a_thread(_training_run)
@@ -100,7 +101,7 @@ class Catalog:
     def weights_info(self, owner: str, tinker_path: Any) -> dict[str, Any]:
         """The weights info of the caller's checkpoint, or of another owner's published one."""
         tp, _ = self.store.resolve_checkpoint(tinker_path, owner, readable=True)
-        return wire.weights_info_json(self.store.run(tp.run_id, None))
+        return envelopes.weights_info_json(self.store.run(tp.run_id, None))
 
     @on_a_thread
     def export_directory(self, owner: str, tinker_path: Any) -> Path:

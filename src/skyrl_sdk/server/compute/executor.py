@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 
-from ..engines.turns import RoundRobin, on_micro_batch
+from ...engines.turns import RoundRobin, on_micro_batch
 from .futures import Job, Result
 
 logger = logging.getLogger(__name__)

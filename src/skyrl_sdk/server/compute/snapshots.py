@@ -22,9 +22,9 @@ from typing import Any
 import attrs
 import torch
 
-from ..engines.adapter import AdapterEngine
-from ..engines.local import LocalEngine
-from ..errors import EngineError, InputError
+from ...engines.adapter import AdapterEngine
+from ...engines.local import LocalEngine
+from ...errors import EngineError, InputError
 
 
 @attrs.define(eq=False)
