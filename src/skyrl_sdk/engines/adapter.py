@@ -125,6 +125,18 @@ class _OnSharedBase(LocalEngine):
                 image_processor=self.images and self.images.processor,
             )
 
+    def _save_adapter(self, module, directory: Path) -> None:
+        """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            save_peft_adapter(module, tmp, self.adapter.name)
+            sub = Path(tmp) / self.adapter.name  # peft puts a non-default adapter's files in a subfolder
+            items = [p for p in Path(tmp).iterdir() if p != sub] + (list(sub.iterdir()) if sub.is_dir() else [])
+            for item in items:
+                shutil.move(str(item), directory / item.name)
+        for files in (self.tokenizer, self.images and self.images.processor):
+            if files is not None:
+                files.save_pretrained(str(directory))
+
 
 class AdapterEngine(_OnSharedBase):
     """One client's LoRA adapter on a shared base, with the local engine's API and arithmetic."""
@@ -181,18 +193,6 @@ class AdapterEngine(_OnSharedBase):
                     p.copy_(checked.weights[key])
             self.runner.zero_grad()
             self.runner.optimizer.restore(checked.moments if optimizer else None, step)
-
-    def _save_adapter(self, module, directory: Path) -> None:
-        """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            save_peft_adapter(module, tmp, self.adapter.name)
-            sub = Path(tmp) / self.adapter.name  # peft puts a non-default adapter's files in a subfolder
-            items = [p for p in Path(tmp).iterdir() if p != sub] + (list(sub.iterdir()) if sub.is_dir() else [])
-            for item in items:
-                shutil.move(str(item), directory / item.name)
-        for files in (self.tokenizer, self.images and self.images.processor):
-            if files is not None:
-                files.save_pretrained(str(directory))
 
     def close(self) -> None:
         self.shared.remove_adapter(self.adapter)

@@ -1,7 +1,8 @@
 """The live server state: sessions, training models (one Backend + queue each) and the jobs
 that run Tinker's requests on them, in ``seq_id`` order. Routes and the console call only this
-class and the two services it holds for them: ``sessions`` (client sessions, :mod:`.sessions`)
-and ``catalog`` (runs, checkpoints, curves, :mod:`.catalog`).
+class and the services it holds for them: ``sessions`` (client sessions, :mod:`.sessions`),
+``catalog`` (runs, checkpoints, curves, :mod:`.catalog`) and ``weights`` (the requests that
+write weights to the state dir, :mod:`.weights`).
 
 Route handlers (event loop) call into :class:`Runtime`; every Backend call happens on the
 compute executor (:mod:`.executor`) through the owning model's queue, in fair turns, so the
@@ -26,11 +27,11 @@ from ...inputs import tinker_proto
 from ...inputs.coerce import lora_config_from_any
 from ...losses.stability import SequenceRecords
 from ..config import ServerConfig
-from ..wire.bodies import Bodies
 from ..state.history import History
 from ..state.statedir import StateDirLock
 from ..state.store import Store
 from ..wire import envelopes, proto
+from ..wire.bodies import Bodies
 from . import visibility
 from .catalog import Catalog
 from .executor import SHUTDOWN_MESSAGE, Executors
@@ -39,7 +40,7 @@ from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
-from .weights import EXPIRY_SWEEP_S, WeightRequests
+from .weights import WeightRequests
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class _ShuttingDown(Exception):
     """A request that arrived after the shutdown began."""
 
 
-class Runtime(WeightRequests):
+class Runtime:
     def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, bodies: Bodies | None = None,
                  state_lock: StateDirLock | None = None) -> None:
         self.config = config
@@ -67,7 +68,8 @@ class Runtime(WeightRequests):
         #: per client session, the sequences sampled with record_stability_info (stable_reinforce)
         self.sequence_records: dict[str, SequenceRecords] = {}
         self.downloads = DownloadLinks()  # signed links to external weights' files
-        self._expiry_sweep = loop.call_later(EXPIRY_SWEEP_S, self._sweep_expired)
+        #: save_weights, save_weights_for_sampler, save_weights_external and the expiry sweep
+        self.weights = WeightRequests(self.store, self.sampling, self.sequenced, loop)
         self.started_at = time.time()
         #: monotonic time of the first shutdown signal (None while serving)
         self.stopping: float | None = None
@@ -86,8 +88,9 @@ class Runtime(WeightRequests):
         queue bound is checked before the body is parsed; a large body is parsed off the loop."""
         handlers: dict[str, Callable[[str, dict], FutureRecord]] = {
             "create_model": self.create_model, "load_weights": self.load_weights, "optim_step": self.optim_step,
-            "save_weights": self.save_weights, "save_weights_for_sampler": self.save_weights_for_sampler,
-            "save_weights_external": self.save_weights_external,
+            "save_weights": self.weights.save_weights,
+            "save_weights_for_sampler": self.weights.save_weights_for_sampler,
+            "save_weights_external": self.weights.save_weights_external,
             "asample": self.sample,
         }
         try:
@@ -220,7 +223,7 @@ class Runtime(WeightRequests):
 
             return load
 
-        return self._sequenced(owner, body, "load_weights", make, cost=None)
+        return self.sequenced(owner, body, "load_weights", make, cost=None)
 
     def _create(self, owner: str, req: envelopes.NewModel, plan: Callable[[], tuple], answer: dict) -> FutureRecord:
         """Create a model (fresh, or from a checkpoint directory). Everything is checked before
@@ -282,8 +285,8 @@ class Runtime(WeightRequests):
                                     model.require_backend().get_info())
 
     # ---- training requests (sequenced per model) -----------------------------------------------
-    def _sequenced(self, owner: str, body: dict | None, what: str, make_run: Callable[[TrainingModel], Callable],
-                   model_id: Any = None, seq: Any = None, cost: int | None = 0) -> FutureRecord:
+    def sequenced(self, owner: str, body: dict | None, what: str, make_run: Callable[[TrainingModel], Callable],
+                  model_id: Any = None, seq: Any = None, cost: int | None = 0) -> FutureRecord:
         """Queue ``make_run(model)`` in the model's ``seq_id`` order. The model must be the
         caller's; a retry of a (model, seq_id) gets the first submission's future. Bad input
         found by ``make_run`` fails the future but still takes its turn, so later requests
@@ -331,7 +334,7 @@ class Runtime(WeightRequests):
             return run
 
         what = "forward" if req.forward_only else "forward_backward"
-        return self._sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id, cost=req.tokens)
+        return self.sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id, cost=req.tokens)
 
     def optim_step(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
@@ -347,7 +350,7 @@ class Runtime(WeightRequests):
 
             return run
 
-        return self._sequenced(owner, body, "optim_step", make)
+        return self.sequenced(owner, body, "optim_step", make)
 
     # ---- sampling ------------------------------------------------------------------------------
     def create_sampling_session(self, owner: str, body: dict) -> str:
@@ -409,7 +412,7 @@ class Runtime(WeightRequests):
         if self.stopping is not None:
             return
         self.stopping = time.monotonic()
-        self._expiry_sweep.cancel()
+        self.weights.stop()
         for m in self.models.values():
             m.sequencer.fail_pending(SHUTDOWN_MESSAGE)
         self.executors.stop()
