@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from ...engines.turns import Steps
 from ...errors import InputError, NotFoundError, quoted
 from ...inputs import tinker_proto
 from ...inputs.coerce import lora_config_from_any
@@ -322,11 +323,11 @@ class Runtime:
             if req.error is not None:
                 raise InputError(req.error)
 
-            def run() -> Result:
+            def run() -> Steps[Result]:  # a stepped call: the executor may run others' jobs between its steps
                 backend = model.require_backend()
-                fn = backend.forward if req.forward_only else backend.forward_backward
+                call = backend.forward_steps if req.forward_only else backend.forward_backward_steps
                 started = time.time()
-                out = fn(req.data, loss_fn=req.loss_fn, loss_fn_config=req.loss_fn_config)
+                out = yield from call(req.data, loss_fn=req.loss_fn, loss_fn_config=req.loss_fn_config)
                 if not req.forward_only:
                     self.history.forward_backward(model.model_id, out.metrics, started, req.data)
                 return Result.proto(proto.forward_backward_output_to_proto(out))
