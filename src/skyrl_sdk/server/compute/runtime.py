@@ -79,7 +79,7 @@ class Runtime:
         self.store.tidy()
 
     def redact(self, message: str) -> str:
-        """``message`` with server paths shown as ``tinker://`` paths (or ``<state-dir>``)."""
+        """``message`` with server paths shown as ``tinker://`` paths (or ``<state-dir>``; no disk read)."""
         return self.store.redact(message)
 
     # ---- future routes: one entry, so an unreadable body is one failed future ------------------
@@ -105,6 +105,8 @@ class Runtime:
                 rec = self.forward_backward(owner, req)
             else:
                 rec = handlers[route](owner, await self.bodies.parse(raw, envelopes.json_request, raw, route))
+                if asyncio.iscoroutine(rec):  # a handler that reads the state dir first, on a thread
+                    rec = await rec
         except InputError as exc:
             rec = self.futures.failed(owner, exc, prefix="sample" if route == "asample" else "req")
         except _ShuttingDown:
@@ -163,10 +165,7 @@ class Runtime:
 
     def records(self, session_id: str) -> SequenceRecords:
         """The recorded sequences of a client session (Tinker: provenance names sequences of its own session)."""
-        records = self.sequence_records.get(session_id)
-        if records is None:
-            records = self.sequence_records[session_id] = SequenceRecords()
-        return records
+        return self.sequence_records.setdefault(session_id, SequenceRecords())
 
     def _end_session(self, session_id: str, why: str) -> None:
         """(a session finished or expired) Release its models and forget its recorded sequences."""
@@ -190,15 +189,15 @@ class Runtime:
         model.sequencer.fail_pending(f"model {model.model_id} was released: {why}")
         model.worker.put(Job(run=close, done=lambda r: model.worker.close(wait=False), what="release"))
 
-    def create_model(self, owner: str, body: dict) -> FutureRecord:
+    async def create_model(self, owner: str, body: dict) -> FutureRecord:
         req = envelopes.parse_new_model(body)
 
         def plan():
             return self.served.resolve(req.base_model), lora_config_from_any(req.lora_config), req.user_metadata, None
 
-        return self._create(owner, req, plan, {"model_id": req.model_id, "type": "create_model"})
+        return await self._create(owner, req, plan, {"model_id": req.model_id, "type": "create_model"})
 
-    def load_weights(self, owner: str, body: dict) -> FutureRecord:
+    async def load_weights(self, owner: str, body: dict) -> FutureRecord:
         """Create-from-state (session_id + model_seq_id) or a load into an existing model."""
         if body.get("session_id") is not None:
             req = envelopes.parse_new_model(body, from_state=True)
@@ -209,13 +208,14 @@ class Runtime:
                 base = self.served.resolve(req.base_model or run["base_model"])
                 return base, lora_config_from_any(run["lora"]), req.user_metadata or run["user_metadata"], directory
 
-            return self._create(owner, req, plan, {"model_id": req.model_id, "path": req.path, "type": "load_weights"})
+            answer = {"model_id": req.model_id, "path": req.path, "type": "load_weights"}
+            return await self._create(owner, req, plan, answer)
 
         def make(model: TrainingModel):
             req = envelopes.parse_load(body)
-            _, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
 
             def load() -> Result:
+                _, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
                 backend = model.require_backend()
                 self.sampling.before_weight_change(model)
                 backend.load_state(directory, optimizer=req.optimizer)
@@ -226,14 +226,17 @@ class Runtime:
 
         return self.sequenced(owner, body, "load_weights", make, cost=None)
 
-    def _create(self, owner: str, req: envelopes.NewModel, plan: Callable[[], tuple], answer: dict) -> FutureRecord:
-        """Create a model (fresh, or from a checkpoint directory). Everything is checked before
-        anything is registered, so a rejected request leaves no model, worker or record."""
-        self.sessions.open(owner, req.session_id)
+    async def _create(self, owner: str, req: envelopes.NewModel, plan: Callable[[], tuple], answer: dict
+                      ) -> FutureRecord:
+        """Create a model (fresh, or from a checkpoint directory). Everything is checked (``plan``
+        on a thread) before anything is registered: a rejected request leaves no model, worker or record."""
+        await self.sessions.open(owner, req.session_id)
         dedup = (owner, "create_model", req.model_id)
         if (old := self.futures.lookup(dedup)) is not None:
             return old
-        base, lora, metadata, directory = plan()
+        base, lora, metadata, directory = await asyncio.to_thread(plan)
+        if (old := self.futures.lookup(dedup)) is not None:  # a retry that came in meanwhile: nothing awaits from here
+            return old
         if (old := self.models.get(req.model_id)) is not None and not old.closed:
             raise InputError(f"model {req.model_id} already exists")
         worker = self.executors.queue(req.model_id, owner, self.config.max_sample_batch,
@@ -241,13 +244,14 @@ class Runtime:
         sequencer = Sequencer(worker, 1, self.config.gap_timeout_s, self.config.boundary_grace_s)
         model = TrainingModel(req.model_id, owner, req.session_id, base, lora, worker, sequencer, asyncio.Event())
         self.models[req.model_id] = model
-        self.store.add_run(req.model_id, owner, req.session_id, base, attrs.asdict(lora) if lora else None, metadata)
         rec = self.futures.create(owner, req.model_id, dedup)
         complete = self.futures.completer(rec)
         records = self.records(req.session_id)
 
         def create() -> Result:
             try:
+                self.store.add_run(req.model_id, owner, req.session_id, base, attrs.asdict(lora) if lora else None,
+                                   metadata)
                 backend = self.served.open_backend(base, lora, label=req.model_id)
                 if directory is not None:
                     try:
@@ -306,7 +310,7 @@ class Runtime:
             def run(exc=exc):
                 raise exc
         rec = self.futures.create(owner, model.model_id, dedup)
-        self.store.touch_run(model.model_id)
+        self.loop.run_in_executor(None, self.store.touch_run, model.model_id)  # never raises
         # a boundary: the client submitted every earlier seq_id before this one (see Sequencer)
         boundary = what not in ("forward", "forward_backward") or not self.config.parallel_chunks
         model.sequencer.submit(seq, Job(run=run, done=self.futures.completer(rec), what=f"{what}({model.model_id})",
@@ -354,28 +358,29 @@ class Runtime:
         return self.sequenced(owner, body, "optim_step", make)
 
     # ---- sampling ------------------------------------------------------------------------------
-    def create_sampling_session(self, owner: str, body: dict) -> str:
+    async def create_sampling_session(self, owner: str, body: dict) -> str:
         session_id = envelopes.session_id(body)
         seq = envelopes.integer(body, "sampling_session_seq_id")
         source = envelopes.parse_sampler_source(body)
-        self.sessions.open(owner, session_id)
+        await self.sessions.open(owner, session_id)
         sid = f"{session_id}:sample:{seq}"
-        self.sampling.create(owner, session_id, sid, source.model_path, source.base_model)
+        await self.sampling.create(owner, session_id, sid, source.model_path, source.base_model)
         return sid
 
-    def get_sampler(self, owner: str, sampler_id: str) -> dict:
-        s = self.sampling.session(owner, sampler_id)
+    async def get_sampler(self, owner: str, sampler_id: str) -> dict:
+        s = await self.sampling.session(owner, sampler_id)
         # the client loads a sampler's tokenizer by this name: give one that resolves offline
         return {"sampler_id": s.sid, "base_model": self.served.client_name(s.base_model), "model_path": s.model_path}
 
-    def sample(self, owner: str, body: dict) -> FutureRecord:
+    async def sample(self, owner: str, body: dict) -> FutureRecord:
         spec = envelopes.parse_sample_request(body, self.config.max_num_samples)
         sid, seq = envelopes.parse_sample_ref(body)
         if sid is not None:
-            session = self.sampling.session(owner, sid)
+            session = await self.sampling.session(owner, sid)
         else:
             source = envelopes.parse_sampler_source(body)
-            session = self.sampling.session_from(owner, source.model_path, source.base_model, "adhoc")
+            session = await asyncio.to_thread(self.sampling.session_from, owner, source.model_path,
+                                              source.base_model, "adhoc")
         dedup = (owner, "sampling session", sid, "seq_id", seq) if sid is not None and seq is not None else None
         if (old := self.futures.lookup(dedup)) is not None:
             return old
@@ -391,7 +396,7 @@ class Runtime:
 
                 def record(out):
                     records.record(prompt, out.sequences, ids)
-            self.sampling.submit(session, spec, self.futures.completer(rec), record)
+            await self.sampling.submit(session, spec, self.futures.completer(rec), record)
         except InputError as exc:
             self.futures.finish(rec, Result.from_exception(exc))
         rec.extra["num_samples"] = spec.request.num_samples
