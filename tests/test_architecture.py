@@ -57,7 +57,7 @@ FSDP_LAYERS = (
 #: Inside the server, bottom to top: its folders are its layers (docs/architecture.md); the
 #: settings (``config``) below them all, the package's face (``create_app``, ``ServerConfig``) on top.
 SERVER_LAYERS = (
-    ("settings", ("skyrl_sdk.server.config",)),
+    ("settings", ("skyrl_sdk.server.config", "skyrl_sdk.server.settings")),
     ("wire", ("skyrl_sdk.server.wire",)),
     ("state", ("skyrl_sdk.server.state",)),
     ("compute", ("skyrl_sdk.server.compute",)),
@@ -400,7 +400,7 @@ def test_the_server_folders_are_layers(module):
 
 def test_every_server_module_is_in_a_layer_folder():
     loose = [m for m in MODULES if m.startswith("skyrl_sdk.server.") and m.count(".") == 2
-             and m not in ("skyrl_sdk.server.config",) and MODULES[m].name != "__init__.py"]
+             and m not in ("skyrl_sdk.server.config", "skyrl_sdk.server.settings") and MODULES[m].name != "__init__.py"]
     assert not loose, f"server modules outside the layer folders (wire/ state/ compute/ http/): {loose}"
 
 
