@@ -322,7 +322,8 @@ def _run_batch(batch: list[Job]) -> list[Result | None]:
     results: list[Result | None] = []
     for job in batch:
         try:
-            results.append(job.run())
+            out = job.run()
+            results.append(run_to_end(out) if inspect.isgenerator(out) else out)
         except BaseException as exc:
             results.append(_failed(exc, job))
     return results
