@@ -167,17 +167,22 @@ def _fake_module(monkeypatch, name: str, func: str) -> list:
 
 
 def test_serve_arguments_and_lazy_import(monkeypatch):
-    monkeypatch.setenv(cli.API_KEY_ENV, "tml-secret")
+    from skyrl_sdk.server.config import ServerConfig
+    from skyrl_sdk.server.settings import API_KEY_ENV
+
+    monkeypatch.setenv(API_KEY_ENV, "tml-secret")
     calls = _fake_module(monkeypatch, "skyrl_sdk.cli.serve", "serve")
     assert cli.main(["serve"]) == 0
-    args = calls[-1]
-    assert (args.host, args.port, args.model, args.engine, args.engine_config, args.state_dir, args.api_key,
-            args.lazy) == ("127.0.0.1", 8000, ["tiny"], "local", None, "./skyrl-server-state", "tml-secret", False)
+    config = ServerConfig.from_args(calls[-1])  # the parsed flags hold the settings' names (server/settings.py)
+    assert (config.host, config.port, config.models, config.engine, config.engine_config, str(config.state_dir),
+            config.api_key, calls[-1].lazy) == ("127.0.0.1", 8000, ("tiny",), "local", {}, "skyrl-server-state",
+                                                "tml-secret", False)
     assert cli.main(["-v", "serve", "--model", "a", "--model", "/m/b", "--port", "9",
                      "--engine-config", '{"device": "cpu"}', "--api-key", "tml-x", "-v", "--lazy"]) == 0
     args = calls[-1]
-    assert (args.model, args.port, args.engine_config, args.api_key, args.lazy) == (
-        ["a", "/m/b"], 9, {"device": "cpu"}, "tml-x", True)
+    config = ServerConfig.from_args(args)
+    assert (config.models, config.port, config.engine_config, config.api_key, args.lazy) == (
+        ("a", "/m/b"), 9, {"device": "cpu"}, "tml-x", True)
     assert args.verbose >= 1
 
 

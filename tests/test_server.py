@@ -392,16 +392,16 @@ def test_event_loop_stays_responsive_while_training(server):
         model_id = _raw_model(http)
         backend = server.runtime.models[model_id].require_backend()
         started, answered, finished = threading.Event(), threading.Event(), threading.Event()
-        real = backend.forward_backward
+        real = backend.forward_backward_steps  # what the server's job runs, step by step
 
         def held(*args, **kwargs):
             started.set()
             answered.wait(HANG_S)
-            out = real(*args, **kwargs)
+            out = yield from real(*args, **kwargs)
             finished.set()
             return out
 
-        backend.forward_backward = held
+        backend.forward_backward_steps = held
         big = pb.ForwardBackwardRequest(model_id=model_id, seq_id=1, loss_fn="cross_entropy")
         rng = np.random.default_rng(0)
         for _ in range(16):
@@ -418,7 +418,7 @@ def test_event_loop_stays_responsive_while_training(server):
         finally:
             answered.set()
         assert _result(http, fut["request_id"]).status_code == 200
-        del backend.forward_backward
+        del backend.forward_backward_steps
 
 
 def test_two_clients_at_once(server):

@@ -289,12 +289,14 @@ def test_the_server_view_is_for_operators(world):
         assert base["adapters_in_memory"] >= 2 and base["base_bytes"] > 0 and srv["memory"]["used_bytes"] > 0
         work = {w["owner"]: w for w in srv["work"]}
         assert work["alice"]["live_models"] == 1 and work["bob"]["live_models"] == 1
-        assert srv["limits"]["max_num_samples"] == 256 and srv["limits"]["models"] == ["tiny"]
-        assert (srv["limits"]["sampler"], srv["limits"]["sampler_config"]) == ("transformers", {})
+        limits = {row["setting"]: row["value"] for row in srv["limits"]}  # rows of server/settings.py's declaration
+        assert limits["max_num_samples"] == 256 and limits["models"] == ["tiny"]
+        assert (limits["sampler"], limits["sampler_config"]) == ("transformers", {})
         # the request and connection limits in force (this server runs with their defaults)
-        assert (srv["limits"]["max_tokens_per_request"], srv["limits"]["max_queued_requests"],
-                srv["limits"]["header_timeout_s"]) == (524288, 1024, 10.0)
-        assert 1 <= srv["limits"]["max_connections"] <= 1000
+        assert (limits["max_tokens_per_request"], limits["max_queued_requests"],
+                limits["header_timeout_s"]) == (524288, 1024, 10.0)
+        assert 1 <= limits["max_connections"] <= 1000
+        assert {row["flag"] for row in srv["limits"]} >= {"--max-memory", "--session-timeout", "--max-connections"}
     with raw_client(world["srv"], ALICE) as http:
         me = http.get("/console/api/me").json()
         assert (me["owner"], me["operator"], me["key_required"], me["models"]) == ("alice", False, True, ["tiny"])
@@ -416,3 +418,20 @@ def test_the_banner_and_the_page_say_a_key_link_stays_in_the_browser_history(tmp
     assert "keeps the link, key and all, in its history" in console_hint("http://h:1", needs_key=True)
     with ServerThread(tmp_path / "state") as srv, raw_client(srv, api_key=None) as http:
         assert "keeps the link, key and all, in its" in " ".join(http.get("/").text.split())
+
+
+def test_the_console_limits_table_is_the_declaration():
+    """The limits table holds every setting server/settings.py marks for the console, by its flag,
+    with the value in force (tests/test_settings.py holds the rest to the declaration)."""
+    from types import SimpleNamespace
+
+    from skyrl_sdk.server import settings
+    from skyrl_sdk.server.http import console
+
+    config = ServerConfig(max_memory="8GiB", max_connections=7)
+    rows = console._limits(SimpleNamespace(config=config))
+    assert [r["setting"] for r in rows] == [s.name for s in settings.SETTINGS if s.console]
+    for row in rows:
+        assert row["value"] == getattr(config, row["setting"]) and row["flag"] == settings.BY_NAME[row["setting"]].flag
+    by_name = {r["setting"]: r for r in rows}
+    assert by_name["max_memory"]["unit"] == "bytes" and by_name["max_lora_adapters"]["unset"] == "no limit"

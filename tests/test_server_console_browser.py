@@ -286,7 +286,10 @@ def test_a_screenshot_renders(world, tmp_path):
 def test_a_server_without_keys_opens_at_once_with_the_server_view(tmp_path):
     chromium()
     with ServerThread(tmp_path / "state", api_key=None) as srv:
-        dom = Elements(run_chromium(tmp_path, f"{srv.url}/", "--dump-dom"))
+        html = run_chromium(tmp_path, f"{srv.url}/", "--dump-dom")
+        dom = Elements(html)
     assert "hidden" in dom.by(id="login")[0][1] and "hidden" not in dom.by(id="app")[0][1]
     assert "hidden" not in dom.by(id="server-panel")[0][1] and "hidden" not in dom.by(id="runs-empty")[0][1]
+    # the limits table: a row per setting server/settings.py marks for the console, by its flag
+    assert "<td>--session-timeout</td><td>300 s</td>" in html and "<td>--max-lora-adapters</td><td>no limit</td>" in html
     assert "(operator)" in dom.by(id="who")[0][2] and dom.by(id="error")[0][2].strip() == ""

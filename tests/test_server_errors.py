@@ -66,7 +66,7 @@ def test_backend_exceptions_reach_the_client_by_type(trainer, monkeypatch, exc, 
     def fail(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr(backend, "forward_backward", fail)
+    monkeypatch.setattr(backend, "forward_backward_steps", fail)  # what the server's job runs
     with pytest.raises(tinker.RequestFailedError) as err:
         tc.forward_backward([_datum()], "cross_entropy").result(timeout=HANG_S)
     assert err.value.category == category

@@ -21,6 +21,7 @@ import numpy as np
 
 from .builtin_plugins import get_registry
 from .engines import call_grads
+from .engines.turns import Steps, run_to_end
 from .errors import CheckpointError, CriticExportWarning, DatumError, InputError
 from .inputs.coerce import adam_params_from_any, data_from_any, lora_config_from_any
 from .inputs.sample import sample_call
@@ -156,7 +157,8 @@ class Backend:
         return get_registry().resolve(loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
 
     def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config,
-                 backward: bool = True) -> tuple[list[Datum], ResolvedLoss]:
+                 backward: bool = True) -> Steps[tuple[list[Datum], ResolvedLoss]]:
+        """(stepped: a loss's ``prepare`` runs a forward first) A call's datums and loss, checked."""
         resolved = self.resolve(loss_fn, loss_fn_config)
         datums = data_from_any(data)
         inputs = self._read_images([d.model_input for d in datums], lambda i, msg: DatumError(msg, index=i))
@@ -171,7 +173,8 @@ class Backend:
                 resolved = reading_values(resolved, set(datums[0].loss_fn_inputs))
         resolved = check_call(datums, resolved, self.vocab_size, self.engine.info.max_positions)  # before compute
         if resolved.spec.prepare is not None and not resolved.scores_only:
-            datums = add_prepared_inputs(datums, resolved, self.engine.run(datums, resolved, backward=False).outputs)
+            prepared = yield from self.engine.run_steps(datums, resolved, backward=False)
+            datums = add_prepared_inputs(datums, resolved, prepared.outputs)
         return datums, resolved
 
     def _read_images(self, inputs: list[ModelInput], error) -> list[ModelInput]:
@@ -191,20 +194,26 @@ class Backend:
         outputs = [{k: TensorData(np.ascontiguousarray(v)) for k, v in o.items()} for o in result.outputs]
         acc = MetricAccumulator()
         acc.merge([result.metric_state])
-        return ForwardBackwardOutput(
-            loss_fn_output_type=LOSS_FN_OUTPUT_TYPE, loss_fn_outputs=outputs, metrics=acc.result()
-        )
+        return ForwardBackwardOutput(loss_fn_output_type=LOSS_FN_OUTPUT_TYPE, loss_fn_outputs=outputs,
+                                     metrics=acc.result())
 
     def forward_backward(
         self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
     ) -> ForwardBackwardOutput:
         """Score ``data`` with ``loss_fn`` and add the gradient of the summed loss."""
+        return run_to_end(self.forward_backward_steps(data, loss_fn, loss_fn_config))
+
+    def forward_backward_steps(
+        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
+    ) -> Steps[ForwardBackwardOutput]:
+        """:meth:`forward_backward` as a stepped call (``engines.turns``), yielding at micro-batch
+        boundaries; it holds the Backend throughout: drive it to its end on the thread that started it."""
         with self._lock:
             self._check_open()
-            datums, resolved = self._prepare(data, loss_fn, loss_fn_config)
+            datums, resolved = yield from self._prepare(data, loss_fn, loss_fn_config)
             t0 = time.perf_counter()
             try:
-                result = self.engine.run(datums, resolved, backward=True)
+                result = yield from self.engine.run_steps(datums, resolved, backward=True)
             except BaseException as exc:
                 self._after_failed_call(exc)
                 raise
@@ -237,10 +246,16 @@ class Backend:
         The datums may carry inputs of other losses (a policy's ``logprobs``, ``advantages``,
         ``ref_logprobs``): a reference model's ``forward(data, "cross_entropy")`` scores the
         policy's datums as they are. Keys no loss uses are refused as in ``forward_backward``."""
+        return run_to_end(self.forward_steps(data, loss_fn, loss_fn_config))
+
+    def forward_steps(
+        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
+    ) -> Steps[ForwardBackwardOutput]:
+        """:meth:`forward` as a stepped call (see :meth:`forward_backward_steps`)."""
         with self._lock:
             self._check_open()
-            datums, resolved = self._prepare(data, loss_fn, loss_fn_config, backward=False)
-            return self._outputs(self.engine.run(datums, resolved, backward=False))
+            datums, resolved = yield from self._prepare(data, loss_fn, loss_fn_config, backward=False)
+            return self._outputs((yield from self.engine.run_steps(datums, resolved, backward=False)))
 
     def optim_step(self, adam_params: Any = None) -> OptimStepOutput:
         """Apply AdamW with exactly ``adam_params`` to the accumulated gradients, then clear them."""

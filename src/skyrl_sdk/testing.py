@@ -141,14 +141,9 @@ def count_micro_batches() -> Iterator[list[int]]:
     A test that claims a result does not depend on micro-batching checks with it that more
     than one micro-batch ran (engines computing in other processes, such as ``fsdp``, add none).
     """
-    from .engines.turns import on_micro_batch
+    from .engines.turns import count_boundaries
 
-    seen = [0]
-
-    def count() -> None:
-        seen[0] += 1
-
-    with on_micro_batch(count):
+    with count_boundaries() as seen:
         yield seen
 
 

@@ -25,7 +25,6 @@ from ..version import __version__
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "SKYRL_SDK_API_KEY"
 DESCRIPTION = "skyrl-sdk: train Hugging Face causal LMs behind Tinker's API, in-process or over HTTP."
 EPILOG = "Start with: skyrl-sdk demo. Each command has its own --help."
 
@@ -220,16 +219,6 @@ def _lazy(module: str, func: str, hint: str) -> Callable[[argparse.Namespace], i
     return handler
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 def _command(sub: Any, common: argparse.ArgumentParser, name: str, summary: str, **kwargs: Any):
     """A subcommand whose one-line summary is both its entry in ``skyrl-sdk --help`` and the
     first line of its own ``--help``."""
@@ -271,57 +260,9 @@ status 2 and the reason. See docs/server.md.
 def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     p = _command(sub, common, "serve", "serve models over Tinker's HTTP API for the tinker client and the cookbook",
                  epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000,
-                   help="port (default 8000; 0 picks a free one, printed in the 'listening on' line)")
-    p.add_argument("--model", action="append", default=None, dest="model",
-                   help="a model to serve: 'tiny' or a local HF directory; repeatable (default: tiny)")
-    p.add_argument("--engine", default="local", help="engine name (default local)")
-    p.add_argument("--engine-config", type=_json_object, default=None, metavar="JSON",
-                   help='engine options as a JSON object, e.g. \'{"device": "cpu"}\'')
-    p.add_argument("--sampler", default="transformers",
-                   help="what serves the sampling clients: 'transformers' (built in, default) or a sampler "
-                        "plugin's name, e.g. 'vllm' (pip install 'skyrl-sdk-vllm[gpu]')")
-    p.add_argument("--sampler-config", type=_json_object, default=None, metavar="JSON",
-                   help='sampler options as a JSON object, e.g. \'{"gpu_memory_utilization": 0.4}\'')
-    p.add_argument("--state-dir", default="./skyrl-server-state",
-                   help="checkpoints and saved weights (default ./skyrl-server-state)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"required X-API-Key (default: ${API_KEY_ENV}; unset accepts any key)")
-    # owners and limits (docs/server.md)
-    p.add_argument("--api-keys", default=None, metavar="FILE",
-                   help="API keys with owners, one 'KEY [OWNER [operator]]' per line: each owner sees only its "
-                        "own things; a key without OWNER is an owner of its own; a third column 'operator' lets "
-                        "that owner see the whole server in the console (docs/server.md, Owners)")
-    p.add_argument("--session-timeout", type=float, default=None, metavar="SECONDS",
-                   help="free the models of a session without heartbeat for this long (default 300)")
-    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
-                   help="longest sequence accepted (default: each model's max_position_embeddings)")
-    p.add_argument("--max-num-samples", type=int, default=None, metavar="N",
-                   help="most samples one sample request may ask for (default 256)")
-    p.add_argument("--share-base", action=argparse.BooleanOptionalAction, default=None,
-                   help="LoRA clients of a model share one copy of its weights (default: on; "
-                        "--no-share-base gives each client its own copy; docs/server.md)")
-    p.add_argument("--max-lora-adapters", type=int, default=None, metavar="N",
-                   help="LoRA adapters per shared base kept in memory; the least recently used beyond N "
-                        "wait on disk (default: no limit)")
-    p.add_argument("--max-memory", default=None, metavar="SIZE",
-                   help="memory the loaded models may take, e.g. 8GiB (default: no limit)")
-    p.add_argument("--snapshot-memory", default=None, metavar="SIZE",
-                   help="memory for in-memory weight snapshots of ephemeral sampling clients, least "
-                        "recently used evicted beyond it (default 2GiB)")
-    p.add_argument("--max-tokens-per-request", type=int, default=None, metavar="N",
-                   help="tokens one forward/forward_backward request may hold (default 524288)")
-    p.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
-                   help="requests one owner may have queued or running; more are refused (default 1024)")
-    p.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
-                   help="a connection must send its request headers within this (default 10)")
-    p.add_argument("--max-connections", type=int, default=None, metavar="N",
-                   help="open connections; beyond N the oldest idle one is closed (default: 1000, "
-                        "at most half the open-file limit)")
-    p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
-                   help="without an API key the server answers only requests whose Host is a loopback name or "
-                        "--host: allow this name too ('*': any); repeatable (docs/server.md)")
+    from ..server.settings import add_flags  # the server's settings, declared once (no server import)
+
+    add_flags(p)
     p.add_argument("--lazy", action="store_true",
                    help="check models and engine config without loading the weights at start "
                         "(big models: they load when a client first asks)")
@@ -390,8 +331,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:  # bare `skyrl-sdk`: show what there is to do
         parser.print_help()
         return 0
-    if getattr(args, "model", "absent") is None:
-        args.model = ["tiny"]  # an append default would be appended to, so fill it here
     _setup_logging(args.verbose)
     try:
         code = args.func(args)

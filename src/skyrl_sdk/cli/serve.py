@@ -212,20 +212,20 @@ def install_crash_reports() -> None:
 def serve(args: Any) -> int:
     """The ``serve`` subcommand: validate, bind, announce, run until Ctrl-C / SIGTERM."""
     try:
-        check_port(getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000))
         config = ServerConfig.from_args(args)
-        sampler = preflight(config, lazy=bool(getattr(args, "lazy", False)))
+        check_port(config.host, config.port)
+        sampler = preflight(config, lazy=args.lazy)
         state_lock = claim_state_dir(config)
     except SkyrlError as exc:
         print(f"skyrl-sdk serve: cannot start: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    logger.info("torch uses %s", apply_threads(getattr(args, "threads", None)))
+    logger.info("torch uses %s", apply_threads(args.threads))
     if not is_loopback(config.host) and not config.owners():
         logger.warning("serving on %s without an API key: anyone who can reach it can train and read "
                        "checkpoints (pass --api-key or set SKYRL_SDK_API_KEY)", config.host)
     env_key = os.environ.get(API_KEY_ENV)
     key_from_env = bool(env_key) and config.api_key == env_key
-    keys_file = getattr(args, "api_keys", None)
+    keys_file = args.api_keys
     edge.raise_fd_limit()
     app = create_app(config, state_lock)
 

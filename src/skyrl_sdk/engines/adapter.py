@@ -27,6 +27,7 @@ from .export import export_hf_directory, lora_unties_head, save_peft_adapter
 from .local import LocalEngine
 from .pool import Adapter, AdapterPool, solo_name
 from .state import StateLayout, check_engine_metadata, check_state_files
+from .turns import Steps, each_step
 from .weights import EngineWeights
 
 
@@ -125,6 +126,18 @@ class _OnSharedBase(LocalEngine):
                 image_processor=self.images and self.images.processor,
             )
 
+    def _save_adapter(self, module, directory: Path) -> None:
+        """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            save_peft_adapter(module, tmp, self.adapter.name)
+            sub = Path(tmp) / self.adapter.name  # peft puts a non-default adapter's files in a subfolder
+            items = [p for p in Path(tmp).iterdir() if p != sub] + (list(sub.iterdir()) if sub.is_dir() else [])
+            for item in items:
+                shutil.move(str(item), directory / item.name)
+        for files in (self.tokenizer, self.images and self.images.processor):
+            if files is not None:
+                files.save_pretrained(str(directory))
+
 
 class AdapterEngine(_OnSharedBase):
     """One client's LoRA adapter on a shared base, with the local engine's API and arithmetic."""
@@ -134,9 +147,12 @@ class AdapterEngine(_OnSharedBase):
         self.runner = adapter.runner
 
     # ---- compute ----------------------------------------------------------------------------------
-    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
-        with self.shared.using(self.adapter):
-            return super().run(data, loss, backward=backward)
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
+        """One turn on the base per step: between its micro-batches the call holds no turn, and its
+        adapter stays in memory (:meth:`~.pool.AdapterPool.calling`)."""
+        with self.shared.calling(self.adapter):
+            return (yield from each_step(lambda: self.shared.using(self.adapter),
+                                         self.runner.steps(data, loss, backward=backward)))
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         with self.shared.using(self.adapter):
@@ -182,18 +198,6 @@ class AdapterEngine(_OnSharedBase):
             self.runner.zero_grad()
             self.runner.optimizer.restore(checked.moments if optimizer else None, step)
 
-    def _save_adapter(self, module, directory: Path) -> None:
-        """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            save_peft_adapter(module, tmp, self.adapter.name)
-            sub = Path(tmp) / self.adapter.name  # peft puts a non-default adapter's files in a subfolder
-            items = [p for p in Path(tmp).iterdir() if p != sub] + (list(sub.iterdir()) if sub.is_dir() else [])
-            for item in items:
-                shutil.move(str(item), directory / item.name)
-        for files in (self.tokenizer, self.images and self.images.processor):
-            if files is not None:
-                files.save_pretrained(str(directory))
-
     def close(self) -> None:
         self.shared.remove_adapter(self.adapter)
 
@@ -209,11 +213,10 @@ class ReadOnlyBaseEngine(_OnSharedBase):
         return InputError(f"{what}: this Backend is the shared base model {self.shared.model_name}, which is "
                           f"read-only (its clients train LoRA adapters on it); train a LoRA Backend instead")
 
-    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
         if backward:
             raise self._read_only("forward_backward")
-        with self.shared.using(None):
-            return super().run(data, loss, backward=False)
+        return (yield from each_step(lambda: self.shared.using(None), self.runner.steps(data, loss, backward=False)))
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         raise self._read_only("optim_step")

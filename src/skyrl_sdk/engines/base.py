@@ -33,6 +33,7 @@ from ..models.vlm import is_vision_language
 from ..plugins.samplers import WeightsSource
 from ..types import AdamParams, Datum
 from .config import EngineConfig
+from .turns import Steps, one_step
 
 
 @attrs.frozen(eq=False)
@@ -100,6 +101,14 @@ class Engine(abc.ABC):
         A backward call that raises leaves the pending gradients as they were (``ModelRunner``
         keeps them with :mod:`.call_grads`) or says it dropped them (``call_grads.DROPPED`` on the
         exception, so the Backend resets its call count)."""
+
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
+        """:meth:`run` as a stepped call (:mod:`.turns`): a generator that yields at each micro-batch
+        boundary and returns :meth:`run`'s result, so a scheduler (the server's executor) gives
+        other calls the device between micro-batches without running them inside this one. The
+        default is one step (an engine that computes in other processes cannot pause); an
+        in-process engine returns its runner's :meth:`~.runner.ModelRunner.steps`."""
+        return (yield from one_step(self.run, data, loss, backward=backward))
 
     @abc.abstractmethod
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:

@@ -28,6 +28,7 @@ from .export import (
 from .pool import SOLO_ADAPTER
 from .runner import ModelRunner
 from .state import StateLayout, check_engine_metadata, check_state_files
+from .turns import Steps, run_to_end
 from .weights import EngineWeights
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,10 @@ class LocalEngine(Engine):
 
     # ---- compute ----------------------------------------------------------------------
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
-        return self.runner.run(data, loss, backward=backward)
+        return run_to_end(self.run_steps(data, loss, backward=backward))
+
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
+        return (yield from self.runner.steps(data, loss, backward=backward))
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         return self.runner.optimizer.step(params, grad_scale)

@@ -3,7 +3,8 @@ tinker-cookbook recipes train against skyrl-sdk Backends unchanged.
 
 Its folders are its layers, bottom to top; a module imports from its own layer and those below:
 
-- ``config`` (the settings every layer reads, at the root);
+- ``settings`` and ``config`` at the root: every setting declared once (name, type, default,
+  help, ``serve`` flag), and ``ServerConfig``, the settings of one server, which every layer reads;
 - ``wire/``: what crosses the wire, as values: request bodies (``bodies``), Tinker's JSON
   envelopes and answers (``envelopes``), protobuf answers (``proto``), ``tinker://`` paths
   (``tinker_paths``), metadata caps (``caps``), the client's routes (``compat``);

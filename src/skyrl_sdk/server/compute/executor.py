@@ -8,24 +8,32 @@ docs/performance.md). So each client gets a :class:`Queue` (what its :class:`~.f
 feeds), and one :class:`Executor` thread runs the jobs of all of them.
 
 Turns: queues with work are served round-robin by owner, then by queue (client) within the
-owner; one turn is one job (or one batch of compatible sample jobs). A forward/backward
-gives way between its micro-batches (:func:`~skyrl_sdk.engines.turns.between_micro_batches`):
-every other queue whose next job is small (``cost <= turn_tokens``) gets one turn there,
-nested on the same thread, so a small call waits for one micro-batch of a big call, not for
-all of it. A job never waits for another queue.
+owner; one turn is one job (or one batch of compatible sample jobs). Between the micro-batches
+of a long call the executor decides again, as vLLM's engine core decides between its steps: a
+job whose ``run`` returns a stepped call (a generator, :mod:`skyrl_sdk.engines.turns`: a
+forward or forward_backward) comes back to the executor's loop at every micro-batch boundary,
+*paused*. Every other queue whose next job is small (``cost <= turn_tokens``) then gets one
+turn, each run to its end from the loop, on a stack of its own; then the paused call takes its
+next step. So a small call waits for one micro-batch of a big call, not for all of it, and no
+job ever runs inside another's stack. At most one call is paused at a time (it holds memory:
+its outputs so far, its gradients held apart); a job never waits for another queue.
 
-Stopping (server shutdown): queued jobs fail at once with :data:`SHUTDOWN_MESSAGE`; the
-running one fails the same way at its next micro-batch.
+Stopping (server shutdown): queued jobs fail at once with :data:`SHUTDOWN_MESSAGE`; a paused
+call is stopped at its boundary (:class:`Stopped` is thrown into it, so it cleans up as on any
+error), a running step first finishes.
 """
 
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 import threading
 import time
 
-from ...engines.turns import RoundRobin, on_micro_batch
+import attrs
+
+from ...engines.turns import RoundRobin, Steps, run_to_end
 from .futures import Job, Result
 
 logger = logging.getLogger(__name__)
@@ -35,7 +43,7 @@ SHUTDOWN_MESSAGE = ("the server is shutting down; this request did not run to th
 
 
 class Stopped(Exception):
-    """Raised between the micro-batches of a job whose executor is stopping."""
+    """Thrown into a paused call (at its micro-batch boundary) when its executor stops."""
 
 
 class Queue:
@@ -83,9 +91,11 @@ class Executor:
         #: the queues that have jobs, by owner, in turn order (the one round-robin of engines.turns)
         self._line: RoundRobin[str, Queue] = RoundRobin()
         self._stopping = False
-        self._nested = False
-        self._current: Queue | None = None
-        #: (owner, queue name, nested) of the last turns, oldest first (tests read it)
+        #: the stepped call waiting at a micro-batch boundary (at most one), and the queues that had
+        #: a turn in its current gap
+        self._paused: _Paused | None = None
+        self._gap_served: set[Queue] = set()
+        #: (owner, queue name, in a paused call's gap) of the last turns, oldest first (tests read it)
         self.history: collections.deque = collections.deque(maxlen=1024)
         self._thread = threading.Thread(target=self._loop, name=f"skyrl-compute-{name}", daemon=True)
         self._thread.start()
@@ -177,56 +187,83 @@ class Executor:
             self._line.discard(q.owner, q)
         return batch
 
-    # ---- running --------------------------------------------------------------------------------
+    # ---- running: one decision per step, from this loop only -------------------------------------
     def _loop(self) -> None:
-        with on_micro_batch(self._between_micro_batches):
-            while True:
-                with self._cv:
-                    q = None
-                    while not self._stopping and (q := self._pick(set(), small=False)) is None:
-                        self._cv.wait()
-                    if self._stopping:
-                        return
-                    batch = self._take(q, wait=True)
-                self._run(q, batch, nested=False)
-
-    def _between_micro_batches(self) -> None:
-        """(this thread, between micro-batches of the running job) Give each other queue whose
-        next job is small one turn; stop the job when the executor stops."""
-        if self._stopping:
-            raise Stopped(SHUTDOWN_MESSAGE)
-        if self._nested:  # a nested turn does not give way again
-            return
-        served = {self._current}
         while True:
             with self._cv:
-                q = None if self._stopping else self._pick(served, small=True)
-                if q is None:
-                    break
-                batch = self._take(q, wait=False)
-            served.add(q)
-            self._nested = True
-            try:
-                self._run(q, batch, nested=True)
-            finally:
-                self._nested = False
-        if self._stopping:
-            raise Stopped(SHUTDOWN_MESSAGE)
-
-    def _run(self, q: Queue, batch: list[Job], nested: bool) -> None:
-        outer, self._current = self._current, q
-        self.history.append((q.owner, q.name, nested))
-        try:
-            if len(batch) == 1:
-                results = [_run_one(batch[0])]
+                while not self._stopping and self._paused is None and (q := self._pick(set(), small=False)) is None:
+                    self._cv.wait()
+                if self._paused is not None:
+                    paused = self._paused
+                    q = None if self._stopping else self._pick(self._gap_served | {paused.queue}, small=True)
+                    if q is not None:  # a small job of another client runs in the gap, then the paused call
+                        self._gap_served.add(q)
+                        batch = self._take(q, wait=False)
+                elif self._stopping:
+                    return
+                else:
+                    paused, batch = None, self._take(q, wait=True)
+            if paused is None:
+                self._start(q, batch)
+            elif q is not None:
+                self._run_to_end(q, batch)
             else:
-                try:
-                    results = batch[0].run_batch(batch)
-                except BaseException:
-                    logger.debug("batched %s failed; running its %d jobs one by one", batch[0].what, len(batch))
-                    results = [_run_one(job) for job in batch]
-        finally:
-            self._current = outer
+                self._resume(paused)
+
+    def _start(self, q: Queue, batch: list[Job]) -> None:
+        """A new turn: run ``batch``; a stepped job takes its first step and may pause."""
+        self.history.append((q.owner, q.name, False))
+        if len(batch) > 1:
+            self._finish(q, batch, _run_batch(batch))
+            return
+        job = batch[0]
+        try:
+            out = job.run()
+        except BaseException as exc:
+            self._finish(q, batch, [_failed(exc, job)])
+            return
+        if not inspect.isgenerator(out):
+            self._finish(q, batch, [out])
+            return
+        self._step(_Paused(q, job, out), None)
+
+    def _resume(self, paused: _Paused) -> None:
+        """The paused call's next step (or, when stopping, its stop)."""
+        with self._cv:
+            self._paused, self._gap_served = None, set()
+            stop = Stopped(SHUTDOWN_MESSAGE) if self._stopping else None
+        self._step(paused, stop)
+
+    def _step(self, call: _Paused, throw: BaseException | None) -> None:
+        """One step of a stepped call; it pauses at its next boundary, or ends."""
+        try:
+            if throw is None:
+                next(call.steps)
+            else:
+                call.steps.throw(throw)
+        except StopIteration as end:
+            self._finish(call.queue, [call.job], [end.value])
+        except BaseException as exc:
+            self._finish(call.queue, [call.job], [_failed(exc, call.job)])
+        else:
+            with self._cv:
+                self._paused = call
+
+    def _run_to_end(self, q: Queue, batch: list[Job]) -> None:
+        """A turn in a paused call's gap: the job runs to its end (it does not give way again)."""
+        self.history.append((q.owner, q.name, True))
+        if len(batch) > 1:
+            results = _run_batch(batch)
+        else:
+            job = batch[0]
+            try:
+                out = job.run()
+                results = [run_to_end(out) if inspect.isgenerator(out) else out]
+            except BaseException as exc:
+                results = [_failed(exc, job)]
+        self._finish(q, batch, results)
+
+    def _finish(self, q: Queue, batch: list[Job], results: list[Result | None]) -> None:
         for job, result in zip(batch, results, strict=True):
             if result is None:  # the job handed itself on to another queue
                 continue
@@ -241,7 +278,7 @@ class Executor:
 
     # ---- lifetime -------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Fail every queued job, close every queue; the running job stops at its next micro-batch."""
+        """Fail every queued job, close every queue; a paused call stops at its boundary."""
         with self._cv:
             self._stopping = True
             dropped = []
@@ -261,13 +298,35 @@ class Executor:
         return not self._thread.is_alive()
 
 
-def _run_one(job: Job) -> Result:
-    try:
-        return job.run()
-    except Stopped:
+@attrs.define(eq=False)
+class _Paused:
+    """A stepped call between two of its steps: its queue, its job, the call."""
+
+    queue: Queue
+    job: Job
+    steps: Steps[Result]
+
+
+def _failed(exc: BaseException, job: Job) -> Result:
+    if isinstance(exc, Stopped):
         return Result.error(SHUTDOWN_MESSAGE, "server")
-    except BaseException as exc:
-        return Result.from_exception(exc, job.what)
+    return Result.from_exception(exc, job.what)
+
+
+def _run_batch(batch: list[Job]) -> list[Result | None]:
+    """A batch of compatible sample jobs, together; one by one when together fails."""
+    try:
+        return batch[0].run_batch(batch)
+    except BaseException:
+        logger.debug("batched %s failed; running its %d jobs one by one", batch[0].what, len(batch))
+    results: list[Result | None] = []
+    for job in batch:
+        try:
+            out = job.run()
+            results.append(run_to_end(out) if inspect.isgenerator(out) else out)
+        except BaseException as exc:
+            results.append(_failed(exc, job))
+    return results
 
 
 class Executors:

@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from ...engines.turns import Steps
 from ...errors import InputError, PluginError, clipped
 
 logger = logging.getLogger(__name__)
@@ -86,14 +87,16 @@ def finite_json(obj: Any) -> Any:
 class Job:
     """Work for a queue of an executor. ``run`` returns a :class:`Result` (exceptions are
     turned into error results) that ``done`` receives on the executor's thread, or None when
-    it handed the work on to another queue (which then calls ``done``).
+    it handed the work on to another queue (which then calls ``done``), or a stepped call
+    (a generator, ``engines.turns.Steps``) that yields at each micro-batch boundary, where the
+    executor may run other jobs, and returns the Result.
 
     Jobs with the same non-None ``batch_key`` that sit next to each other in the queue are
     handed together to ``run_batch`` (which returns one Result per job). ``cost`` (tokens,
     roughly) says how long it runs: a job of at most the executor's ``turn_tokens`` may run
     between another job's micro-batches; None: never (saves, loads, model creation)."""
 
-    run: Callable[[], Result]
+    run: Callable[[], Result | Steps[Result] | None]
     done: Callable[[Result], None]
     what: str = "request"
     batch_key: Hashable | None = None

@@ -1,7 +1,8 @@
 """The live server state: sessions, training models (one Backend + queue each) and the jobs
 that run Tinker's requests on them, in ``seq_id`` order. Routes and the console call only this
-class and the two services it holds for them: ``sessions`` (client sessions, :mod:`.sessions`)
-and ``catalog`` (runs, checkpoints, curves, :mod:`.catalog`).
+class and the services it holds for them: ``sessions`` (client sessions, :mod:`.sessions`),
+``catalog`` (runs, checkpoints, curves, :mod:`.catalog`) and ``weights`` (the requests that
+write weights to the state dir, :mod:`.weights`).
 
 Route handlers (event loop) call into :class:`Runtime`; every Backend call happens on the
 compute executor (:mod:`.executor`) through the owning model's queue, in fair turns, so the
@@ -21,16 +22,17 @@ from typing import Any
 
 import attrs
 
+from ...engines.turns import Steps
 from ...errors import InputError, NotFoundError, quoted
 from ...inputs import tinker_proto
 from ...inputs.coerce import lora_config_from_any
 from ...losses.stability import SequenceRecords
 from ..config import ServerConfig
-from ..wire.bodies import Bodies
 from ..state.history import History
 from ..state.statedir import StateDirLock
 from ..state.store import Store
 from ..wire import envelopes, proto
+from ..wire.bodies import Bodies
 from . import visibility
 from .catalog import Catalog
 from .executor import SHUTDOWN_MESSAGE, Executors
@@ -39,7 +41,7 @@ from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
-from .weights import EXPIRY_SWEEP_S, WeightRequests
+from .weights import WeightRequests
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ class _ShuttingDown(Exception):
     """A request that arrived after the shutdown began."""
 
 
-class Runtime(WeightRequests):
+class Runtime:
     def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, bodies: Bodies | None = None,
                  state_lock: StateDirLock | None = None) -> None:
         self.config = config
@@ -67,7 +69,8 @@ class Runtime(WeightRequests):
         #: per client session, the sequences sampled with record_stability_info (stable_reinforce)
         self.sequence_records: dict[str, SequenceRecords] = {}
         self.downloads = DownloadLinks()  # signed links to external weights' files
-        self._expiry_sweep = loop.call_later(EXPIRY_SWEEP_S, self._sweep_expired)
+        #: save_weights, save_weights_for_sampler, save_weights_external and the expiry sweep
+        self.weights = WeightRequests(self.store, self.sampling, self.sequenced, loop)
         self.started_at = time.time()
         #: monotonic time of the first shutdown signal (None while serving)
         self.stopping: float | None = None
@@ -76,7 +79,7 @@ class Runtime(WeightRequests):
         self.store.tidy()
 
     def redact(self, message: str) -> str:
-        """``message`` with server paths shown as ``tinker://`` paths (or ``<state-dir>``)."""
+        """``message`` with server paths shown as ``tinker://`` paths (or ``<state-dir>``; no disk read)."""
         return self.store.redact(message)
 
     # ---- future routes: one entry, so an unreadable body is one failed future ------------------
@@ -86,8 +89,9 @@ class Runtime(WeightRequests):
         queue bound is checked before the body is parsed; a large body is parsed off the loop."""
         handlers: dict[str, Callable[[str, dict], FutureRecord]] = {
             "create_model": self.create_model, "load_weights": self.load_weights, "optim_step": self.optim_step,
-            "save_weights": self.save_weights, "save_weights_for_sampler": self.save_weights_for_sampler,
-            "save_weights_external": self.save_weights_external,
+            "save_weights": self.weights.save_weights,
+            "save_weights_for_sampler": self.weights.save_weights_for_sampler,
+            "save_weights_external": self.weights.save_weights_external,
             "asample": self.sample,
         }
         try:
@@ -101,6 +105,8 @@ class Runtime(WeightRequests):
                 rec = self.forward_backward(owner, req)
             else:
                 rec = handlers[route](owner, await self.bodies.parse(raw, envelopes.json_request, raw, route))
+                if asyncio.iscoroutine(rec):  # a handler that reads the state dir first, on a thread
+                    rec = await rec
         except InputError as exc:
             rec = self.futures.failed(owner, exc, prefix="sample" if route == "asample" else "req")
         except _ShuttingDown:
@@ -159,10 +165,7 @@ class Runtime(WeightRequests):
 
     def records(self, session_id: str) -> SequenceRecords:
         """The recorded sequences of a client session (Tinker: provenance names sequences of its own session)."""
-        records = self.sequence_records.get(session_id)
-        if records is None:
-            records = self.sequence_records[session_id] = SequenceRecords()
-        return records
+        return self.sequence_records.setdefault(session_id, SequenceRecords())
 
     def _end_session(self, session_id: str, why: str) -> None:
         """(a session finished or expired) Release its models and forget its recorded sequences."""
@@ -186,15 +189,15 @@ class Runtime(WeightRequests):
         model.sequencer.fail_pending(f"model {model.model_id} was released: {why}")
         model.worker.put(Job(run=close, done=lambda r: model.worker.close(wait=False), what="release"))
 
-    def create_model(self, owner: str, body: dict) -> FutureRecord:
+    async def create_model(self, owner: str, body: dict) -> FutureRecord:
         req = envelopes.parse_new_model(body)
 
         def plan():
             return self.served.resolve(req.base_model), lora_config_from_any(req.lora_config), req.user_metadata, None
 
-        return self._create(owner, req, plan, {"model_id": req.model_id, "type": "create_model"})
+        return await self._create(owner, req, plan, {"model_id": req.model_id, "type": "create_model"})
 
-    def load_weights(self, owner: str, body: dict) -> FutureRecord:
+    async def load_weights(self, owner: str, body: dict) -> FutureRecord:
         """Create-from-state (session_id + model_seq_id) or a load into an existing model."""
         if body.get("session_id") is not None:
             req = envelopes.parse_new_model(body, from_state=True)
@@ -205,13 +208,14 @@ class Runtime(WeightRequests):
                 base = self.served.resolve(req.base_model or run["base_model"])
                 return base, lora_config_from_any(run["lora"]), req.user_metadata or run["user_metadata"], directory
 
-            return self._create(owner, req, plan, {"model_id": req.model_id, "path": req.path, "type": "load_weights"})
+            answer = {"model_id": req.model_id, "path": req.path, "type": "load_weights"}
+            return await self._create(owner, req, plan, answer)
 
         def make(model: TrainingModel):
             req = envelopes.parse_load(body)
-            _, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
 
             def load() -> Result:
+                _, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
                 backend = model.require_backend()
                 self.sampling.before_weight_change(model)
                 backend.load_state(directory, optimizer=req.optimizer)
@@ -220,16 +224,19 @@ class Runtime(WeightRequests):
 
             return load
 
-        return self._sequenced(owner, body, "load_weights", make, cost=None)
+        return self.sequenced(owner, body, "load_weights", make, cost=None)
 
-    def _create(self, owner: str, req: envelopes.NewModel, plan: Callable[[], tuple], answer: dict) -> FutureRecord:
-        """Create a model (fresh, or from a checkpoint directory). Everything is checked before
-        anything is registered, so a rejected request leaves no model, worker or record."""
-        self.sessions.open(owner, req.session_id)
+    async def _create(self, owner: str, req: envelopes.NewModel, plan: Callable[[], tuple], answer: dict
+                      ) -> FutureRecord:
+        """Create a model (fresh, or from a checkpoint directory). Everything is checked (``plan``
+        on a thread) before anything is registered: a rejected request leaves no model, worker or record."""
+        await self.sessions.open(owner, req.session_id)
         dedup = (owner, "create_model", req.model_id)
         if (old := self.futures.lookup(dedup)) is not None:
             return old
-        base, lora, metadata, directory = plan()
+        base, lora, metadata, directory = await asyncio.to_thread(plan)
+        if (old := self.futures.lookup(dedup)) is not None:  # a retry that came in meanwhile: nothing awaits from here
+            return old
         if (old := self.models.get(req.model_id)) is not None and not old.closed:
             raise InputError(f"model {req.model_id} already exists")
         worker = self.executors.queue(req.model_id, owner, self.config.max_sample_batch,
@@ -237,13 +244,14 @@ class Runtime(WeightRequests):
         sequencer = Sequencer(worker, 1, self.config.gap_timeout_s, self.config.boundary_grace_s)
         model = TrainingModel(req.model_id, owner, req.session_id, base, lora, worker, sequencer, asyncio.Event())
         self.models[req.model_id] = model
-        self.store.add_run(req.model_id, owner, req.session_id, base, attrs.asdict(lora) if lora else None, metadata)
         rec = self.futures.create(owner, req.model_id, dedup)
         complete = self.futures.completer(rec)
         records = self.records(req.session_id)
 
         def create() -> Result:
             try:
+                self.store.add_run(req.model_id, owner, req.session_id, base, attrs.asdict(lora) if lora else None,
+                                   metadata)
                 backend = self.served.open_backend(base, lora, label=req.model_id)
                 if directory is not None:
                     try:
@@ -282,8 +290,8 @@ class Runtime(WeightRequests):
                                     model.require_backend().get_info())
 
     # ---- training requests (sequenced per model) -----------------------------------------------
-    def _sequenced(self, owner: str, body: dict | None, what: str, make_run: Callable[[TrainingModel], Callable],
-                   model_id: Any = None, seq: Any = None, cost: int | None = 0) -> FutureRecord:
+    def sequenced(self, owner: str, body: dict | None, what: str, make_run: Callable[[TrainingModel], Callable],
+                  model_id: Any = None, seq: Any = None, cost: int | None = 0) -> FutureRecord:
         """Queue ``make_run(model)`` in the model's ``seq_id`` order. The model must be the
         caller's; a retry of a (model, seq_id) gets the first submission's future. Bad input
         found by ``make_run`` fails the future but still takes its turn, so later requests
@@ -302,7 +310,7 @@ class Runtime(WeightRequests):
             def run(exc=exc):
                 raise exc
         rec = self.futures.create(owner, model.model_id, dedup)
-        self.store.touch_run(model.model_id)
+        self.loop.run_in_executor(None, self.store.touch_run, model.model_id)  # never raises
         # a boundary: the client submitted every earlier seq_id before this one (see Sequencer)
         boundary = what not in ("forward", "forward_backward") or not self.config.parallel_chunks
         model.sequencer.submit(seq, Job(run=run, done=self.futures.completer(rec), what=f"{what}({model.model_id})",
@@ -319,11 +327,11 @@ class Runtime(WeightRequests):
             if req.error is not None:
                 raise InputError(req.error)
 
-            def run() -> Result:
+            def run() -> Steps[Result]:  # a stepped call: the executor may run others' jobs between its steps
                 backend = model.require_backend()
-                fn = backend.forward if req.forward_only else backend.forward_backward
+                call = backend.forward_steps if req.forward_only else backend.forward_backward_steps
                 started = time.time()
-                out = fn(req.data, loss_fn=req.loss_fn, loss_fn_config=req.loss_fn_config)
+                out = yield from call(req.data, loss_fn=req.loss_fn, loss_fn_config=req.loss_fn_config)
                 if not req.forward_only:
                     self.history.forward_backward(model.model_id, out.metrics, started, req.data)
                 return Result.proto(proto.forward_backward_output_to_proto(out))
@@ -331,7 +339,7 @@ class Runtime(WeightRequests):
             return run
 
         what = "forward" if req.forward_only else "forward_backward"
-        return self._sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id, cost=req.tokens)
+        return self.sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id, cost=req.tokens)
 
     def optim_step(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
@@ -347,31 +355,32 @@ class Runtime(WeightRequests):
 
             return run
 
-        return self._sequenced(owner, body, "optim_step", make)
+        return self.sequenced(owner, body, "optim_step", make)
 
     # ---- sampling ------------------------------------------------------------------------------
-    def create_sampling_session(self, owner: str, body: dict) -> str:
+    async def create_sampling_session(self, owner: str, body: dict) -> str:
         session_id = envelopes.session_id(body)
         seq = envelopes.integer(body, "sampling_session_seq_id")
         source = envelopes.parse_sampler_source(body)
-        self.sessions.open(owner, session_id)
+        await self.sessions.open(owner, session_id)
         sid = f"{session_id}:sample:{seq}"
-        self.sampling.create(owner, session_id, sid, source.model_path, source.base_model)
+        await self.sampling.create(owner, session_id, sid, source.model_path, source.base_model)
         return sid
 
-    def get_sampler(self, owner: str, sampler_id: str) -> dict:
-        s = self.sampling.session(owner, sampler_id)
+    async def get_sampler(self, owner: str, sampler_id: str) -> dict:
+        s = await self.sampling.session(owner, sampler_id)
         # the client loads a sampler's tokenizer by this name: give one that resolves offline
         return {"sampler_id": s.sid, "base_model": self.served.client_name(s.base_model), "model_path": s.model_path}
 
-    def sample(self, owner: str, body: dict) -> FutureRecord:
+    async def sample(self, owner: str, body: dict) -> FutureRecord:
         spec = envelopes.parse_sample_request(body, self.config.max_num_samples)
         sid, seq = envelopes.parse_sample_ref(body)
         if sid is not None:
-            session = self.sampling.session(owner, sid)
+            session = await self.sampling.session(owner, sid)
         else:
             source = envelopes.parse_sampler_source(body)
-            session = self.sampling.session_from(owner, source.model_path, source.base_model, "adhoc")
+            session = await asyncio.to_thread(self.sampling.session_from, owner, source.model_path,
+                                              source.base_model, "adhoc")
         dedup = (owner, "sampling session", sid, "seq_id", seq) if sid is not None and seq is not None else None
         if (old := self.futures.lookup(dedup)) is not None:
             return old
@@ -387,7 +396,7 @@ class Runtime(WeightRequests):
 
                 def record(out):
                     records.record(prompt, out.sequences, ids)
-            self.sampling.submit(session, spec, self.futures.completer(rec), record)
+            await self.sampling.submit(session, spec, self.futures.completer(rec), record)
         except InputError as exc:
             self.futures.finish(rec, Result.from_exception(exc))
         rec.extra["num_samples"] = spec.request.num_samples
@@ -409,7 +418,7 @@ class Runtime(WeightRequests):
         if self.stopping is not None:
             return
         self.stopping = time.monotonic()
-        self._expiry_sweep.cancel()
+        self.weights.stop()
         for m in self.models.values():
             m.sequencer.fail_pending(SHUTDOWN_MESSAGE)
         self.executors.stop()

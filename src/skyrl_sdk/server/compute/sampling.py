@@ -13,10 +13,14 @@ pinned version is snapshotted once, in memory (:mod:`.snapshots`), and its sessi
 sample a sampler built from that snapshot (the last ``max_ephemeral_snapshots`` per model
 are kept, within the ``snapshot_memory`` byte budget over all models). ``inflight``
 sessions always sample the live weights.
+
+Everything that reads the state dir (a session's record, a checkpoint's path and the headers
+of its safetensors files) runs on a thread: the event loop never waits for the disk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import shutil
 import threading
@@ -95,14 +99,16 @@ class Sampling:
         self.snapshots = SnapshotCache(config.snapshot_memory)
 
     # ---- sessions -------------------------------------------------------------------------------
-    def create(self, owner: str, session_id: str | None, sid: str, model_path: Any, base_model: Any
-               ) -> SamplingSession:
+    async def create(self, owner: str, session_id: str | None, sid: str, model_path: Any, base_model: Any
+                     ) -> SamplingSession:
         """A durable session on a base model or a saved path (survives a restart)."""
         if (old := self.sessions.get(sid)) is not None and old.owner != owner:
             raise NotFoundError(f"unknown session {quoted(session_id)}")
-        session = attrs.evolve(self.session_from(owner, model_path, base_model, sid), session_id=session_id)
+        session = await asyncio.to_thread(self.session_from, owner, model_path, base_model, sid)
+        session = attrs.evolve(session, session_id=session_id)
+        await asyncio.to_thread(self.store.add_sampling_session, sid, owner, session_id, session.base_model,
+                                session.model_path)
         self.sessions[sid] = session
-        self.store.add_sampling_session(sid, owner, session_id, session.base_model, session.model_path)
         return session
 
     def add_ephemeral(self, model: TrainingModel, sid: str, kind: str) -> None:
@@ -115,6 +121,7 @@ class Sampling:
             model.pinned.add(model.version)
 
     def session_from(self, owner: str, model_path: Any, base_model: Any, sid: str) -> SamplingSession:
+        """(a thread: it reads the state dir) A session's target, checked."""
         if model_path:
             tp, directory = self.store.resolve_checkpoint(model_path, owner, readable=True)
             if tp.kind == "external":
@@ -130,18 +137,22 @@ class Sampling:
             return SamplingSession(sid, owner, self.served.resolve(base_model), None, "base")
         raise InputError("sampling needs a model_path (tinker://...) or a base_model")
 
-    def session(self, owner: str, sid: Any) -> SamplingSession:
+    async def session(self, owner: str, sid: Any) -> SamplingSession:
         """``owner``'s sampling session ``sid`` (another owner's reads as unknown)."""
         s = self.sessions.get(sid) if isinstance(sid, str) else None
-        if s is None and isinstance(sid, str) and (row := self.store.sampling_session(sid, owner)) is not None:
-            # a path- or base-model session survives a restart
-            s = attrs.evolve(self.session_from(owner, row["model_path"], row["base_model"], sid),
-                             session_id=row["session_id"])
+        if s is None and isinstance(sid, str) and (s := await asyncio.to_thread(self._recorded, owner, sid)):
             self.sessions[sid] = s
         if s is None or s.owner != owner:
             raise NotFoundError(f"unknown sampling session {quoted(sid)} (ephemeral sampling sessions are lost "
                                 f"when the server restarts)")
         return s
+
+    def _recorded(self, owner: str, sid: str) -> SamplingSession | None:
+        """(a thread) A path- or base-model session from its record: it survives a restart."""
+        if (row := self.store.sampling_session(sid, owner)) is None:
+            return None
+        return attrs.evolve(self.session_from(owner, row["model_path"], row["base_model"], sid),
+                            session_id=row["session_id"])
 
     def runs_sampled(self) -> list[tuple[str, str]]:
         """``(sampling session id, training run id)`` of this process's sessions on a run (its live
@@ -160,9 +171,10 @@ class Sampling:
             self._drop_snapshot(model, *model.snapshots.popitem(last=False))
 
     # ---- running samples ------------------------------------------------------------------------
-    def submit(self, session: SamplingSession, spec: SampleSpec, done: Callable[[Result], None],
-               record: Callable[[Any], None] | None = None) -> None:
-        """Queue a sample request; ``record(output)`` records its sequences (record_stability_info)."""
+    async def submit(self, session: SamplingSession, spec: SampleSpec, done: Callable[[Result], None],
+                     record: Callable[[Any], None] | None = None) -> None:
+        """Queue a sample request; ``record(output)`` records its sequences (record_stability_info).
+        A saved path's sampler is found on a thread (its checkpoint's record and directory)."""
         spec.check_length(self.served.max_seq_len(session.base_model))
         work = SampleWork(spec, record)
         if session.kind in ("snapshot", "inflight"):
@@ -173,7 +185,8 @@ class Sampling:
                                    session if session.kind == "snapshot" else None)
             model.worker.put(job)
             return
-        target = self._target_for(session)
+        target = self._target_for(session) if session.kind == "base" else \
+            await asyncio.to_thread(self._target_for, session)
         target.worker.put(self._sample_job(work, done, target.get, target.key, None))
 
     def _sample_job(self, work: SampleWork, done, get_backend, target_key, snapshot: SamplingSession | None) -> Job:

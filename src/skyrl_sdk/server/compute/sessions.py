@@ -5,6 +5,10 @@ A session is alive while its client shows signs of life (a heartbeat, any reques
 models or sampling sessions, polling their futures) or one of its models is busy. One
 without either for ``session_timeout_s`` is finished as expired and ``on_end`` frees its
 models; later requests on it say it expired.
+
+Liveness lives in memory, on the event loop; the records (create, heartbeat, finish, reads)
+are written and read on a thread: the store's lock may be held by a save on the compute thread
+through a file sync, and no other client's request may wait for that.
 """
 
 from __future__ import annotations
@@ -45,22 +49,28 @@ class Sessions:
         self._last_seen: dict[str, float] = {}  # session id -> monotonic time of its last sign of life
         self._owners: dict[str, str] = {}  # open session id -> its owner (caps.check_open_sessions)
         self._reaper: asyncio.TimerHandle | None = None
+        self._expiring: set[asyncio.Task] = set()
         self._schedule_reap()
 
-    def create(self, owner: str, body: dict) -> str:
+    async def create(self, owner: str, body: dict) -> str:
         tags, metadata, sdk = caps.tags(body.get("tags")), caps.metadata(body.get("user_metadata")), \
             body.get("sdk_version")
         name = caps.display_name(body.get("display_name"))
         caps.check_open_sessions(sum(o == owner for o in self._owners.values()), self.config.max_sessions_per_owner)
         sid = f"sess-{uuid.uuid4().hex[:16]}"
-        self.store.add_session(sid, owner, tags, metadata, sdk[:100] if isinstance(sdk, str) else None, name)
+        self._owners[sid] = owner  # counted now: a create arriving while this one writes sees it
+        try:
+            await asyncio.to_thread(self.store.add_session, sid, owner, tags, metadata,
+                                    sdk[:100] if isinstance(sdk, str) else None, name)
+        except BaseException:
+            self._owners.pop(sid, None)
+            raise
         self._last_seen[sid] = time.monotonic()
-        self._owners[sid] = owner
         return sid
 
-    def open(self, owner: str, session_id: str) -> dict:
+    async def open(self, owner: str, session_id: str) -> dict:
         """``owner``'s live session (refreshing its liveness): unknown, finished or expired -> error."""
-        row = self.store.session(session_id, owner)
+        row = await asyncio.to_thread(self.store.session, session_id, owner)
         if row is None:
             raise NotFoundError(f"unknown session {quoted(session_id)}")
         if row["finished_at"] is not None:
@@ -76,26 +86,27 @@ class Sessions:
         """A sign of life from ``session_id``'s client."""
         self._last_seen[session_id] = time.monotonic()
 
-    def heartbeat(self, owner: str, body: dict) -> str | None:
+    async def heartbeat(self, owner: str, body: dict) -> str | None:
         """Record a heartbeat; for a finished or expired session, the message saying so
         (answered 410, on which the tinker client stops its heartbeat loop)."""
         session_id = envelopes.session_id(body)
         try:
-            self.open(owner, session_id)
+            await self.open(owner, session_id)
         except NotFoundError:
             raise
         except InputError as exc:
             return str(exc)
-        self.store.heartbeat(session_id, owner)
+        await asyncio.to_thread(self.store.heartbeat, session_id, owner)
         return None
 
-    def finish(self, owner: str, session_id: str, reason: Any) -> None:
-        if self.store.session(session_id, owner) is None:
+    async def finish(self, owner: str, session_id: str, reason: Any) -> None:
+        if await asyncio.to_thread(self.store.session, session_id, owner) is None:
             raise NotFoundError(f"unknown session {quoted(session_id)}")
-        self._end(session_id, reason, "its session finished")
+        await self._end(session_id, reason, "its session finished")
 
-    def _end(self, session_id: str, reason: Any, why: str) -> None:
-        self.store.finish_session(session_id, reason)
+    async def _end(self, session_id: str, reason: Any, why: str) -> None:
+        """Record the session finished (on a thread), then forget it and free its models."""
+        await asyncio.to_thread(self.store.finish_session, session_id, reason)
         self._last_seen.pop(session_id, None)
         self._owners.pop(session_id, None)
         self.on_end(session_id, why)
@@ -105,15 +116,29 @@ class Sessions:
         self._reaper = self.loop.call_later(period, self._reap)
 
     def _reap(self) -> None:
-        """Finish sessions with no sign of life for ``session_timeout_s``."""
+        """(event loop timer) Finish sessions with no sign of life for ``session_timeout_s``: the
+        records are written by a task, on a thread."""
         now = time.monotonic()
         timeout = self.config.session_timeout_s
+        expired = []
         for sid, seen in list(self._last_seen.items()):
             if now - seen > timeout and not self.busy(sid):
                 logger.info("session %s expired (no heartbeat for %.0f s); freeing its models", sid, now - seen)
-                self._end(sid, EXPIRED, f"its session expired (no heartbeat for {timeout:g} s)")
+                self._last_seen.pop(sid, None)  # reaped once, even while its record is being written
+                expired.append(sid)
+        if expired:
+            task = self.loop.create_task(self._expire(expired, f"its session expired (no heartbeat for {timeout:g} s)"))
+            self._expiring.add(task)
+            task.add_done_callback(self._expiring.discard)
         if self._reaper is not None:
             self._schedule_reap()
+
+    async def _expire(self, session_ids: list[str], why: str) -> None:
+        for sid in session_ids:
+            try:
+                await self._end(sid, EXPIRED, why)
+            except Exception:  # pragma: no cover - a full disk: the next start finds it unfinished
+                logger.exception("session %s: recording its expiry failed", sid)
 
     def stop(self) -> None:
         """(event loop) Stop reaping (server shutdown)."""
@@ -121,11 +146,14 @@ class Sessions:
             self._reaper.cancel()
             self._reaper = None
 
-    def list(self, owner: str, limit: int, offset: int) -> dict:
-        rows, _ = self.store.list_sessions(owner, limit, offset)
+    async def list(self, owner: str, limit: int, offset: int) -> dict:
+        rows, _ = await asyncio.to_thread(self.store.list_sessions, owner, limit, offset)
         return {"sessions": [r["session_id"] for r in rows]}
 
-    def get(self, owner: str, session_id: str) -> dict:
+    async def get(self, owner: str, session_id: str) -> dict:
+        return await asyncio.to_thread(self._get, owner, session_id)
+
+    def _get(self, owner: str, session_id: str) -> dict:
         row = self.store.session(session_id, owner)
         if row is None:
             raise NotFoundError(f"unknown session {quoted(session_id)}")

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ...version import __version__
 from ..compute.runtime import Runtime
+from ..settings import SETTINGS
 from ..state.history import MAX_POINTS
 from .edge import default_max_connections
 from .guard import CONSOLE_STATIC
@@ -114,16 +115,12 @@ def _work(rt: Runtime) -> list[dict[str, Any]]:
     return [{"owner": who, **counts} for who, counts in sorted(rows.items())]
 
 
-def _limits(rt: Runtime) -> dict[str, Any]:
-    c = rt.config
-    return {"engine": c.engine, "sampler": c.sampler, "sampler_config": dict(c.sampler_config),
-            "models": list(c.models), "share_base": c.share_base,
-            "max_memory_bytes": c.max_memory, "max_lora_adapters": c.max_lora_adapters,
-            "snapshot_memory_bytes": c.snapshot_memory, "session_timeout_s": c.session_timeout_s,
-            "max_seq_len": c.max_seq_len, "max_num_samples": c.max_num_samples, "max_body_bytes": c.max_body_bytes,
-            "max_tokens_per_request": c.max_tokens_per_request, "max_queued_requests": c.max_queued_requests,
-            "header_timeout_s": c.header_timeout_s,
-            "max_connections": c.max_connections or default_max_connections()}
+def _limits(rt: Runtime) -> list[dict[str, Any]]:
+    """The limits table: every setting declared ``console=True`` (server/settings.py), by its flag
+    (or its name), with the value in force, its unit, and what an unset one means."""
+    in_force = {"max_connections": rt.config.max_connections or default_max_connections()}
+    return [{"setting": s.name, "flag": s.flag, "unit": s.unit, "unset": s.default_text.replace("`", ""),
+             "value": in_force.get(s.name, getattr(rt.config, s.name))} for s in SETTINGS if s.console]
 
 
 @router.get("/console/api/server")

@@ -96,13 +96,13 @@ async def loaded(request: Request) -> dict:
 
 @router.post("/create_session")
 async def create_session(request: Request) -> dict:
-    sid = runtime(request).sessions.create(owner(request), await json_body(request, "create_session"))
+    sid = await runtime(request).sessions.create(owner(request), await json_body(request, "create_session"))
     return {"type": "create_session", "session_id": sid}
 
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(request: Request):
-    ended = runtime(request).sessions.heartbeat(owner(request), await json_body(request, "session_heartbeat"))
+    ended = await runtime(request).sessions.heartbeat(owner(request), await json_body(request, "session_heartbeat"))
     if ended is not None:
         return JSONResponse({"detail": ended}, status_code=410)
     return {"type": "session_heartbeat"}
@@ -111,18 +111,18 @@ async def session_heartbeat(request: Request):
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, request: Request) -> dict:
     body = await json_body(request, "finish_session")
-    runtime(request).sessions.finish(owner(request), session_id, body.get("reason"))
+    await runtime(request).sessions.finish(owner(request), session_id, body.get("reason"))
     return {}
 
 
 @router.get("/sessions")
 async def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
-    return runtime(request).sessions.list(owner(request), *page(limit, offset))
+    return await runtime(request).sessions.list(owner(request), *page(limit, offset))
 
 
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> dict:
-    return runtime(request).sessions.get(owner(request), session_id)
+    return await runtime(request).sessions.get(owner(request), session_id)
 
 
 @router.post("/telemetry")
@@ -170,13 +170,14 @@ async def retrieve_future(request: Request) -> Response:
 # ---- sampling ------------------------------------------------------------------------------------
 @router.post("/create_sampling_session")
 async def create_sampling_session(request: Request) -> dict:
-    sid = runtime(request).create_sampling_session(owner(request), await json_body(request, "create_sampling_session"))
+    sid = await runtime(request).create_sampling_session(owner(request),
+                                                         await json_body(request, "create_sampling_session"))
     return {"type": "create_sampling_session", "sampling_session_id": sid}
 
 
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(sampler_id: str, request: Request) -> dict:
-    return runtime(request).get_sampler(owner(request), sampler_id)
+    return await runtime(request).get_sampler(owner(request), sampler_id)
 
 
 @router.post("/cancel_future")

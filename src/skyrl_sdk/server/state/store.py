@@ -105,6 +105,8 @@ class Store:
             self._lock = threading.RLock()
             #: run id -> (last request time, the one last written)
             self._touched: dict[str, tuple[float, float]] = {}
+            #: run directory name -> run id, of every run: what :meth:`redact` reads, with no disk read
+            self._run_ids: dict[str, str] = {}
             self._db = sqlite3.connect(str(self.root / "server.sqlite3"), check_same_thread=False, isolation_level=None)
             self._db.row_factory = sqlite3.Row
             with self._lock:
@@ -118,6 +120,8 @@ class Store:
                 for table, column, declaration in _ADDED_COLUMNS:
                     if column not in {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}:
                         self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+                self._run_ids = {r["dirname"]: r["run_id"]
+                                 for r in self._db.execute("SELECT dirname, run_id FROM training_runs")}
         except BaseException:
             self.lock.release()
             raise
@@ -134,7 +138,8 @@ class Store:
         self.reconcile_checkpoints()
 
     def redact(self, message: str) -> str:
-        """``message`` with paths under the state dir shown as ``tinker://`` paths (or ``<state-dir>``)."""
+        """``message`` with paths under the state dir shown as ``tinker://`` paths (or ``<state-dir>``).
+        It reads nothing from disk (the event loop calls it on every error it answers)."""
 
         def shown(match: re.Match) -> str:
             parts = (match.group(1) or "").strip("/").split("/")
@@ -226,14 +231,20 @@ class Store:
             (check_run_id(run_id), owner, session_id, base_model, _dumps(lora), _dumps(user_metadata), now, now,
              self.run_dirname(run_id)),
         )
+        self._run_ids[self.run_dirname(run_id)] = run_id
 
     def touch_run(self, run_id: str) -> None:
+        """A request on the run now (the runtime calls it on a thread and never waits: it never
+        raises; a write that fails is logged, the time kept in memory)."""
         now = time.time()
         with self._lock:
             written = self._touched.get(run_id, (0.0, 0.0))[1]
             if now - written >= self.TOUCH_INTERVAL_S:
-                self._write_touch(run_id, now)
-                written = now
+                try:
+                    self._write_touch(run_id, now)
+                    written = now
+                except sqlite3.Error:
+                    logger.exception("recording the last request time of %s failed", run_id)
             self._touched[run_id] = (now, written)
 
     def _write_touch(self, run_id: str, when: float) -> None:
@@ -253,8 +264,7 @@ class Store:
         return out
 
     def run_id_of_dirname(self, dirname: str) -> str | None:
-        rows = self._rows("SELECT run_id FROM training_runs WHERE dirname = ?", (dirname,))
-        return rows[0]["run_id"] if rows else None
+        return self._run_ids.get(dirname)
 
     def list_runs(self, owner: str, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
         rows = self._rows("SELECT run_id FROM training_runs WHERE owner = ? ORDER BY created_at DESC LIMIT ? OFFSET ?",

@@ -332,6 +332,18 @@ function showTooltip(ev, lines) {
 }
 
 // ---- the server (operators) ------------------------------------------------------------------
+// a row of the limits table (the server declares them: server/settings.py)
+function limitValue(r) {
+  const v = r.value;
+  if (v === null || v === undefined) return r.unset;
+  if (r.unit === "bytes") return fmtBytes(v);
+  if (r.unit === "s") return `${v} s`;
+  if (typeof v === "boolean") return v ? "on" : "off";
+  if (Array.isArray(v)) return v.join(", ");
+  if (typeof v === "object") return Object.keys(v).length ? JSON.stringify(v) : "none";
+  return String(v);
+}
+
 function table(headers, rows) {
   return el("table", {}, el("thead", {}, el("tr", {}, ...headers.map((h) => el("th", {}, h)))),
     el("tbody", {}, ...rows.map((r) => el("tr", {}, ...r.map((c) => el("td", {}, c))))));
@@ -361,16 +373,7 @@ function renderServer(srv) {
   parts.push(srv.work.length ? table(["owner", "live models", "busy models", "requests in flight"],
     srv.work.map((w) => [w.owner, w.live_models, w.busy_models, w.requests_in_flight])) : el("p", { class: "muted" }, "idle"));
   parts.push(el("h3", {}, "Limits"));
-  const l = srv.limits;
-  parts.push(table(["limit", "value"], [
-    ["engine", l.engine], ["sampler", Object.keys(l.sampler_config).length ? `${l.sampler} ${JSON.stringify(l.sampler_config)}` : l.sampler],
-    ["models", l.models.join(", ")], ["shared base", l.share_base ? "on" : "off"],
-    ["--max-memory", l.max_memory_bytes ? fmtBytes(l.max_memory_bytes) : "none"],
-    ["--max-lora-adapters", l.max_lora_adapters ?? "none"], ["--snapshot-memory", fmtBytes(l.snapshot_memory_bytes)],
-    ["--session-timeout", `${l.session_timeout_s} s`], ["--max-seq-len", l.max_seq_len ?? "the model's"],
-    ["--max-num-samples", l.max_num_samples], ["--max-tokens-per-request", l.max_tokens_per_request],
-    ["--max-queued-requests", l.max_queued_requests], ["--header-timeout", `${l.header_timeout_s} s`],
-    ["--max-connections", l.max_connections], ["request body", fmtBytes(l.max_body_bytes)]]));
+  parts.push(table(["setting", "value"], srv.limits.map((r) => [r.flag || r.setting, limitValue(r)])));
   $("server").replaceChildren(...parts);
 }
 
