@@ -24,13 +24,13 @@ import attrs
 from ...errors import InputError, NotFoundError, quoted
 from ...inputs import tinker_proto
 from ...inputs.coerce import lora_config_from_any
-from ...losses.stability import SequenceRecords
+from ...losses.stability import SequenceRecords, sequence_ids
 from ..config import ServerConfig
-from ..wire.bodies import Bodies
 from ..state.history import History
 from ..state.statedir import StateDirLock
 from ..state.store import Store
 from ..wire import envelopes, proto
+from ..wire.bodies import Bodies
 from . import visibility
 from .catalog import Catalog
 from .executor import SHUTDOWN_MESSAGE, Executors
@@ -108,7 +108,7 @@ class Runtime(WeightRequests):
             self.futures.finish(rec, Result.error(SHUTDOWN_MESSAGE, "server"))
         out = envelopes.future_json(rec.request_id, rec.model_id)
         if route == "asample":
-            out["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(rec.extra.get("num_samples", 0))]
+            out["sample_sequence_ids"] = sequence_ids(rec.request_id, rec.extra.get("num_samples", 0))
         return out
 
     def _admit(self, owner: str) -> None:
@@ -215,7 +215,6 @@ class Runtime(WeightRequests):
                 backend = model.require_backend()
                 self.sampling.before_weight_change(model)
                 backend.load_state(directory, optimizer=req.optimizer)
-                model.version += 1
                 return Result.json({"path": req.path, "model_id": model.model_id, "type": "load_weights"})
 
             return load
@@ -341,7 +340,6 @@ class Runtime(WeightRequests):
                 backend = model.require_backend()
                 self.sampling.before_weight_change(model)
                 out = backend.optim_step(params)
-                model.version += 1
                 self.history.optim_step(model.model_id, out.metrics)
                 return Result.json(envelopes.optim_step_json(out.metrics))
 
@@ -383,10 +381,9 @@ class Runtime(WeightRequests):
                     raise InputError("record_stability_info: recorded sequences belong to a session; sample "
                                      "through a sampling client (a sampling_session_id), not an ad-hoc request")
                 records, prompt = self.records(session.session_id), spec.prompt
-                ids = [f"{rec.request_id}:{i}" for i in range(spec.request.num_samples)]
 
                 def record(out):
-                    records.record(prompt, out.sequences, ids)
+                    records.record_outputs([prompt], [out], [rec.request_id])
             self.sampling.submit(session, spec, self.futures.completer(rec), record)
         except InputError as exc:
             self.futures.finish(rec, Result.from_exception(exc))
