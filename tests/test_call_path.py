@@ -29,6 +29,11 @@ def test_the_facade_hands_a_calls_data_down_once():
     assert {"prepare_call", "prepare_sample"} <= called
 
 
+def _model(vocab_size: int, images, records: SequenceRecords | None = None) -> CallModel:
+    return CallModel(name="m", vocab_size=vocab_size, max_positions=None, images=images,
+                     sequences=records or SequenceRecords())
+
+
 class Reader:
     """An image reader that makes each image 3 positions of placeholder token 9 (what a model's
     image processor decides), recording what it was given."""
@@ -52,16 +57,16 @@ def test_images_are_read_below_the_facade_before_the_call_is_checked():
     registry = skyrl_sdk.get_registry()
     resolved = registry.resolve("cross_entropy")
     reader = Reader()
-    model = CallModel("m", 32, None, reader, SequenceRecords())
+    model = _model(32, reader)
     datums, _ = prepare_call([_image_datum(5)], resolved, model, backward=True, losses=registry.losses)
     assert len(reader.calls) == 1 and datums[0].model_input.to_ints() == [1, 2, 9, 9, 9]
     with pytest.raises(DatumError, match=r"reads no images"):  # a text model: refused by name
-        prepare_call([_image_datum(5)], resolved, CallModel("m", 32, None, None, SequenceRecords()), backward=True,
+        prepare_call([_image_datum(5)], resolved, _model(32, None), backward=True,
                      losses=registry.losses)
     prompt = types.SampleRequest(prompts=[_image_datum(5).model_input], sampling_params=types.SamplingParams())
     assert prepare_sample(prompt, model).prompts[0].to_ints() == [1, 2, 9, 9, 9]
     with pytest.raises(InputError, match=r"prompt 0: token ids must be in \[0, 8\)"):  # checked after reading
-        prepare_sample(prompt, CallModel("m", 8, None, reader, SequenceRecords()))
+        prepare_sample(prompt, _model(8, reader))
 
 
 def test_provenance_is_resolved_below_the_facade():
@@ -76,7 +81,7 @@ def test_provenance_is_resolved_below_the_facade():
                         ).with_provenance([types.PromptProvenanceSpan(sid, 3), types.SampledProvenanceSpan(sid, 1)],
                                           [types.PromptProvenanceSpan(sid, 2, offset=1),
                                            types.SampledProvenanceSpan(sid, 2)])
-    datums, _ = prepare_call([datum], registry.resolve("stable_reinforce"), CallModel("m", 32, None, None, records),
+    datums, _ = prepare_call([datum], registry.resolve("stable_reinforce"), _model(32, None, records),
                              backward=True, losses=registry.losses)
     np.testing.assert_array_equal(datums[0].loss_fn_inputs["logprobs"].to_numpy(), [0, 0, -0.5, -0.25])
     np.testing.assert_array_equal(datums[0].loss_fn_inputs["sampled_mask"].to_numpy(), [0, 0, 1, 1])

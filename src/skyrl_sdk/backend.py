@@ -166,7 +166,8 @@ class Backend:
     def _call_model(self) -> CallModel:
         """What this Backend's calls are completed and checked against (:mod:`skyrl_sdk.losses.calls`)."""
         info = self.engine.info
-        return CallModel(self.model_name, info.vocab_size, info.max_positions, self.engine.images, self.sequences)
+        return CallModel(name=self.model_name, vocab_size=info.vocab_size, max_positions=info.max_positions,
+                         images=self.engine.images, sequences=self.sequences)
 
     @staticmethod
     def _outputs(result) -> ForwardBackwardOutput:

@@ -33,7 +33,7 @@ class ImageReader(Protocol):
         ...
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen(eq=False, kw_only=True)
 class CallModel:
     """What a call's data is completed and checked against: the model's name (for messages),
     vocabulary and positions, its image reader (None: it reads no images) and the sequences

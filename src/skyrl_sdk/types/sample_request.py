@@ -116,7 +116,7 @@ class SampleRequest:
     prompt_alt_tokens_k: int = attrs.field(default=0, validator=_count(0))
 
     def __attrs_post_init__(self) -> None:
-        images = [i for i, p in enumerate(self.prompts) if isinstance(p, ModelInput)]
+        images = any(isinstance(p, ModelInput) for p in self.prompts)
         for name in ("record_stability_info", "prompt_alt_tokens_k"):
             if images and getattr(self, name):
                 raise InputError(f"{name}: not available for a prompt with images")
@@ -127,7 +127,7 @@ class SampleRequest:
     def batch_key(self) -> tuple:
         """Every option (a field without a role), by name: requests with equal keys can be
         served by one call of :meth:`batched` (the server merges a group's requests so)."""
-        return tuple((f.name, getattr(self, f.name)) for f in attrs.fields(SampleRequest) if role_of(f) is None)
+        return tuple((f.name, getattr(self, f.name)) for f in attrs.fields(type(self)) if role_of(f) is None)
 
     @staticmethod
     def batched(requests: Sequence[SampleRequest]) -> SampleRequest:
@@ -139,7 +139,7 @@ class SampleRequest:
             if r.batch_key() != first.batch_key():
                 raise ValueError("SampleRequest.batched: the requests differ in an option (their batch_key)")
         merged: dict[str, Any] = {}
-        for f in attrs.fields(SampleRequest):
+        for f in attrs.fields(type(first)):
             if role_of(f) == CALLER:
                 merged[f.name] = f.default
             elif role_of(f) == PER_PROMPT:
