@@ -39,7 +39,7 @@ def _message(fn, *args, **kwargs) -> str:
     ({"top_p": 0.9, "seeed": 3}, "seeed", "seed"),
 ])
 def test_an_unknown_sampling_key_is_refused_alike_in_process_and_over_the_wire(params, key, hint):
-    in_process = _message(sample.sample_call, [[1, 2, 3]], params)
+    in_process = _message(sample.sample_request_from_any, [[1, 2, 3]], params)
     over_http = _message(wire.parse_sample_request, {"prompt": {"chunks": [{"type": "encoded_text",
                                                                             "tokens": [1, 2, 3]}]},
                                                      "sampling_params": params}, 8)
@@ -49,13 +49,13 @@ def test_an_unknown_sampling_key_is_refused_alike_in_process_and_over_the_wire(p
 
 def test_backend_sample_refuses_an_unknown_sampling_key_before_any_compute(tiny_backend):
     message = _message(tiny_backend.sample, [[1, 2, 3]], {"temprature": 0.5})
-    assert message == _message(sample.sample_call, [[1, 2, 3]], {"temprature": 0.5})
+    assert message == _message(sample.sample_request_from_any, [[1, 2, 3]], {"temprature": 0.5})
 
 
 def test_sample_counts_and_lengths_read_alike():
     body = {"prompt": [1, 2, 3], "num_samples": 0}
-    assert _message(wire.parse_sample_request, body, 8) == _message(sample.sample_call, [[1, 2, 3]], None, 0,
-                                                                    max_num_samples=8)
+    assert _message(wire.parse_sample_request, body, 8) == _message(sample.sample_request_from_any, [[1, 2, 3]], None,
+                                                                    num_samples=0, max_num_samples=8)
     assert "num_samples: expected an integer in 1..8, got 9" in _message(
         wire.parse_sample_request, {**body, "num_samples": 9}, 8)
     spec = wire.parse_sample_request({"prompt": [1, 2, 3], "sampling_params": {"max_tokens": 8}}, 8)

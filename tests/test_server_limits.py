@@ -152,10 +152,10 @@ def test_sample_request_validated_before_num_samples(srv):
 def test_unknown_keys_are_refused_over_http(srv, model):
     """A misspelt key is refused over HTTP as in process, in the same words (a ``temprature``
     once sampled at the default temperature); an envelope's unknown key too."""
-    from skyrl_sdk.inputs.sample import sample_call
+    from skyrl_sdk.inputs.sample import sample_request_from_any
 
     with pytest.raises(ValueError) as in_process:
-        sample_call([[1, 2]], {"temprature": 0.5})
+        sample_request_from_any([[1, 2]], {"temprature": 0.5})
     with raw_client(srv) as http:
         answer = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": [1, 2],
                                                     "sampling_params": {"temprature": 0.5}}).json()

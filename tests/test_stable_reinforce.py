@@ -197,7 +197,7 @@ def test_provenance_is_checked_against_the_records(make_backend):
     with pytest.raises(DatumError, match="sampled_mask.*computed from the datum's provenance"):
         backend.forward_backward([variant(good, sampled_mask=np.ones(len(tokens), np.float32))], "stable_reinforce")
     other = make_backend(lora={"rank": 4})  # another Backend's records do not hold these ids
-    with pytest.raises(InputError, match="sequence_id 'seq-.*names no recorded sequence"):
+    with pytest.raises(InputError, match="sequence_id 'sample-.*names no recorded sequence"):
         other.forward_backward([good], "stable_reinforce")
 
 

@@ -22,26 +22,26 @@ import numpy as np
 from .builtin_plugins import get_registry
 from .engines import call_grads
 from .engines.turns import Steps, run_to_end
-from .errors import CheckpointError, CriticExportWarning, DatumError, InputError
-from .inputs.coerce import adam_params_from_any, data_from_any, lora_config_from_any
-from .inputs.sample import sample_call
+from .errors import CheckpointError, CriticExportWarning, InputError
+from .inputs.coerce import adam_params_from_any, lora_config_from_any
+from .inputs.sample import sample_request_from_any
+from .losses.calls import CallModel, prepare_call, prepare_sample
 from .losses.metrics import MetricAccumulator
-from .losses.resolve import ResolvedLoss, reading_values
+from .losses.resolve import ResolvedLoss
 from .losses.run import add_prepared_inputs
-from .losses.stability import SequenceRecords, resolve_provenance
-from .losses.validation import check_call, check_prompts, check_target_ids, inputs_for_forward
+from .losses.stability import SequenceRecords
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
 from .models.value_head import critic_export_note, write_critic_card
-from .plugins.samplers import Sampler, SampleRequest, check_sampler
+from .plugins.samplers import Sampler, check_sampler
 from .types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
     LoadStateOutput,
     ModelInfo,
-    ModelInput,
     OptimStepOutput,
     SampleOutput,
+    SampleRequest,
     SamplingParams,
     SaveStateOutput,
     SaveWeightsForSamplerOutput,
@@ -95,7 +95,6 @@ class Backend:
         self.sampler_name = sampler
         self._sampler_config = dict(sampler_config or {})
         self._sampler = None  # built on the first sample(): a sampler may hold a second model
-        self._source = None  # what the sampler reads: the engine's weights_source(), built with it
         self.model_name = str(model)
         self.role = role
         self.dialect = dialect
@@ -160,34 +159,18 @@ class Backend:
                  backward: bool = True) -> Steps[tuple[list[Datum], ResolvedLoss]]:
         """(stepped: a loss's ``prepare`` runs a forward first) A call's datums and loss, checked."""
         resolved = self.resolve(loss_fn, loss_fn_config)
-        datums = data_from_any(data)
-        inputs = self._read_images([d.model_input for d in datums], lambda i, msg: DatumError(msg, index=i))
-        datums = [d if mi is d.model_input else attrs.evolve(d, model_input=mi)
-                  for d, mi in zip(datums, inputs, strict=True)]
-        if resolved.spec.needs_provenance:  # the recorded sampler logprobs, named by each datum's provenance
-            datums = resolve_provenance(datums, self.sequences)
-        if not backward:  # no gradient: take the inputs this loss reads, leave the other losses' alone
-            known = {k for spec in get_registry().losses.values() for k in spec.required_inputs + spec.optional_inputs}
-            datums = inputs_for_forward(datums, resolved.spec, known)
-            if datums:  # a critic's datums without values/returns: read the values
-                resolved = reading_values(resolved, set(datums[0].loss_fn_inputs))
-        resolved = check_call(datums, resolved, self.vocab_size, self.engine.info.max_positions)  # before compute
+        datums, resolved = prepare_call(data, resolved, self._call_model(), backward=backward,
+                                        losses=get_registry().losses)  # checked: nothing computed yet
         if resolved.spec.prepare is not None and not resolved.scores_only:
             prepared = yield from self.engine.run_steps(datums, resolved, backward=False)
             datums = add_prepared_inputs(datums, resolved, prepared.outputs)
         return datums, resolved
 
-    def _read_images(self, inputs: list[ModelInput], error) -> list[ModelInput]:
-        """``inputs`` with their images read by the model's image processor (checked against the
-        image limits first, then decoded), or refused by name when the model reads no images."""
-        if not any(mi.has_images for mi in inputs):
-            return inputs
-        images = getattr(self.engine, "images", None)
-        if images is None:
-            i = next(i for i, mi in enumerate(inputs) if mi.has_images)
-            raise error(i, f"model_input holds an image, but model {self.model_name!r} reads no images (it is not "
-                           f"a vision-language model: Qwen2-VL, Qwen2.5-VL or Qwen3-VL)")
-        return images.prepare(inputs, error)
+    def _call_model(self) -> CallModel:
+        """What this Backend's calls are completed and checked against (:mod:`skyrl_sdk.losses.calls`)."""
+        info = self.engine.info
+        return CallModel(name=self.model_name, vocab_size=info.vocab_size, max_positions=info.max_positions,
+                         images=self.engine.images, sequences=self.sequences)
 
     @staticmethod
     def _outputs(result) -> ForwardBackwardOutput:
@@ -266,7 +249,8 @@ class Backend:
             if self.grad_accumulation == "mean" and self._calls_since_step > 1:
                 scale = 1.0 / self._calls_since_step
             metrics = self.engine.optim_step(params, scale)
-            self.weights_changed()
+            if not metrics.get("skipped"):  # a skipped step changed nothing
+                self.engine.weights_changed()
             metrics["num_forward_backward_calls"] = float(self._calls_since_step)
             self._calls_since_step = 0
             return OptimStepOutput(metrics=metrics)
@@ -305,34 +289,25 @@ class Backend:
         sampler does not serve is refused by name. The sampler is built on the first call
         with the engine's weights (``Engine.weights_source()``).
         """
-        call = sample_call(prompts, sampling_params, num_samples, prompt_logprobs, topk_prompt_logprobs,
-                           record_stability_info, topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k)
-        params = call.sampling_params
-        prompts = list(call.prompts)
-        where = [i for i, p in enumerate(prompts) if isinstance(p, ModelInput)]
-        if where:  # decoded here, in the caller's thread (the server's compute thread)
-            read = self._read_images([prompts[i] for i in where],
-                                     lambda k, msg: InputError(f"prompt {where[k]}: {msg}"))
-            for i, model_input in zip(where, read, strict=True):
-                prompts[i] = model_input
-        check_prompts([p.to_numpy() if isinstance(p, ModelInput) else p for p in prompts], self.vocab_size,
-                      self.engine.info.max_positions, params.max_tokens)
-        check_target_ids(call.target_prompt_logprobs, self.vocab_size)
-        request = SampleRequest(prompts, params, call.num_samples, call.prompt_logprobs, call.topk_prompt_logprobs,
-                                call.topk_sample_logprobs, call.target_prompt_logprobs, call.prompt_alt_tokens_k)
+        return self.sample_request(sample_request_from_any(
+            prompts, sampling_params, num_samples=num_samples, prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs, record_stability_info=record_stability_info,
+            topk_sample_logprobs=topk_sample_logprobs, target_prompt_logprobs=target_prompt_logprobs,
+            prompt_alt_tokens_k=prompt_alt_tokens_k))
+
+    def sample_request(self, request: SampleRequest) -> list[SampleOutput]:
+        """Serve one :class:`~skyrl_sdk.types.SampleRequest` (what :meth:`sample` builds from its
+        arguments, and the server from Tinker's JSON): its images read and its prompts checked
+        against the model, then the sampler gets it; with ``record_stability_info`` every
+        sequence is recorded in :attr:`sequences` and carries its ``sequence_id``."""
+        self._check_open()
+        request = prepare_sample(request, self._call_model())  # images decoded in the caller's thread
         with self._lock:
             self._check_open()
             outs = self._built_sampler().sample(request)
-        if not call.record_stability_info:
+        if not request.record_stability_info:
             return outs
-        return [self._recorded(p, out) for p, out in zip(call.prompts, outs, strict=True)]
-
-    def _recorded(self, prompt: np.ndarray, out: SampleOutput) -> SampleOutput:
-        """Record the samples of ``prompt`` in :attr:`sequences`; they carry their ``sequence_id``."""
-        ids = self.sequences.new_ids(len(out.sequences))
-        self.sequences.record(prompt, out.sequences, ids)
-        return attrs.evolve(out, sequences=[attrs.evolve(s, sequence_id=i)
-                                            for s, i in zip(out.sequences, ids, strict=True)])
+        return self.sequences.record_outputs(request.prompts, outs)
 
     @property
     def sampler(self) -> Sampler | None:
@@ -346,16 +321,21 @@ class Backend:
             factory = get_registry().sampler_spec(self.sampler_name).factory
             source = self.engine.weights_source()
             sampler = check_sampler(factory(source=source, config=dict(self._sampler_config)), self.sampler_name)
-            self._source, self._sampler = source, sampler
+            self._sampler = sampler
             logger.info("sampler of %s: %s", self.model_name, sampler.describe())
         return self._sampler
 
+    @property
+    def weights_version(self) -> int:
+        """The engine's weights version (``Engine.weights_version``): it moves whenever the weights
+        change, and the sampler reloads a copy of them when it moved."""
+        return self.engine.weights_version
+
     def weights_changed(self) -> None:
-        """Tell the sampler the engine's weights changed, so it samples the new ones. ``optim_step``
-        and ``load_state`` call it; call it after changing the weights any other way."""
+        """Say the engine's weights changed, so the sampler samples the new ones. ``optim_step`` and
+        ``load_state`` do it themselves; call it after changing the weights any other way."""
         with self._lock:
-            if self._source is not None:
-                self._source.weights_changed()
+            self.engine.weights_changed()
 
     # ---- saving -----------------------------------------------------------------------
     def save_weights_for_sampler(
@@ -426,7 +406,7 @@ class Backend:
                         f"{mine.get(key)!r} here"
                     )
             self.engine.load_state(directory, meta["engine_state"], optimizer)
-            self.weights_changed()
+            self.engine.weights_changed()
             self._calls_since_step = 0
             return LoadStateOutput(path=str(directory.resolve()), optimizer_loaded=optimizer)
 
@@ -444,7 +424,5 @@ class Backend:
             sampler=self.sampler_name,
             num_parameters=info.num_parameters,
             num_trainable_parameters=info.num_trainable_parameters,
-            # an in-process engine's runner knows it now (its self-test runs at the first call)
-            prefix_sharing=getattr(getattr(self.engine, "runner", None), "prefix_status", None)
-            or getattr(info, "prefix_sharing", "off"),
+            prefix_sharing=self.engine.prefix_sharing,
         )

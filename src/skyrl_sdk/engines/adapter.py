@@ -107,11 +107,15 @@ class _OnSharedBase(LocalEngine):
     def _key(self) -> str | None:
         return self.adapter.name if self.adapter is not None else None
 
+    def turn(self):
+        """This adapter's turn on the shared base (the bare base's for the read-only engine)."""
+        return self.shared.using(self.adapter)
+
     def weights_source(self) -> EngineWeights:
         """This adapter (or the bare base) on the shared base: its base key is the pool, so a
         sampler may serve all of the pool's adapters from one copy of the base."""
         return EngineWeights(self, module=self.shared.loaded.module, peft=self.shared.module, adapter=self._key(),
-                             base_key=self.shared, turn=lambda: self.shared.using(self.adapter))
+                             base_key=self.shared, turn=self.turn)
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         with self.shared.using(self.adapter):
@@ -229,6 +233,12 @@ class ReadOnlyBaseEngine(_OnSharedBase):
 
     def load_state(self, directory: Path, metadata: dict[str, Any], optimizer: bool) -> None:
         raise self._read_only("load_state")
+
+    def copy_trainable(self, max_bytes: int) -> None:
+        return None  # nothing trained
+
+    def load_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
+        raise self._read_only("load_trainable")
 
     def close(self) -> None:
         pass  # the pool owns the base

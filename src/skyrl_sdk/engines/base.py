@@ -58,7 +58,7 @@ class EngineInfo:
     #: the longest sequence the model accepts (``max_position_embeddings``; None: no limit known)
     max_positions: int | None = None
     #: whether datums sharing a head are computed with it once, and why not (a status line; an
-    #: in-process engine's ``runner.prefix_status`` is read live instead)
+    #: in-process engine answers live: ``Engine.prefix_sharing``)
     prefix_sharing: str = "off"
 
     @classmethod
@@ -93,6 +93,27 @@ class Engine(abc.ABC):
     #: A vision-language model's image processor and image limits (:func:`image_inputs`); None:
     #: the model reads no images, and the Backend refuses image chunks by name.
     images: ImageInputs | None = None
+    _weights_version = 0
+
+    @property
+    def weights_version(self) -> int:
+        """How many times this engine's weights changed: the one version of them. Samplers read
+        it through :meth:`weights_source` (a copy of the weights reloads when it moved) and the
+        server pins snapshots by it. :meth:`weights_changed` moves it."""
+        return self._weights_version
+
+    def weights_changed(self) -> None:
+        """Move :attr:`weights_version` on (never back). The Backend calls it after each call of
+        its that changed the weights (an ``optim_step`` not skipped, ``load_state``); an engine
+        calls it itself where it changes them otherwise (:meth:`load_trainable`)."""
+        self._weights_version += 1
+
+    @property
+    def prefix_sharing(self) -> str:
+        """Whether datums sharing a head are computed with it once, and why not, as of now
+        (``get_info().prefix_sharing``): ``info.prefix_sharing``, or what the engine knows live
+        (an in-process runner's self-test runs at its first call)."""
+        return self.info.prefix_sharing
 
     @abc.abstractmethod
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
@@ -129,6 +150,19 @@ class Engine(abc.ABC):
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         """Write a Hugging Face model directory (config, safetensors, tokenizer)."""
         raise self.unsupported("export weights")
+
+    def copy_trainable(self, max_bytes: int) -> dict[str, torch.Tensor] | None:
+        """CPU copies of the tensors the optimizer trains (a LoRA model's adapter, else every
+        weight), by name: what :meth:`load_trainable` of an engine built alike needs to hold these
+        weights. None when they come to more than ``max_bytes`` (nothing is copied then) or the
+        engine keeps no copies in memory (the default): the server then snapshots through
+        ``save_state`` / ``export_weights``, on disk."""
+        return None
+
+    def load_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` (:meth:`copy_trainable` of an engine built alike) into this engine's
+        trained tensors, and move :attr:`weights_version`."""
+        raise self.unsupported("load trained tensors from memory")
 
     def weights_source(self) -> WeightsSource:
         """The current weights as a sampler sees them (``skyrl_sdk.sampling.WeightsSource``): built

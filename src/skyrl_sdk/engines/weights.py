@@ -51,6 +51,10 @@ class EngineWeights(WeightsSource):
         self.device = engine.device
 
     @property
+    def version(self) -> int:
+        return self._engine.weights_version
+
+    @property
     def base_key(self) -> Hashable:
         return self._base_key
 

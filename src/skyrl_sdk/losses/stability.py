@@ -26,7 +26,7 @@ import attrs
 import numpy as np
 
 from ..errors import DatumError, InputError
-from ..types import Datum, SampledProvenanceSpan, SampledSequence, TensorData
+from ..types import Datum, SampledProvenanceSpan, SampledSequence, SampleOutput, TensorData
 
 #: how long a recorded sequence stays usable after sampling or its last use (Tinker: one day)
 RECORD_TTL_S = 24 * 3600.0
@@ -52,6 +52,17 @@ class RecordedSequence:
         return int(self.prompt.size + self.tokens.size)
 
 
+def new_request_id() -> str:
+    """A fresh id for one prompt's sample request, of the form the server gives its requests."""
+    return f"sample-{uuid.uuid4().hex}"
+
+
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """The ``sequence_id`` of each of a sample request's ``n`` sequences: ``<request_id>:<i>``
+    (the server answers them with the request, before sampling: Tinker's ``sample_sequence_ids``)."""
+    return [f"{request_id}:{i}" for i in range(n)]
+
+
 class SequenceRecords:
     """Recorded sequences by id, bounded (``max_tokens``) and expiring (``ttl_s``); thread-safe
     (samplers record from their workers while a training request reads)."""
@@ -75,11 +86,20 @@ class SequenceRecords:
     def tokens(self) -> int:
         return self._tokens
 
-    @staticmethod
-    def new_ids(n: int) -> list[str]:
-        """``n`` fresh sequence ids (one sampling request's)."""
-        base = uuid.uuid4().hex
-        return [f"seq-{base}:{i}" for i in range(n)]
+    def record_outputs(self, prompts: Sequence[np.ndarray], outs: Sequence[SampleOutput],
+                       request_ids: Sequence[str] | None = None) -> list[SampleOutput]:
+        """Record each prompt's sampled sequences (the one way they are recorded, in process and
+        in the server) under :func:`sequence_ids` of its request id (``request_ids``: one per
+        prompt, the server's; by default :func:`new_request_id`), and return the outputs with
+        each sequence carrying its ``sequence_id``."""
+        ids = list(request_ids) if request_ids is not None else [new_request_id() for _ in prompts]
+        recorded = []
+        for prompt, out, request_id in zip(prompts, outs, ids, strict=True):
+            seq_ids = sequence_ids(request_id, len(out.sequences))
+            self.record(prompt, out.sequences, seq_ids)
+            recorded.append(attrs.evolve(out, sequences=[attrs.evolve(s, sequence_id=i)
+                                                         for s, i in zip(out.sequences, seq_ids, strict=True)]))
+        return recorded
 
     def record(self, prompt: np.ndarray, sequences: Sequence[SampledSequence], ids: Sequence[str]) -> None:
         """Record the samples of one prompt under ``ids`` (one per sequence)."""

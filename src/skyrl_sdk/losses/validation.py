@@ -83,7 +83,7 @@ def check_prompts(prompts: Sequence[np.ndarray], vocab_size: int, max_positions:
 
 
 def check_target_ids(targets: Sequence[np.ndarray | None] | None, vocab_size: int) -> None:
-    """A sample call's ``target_prompt_logprobs`` (shapes checked by ``inputs.sample``): every
+    """A sample call's ``target_prompt_logprobs`` (shapes checked by ``SampleRequest``): every
     token id named lies in the model's vocabulary."""
     for i, ids in enumerate(targets or ()):
         if ids is not None and (ids >= vocab_size).any():

@@ -85,14 +85,6 @@ def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bo
     return " " + " and ".join(parts) if parts else ""
 
 
-def check_sample_counts(num_samples: Any, topk_prompt_logprobs: Any, *, max_num_samples: int | None = None,
-                        max_topk: int | None = None) -> tuple[int, int]:
-    """A sample call's ``num_samples`` (>= 1) and ``topk_prompt_logprobs`` (>= 0), checked alike
-    by ``Backend.sample`` and the server, which also bounds both from above."""
-    return (check_number("num_samples", num_samples, low=1, high=max_num_samples, integer=True),
-            check_number("topk_prompt_logprobs", topk_prompt_logprobs, low=0, high=max_topk, integer=True))
-
-
 def number_validator(
     low: float | None = None,
     high: float | None = None,

@@ -1,7 +1,8 @@
 """What the ``fsdp`` controller hands a sampler: its weights as a ``WeightsSource``.
 
 The controller holds no model. Our decode loop runs on rank 0, on an unsharded copy of the
-current weights gathered when they changed (``RankEngine.op_sample``); other samplers read
+current weights gathered when the engine's weights version moved (``RankEngine.op_sample``);
+the request travels as plain data (``skyrl_sdk.engines.plain``). Other samplers read
 the weights as a Hugging Face directory the ranks export (LoRA merged: the ranks keep no
 separate base to hand out).
 """
@@ -11,33 +12,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import attrs
-import numpy as np
-
-from skyrl_sdk.engines.plain import model_input_to_plain
+from skyrl_sdk.engines.plain import sample_request_to_plain
 from skyrl_sdk.errors import InputError
 from skyrl_sdk.models import load_config
 from skyrl_sdk.sampling import Decoder, SampleRequest, WeightsSource
-from skyrl_sdk.types import ModelInput, SampleOutput
+from skyrl_sdk.types import SampleOutput
 
 
 class RankZeroDecoder(Decoder):
-    """Sends the request to the ranks; rank 0 runs our decode loop and answers."""
+    """Sends the request to the ranks, as plain data; rank 0 runs our decode loop and answers."""
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
 
     def generate(self, request: SampleRequest) -> list[SampleOutput]:
-        prompts = [model_input_to_plain(p) if isinstance(p, ModelInput) else (np.asarray(p, dtype=np.int64),)
-                   for p in request.prompts]  # a VLM's prompt travels with its prepared pixels
-        return self._engine.dispatch_sample(
-            prompts=prompts, params=attrs.asdict(request.params),
-            num_samples=int(request.num_samples), prompt_logprobs=bool(request.prompt_logprobs),
-            topk_prompt_logprobs=int(request.topk_prompt_logprobs),
-            topk_sample_logprobs=int(request.topk_sample_logprobs),
-            prompt_alt_tokens_k=int(request.prompt_alt_tokens_k),
-            target_prompt_logprobs=None if request.target_prompt_logprobs is None else
-            [None if t is None else np.asarray(t, dtype=np.int64) for t in request.target_prompt_logprobs])
+        return self._engine.dispatch_sample(sample_request_to_plain(request))
 
 
 class FSDPWeights(WeightsSource):
@@ -55,6 +44,10 @@ class FSDPWeights(WeightsSource):
         self.pad_token_id = int(pad) if isinstance(pad, int) else 0
         self.lora = engine.lora
         self.dtype = engine.config.dtype
+
+    @property
+    def version(self) -> int:
+        return self._engine.weights_version
 
     def export_base(self, directory: Path) -> None:
         if self.lora is not None:

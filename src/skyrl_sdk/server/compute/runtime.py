@@ -26,7 +26,7 @@ from ...engines.turns import Steps
 from ...errors import InputError, NotFoundError, quoted
 from ...inputs import tinker_proto
 from ...inputs.coerce import lora_config_from_any
-from ...losses.stability import SequenceRecords
+from ...losses.stability import SequenceRecords, sequence_ids
 from ..config import ServerConfig
 from ..state.history import History
 from ..state.statedir import StateDirLock
@@ -114,7 +114,7 @@ class Runtime:
             self.futures.finish(rec, Result.error(SHUTDOWN_MESSAGE, "server"))
         out = envelopes.future_json(rec.request_id, rec.model_id)
         if route == "asample":
-            out["sample_sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(rec.extra.get("num_samples", 0))]
+            out["sample_sequence_ids"] = sequence_ids(rec.request_id, rec.extra.get("num_samples", 0))
         return out
 
     def _admit(self, owner: str) -> None:
@@ -219,7 +219,6 @@ class Runtime:
                 backend = model.require_backend()
                 self.sampling.before_weight_change(model)
                 backend.load_state(directory, optimizer=req.optimizer)
-                model.version += 1
                 return Result.json({"path": req.path, "model_id": model.model_id, "type": "load_weights"})
 
             return load
@@ -349,7 +348,6 @@ class Runtime:
                 backend = model.require_backend()
                 self.sampling.before_weight_change(model)
                 out = backend.optim_step(params)
-                model.version += 1
                 self.history.optim_step(model.model_id, out.metrics)
                 return Result.json(envelopes.optim_step_json(out.metrics))
 
@@ -392,10 +390,9 @@ class Runtime:
                     raise InputError("record_stability_info: recorded sequences belong to a session; sample "
                                      "through a sampling client (a sampling_session_id), not an ad-hoc request")
                 records, prompt = self.records(session.session_id), spec.prompt
-                ids = [f"{rec.request_id}:{i}" for i in range(spec.request.num_samples)]
 
                 def record(out):
-                    records.record(prompt, out.sequences, ids)
+                    records.record_outputs([prompt], [out], [rec.request_id])
             await self.sampling.submit(session, spec, self.futures.completer(rec), record)
         except InputError as exc:
             self.futures.finish(rec, Result.from_exception(exc))

@@ -4,13 +4,15 @@ A sampling session samples from a base model, a saved ``tinker://`` path, or a l
 training model (``save_weights_and_get_sampling_client``). Base models and saved paths are
 served by sampler Backends, loaded lazily, each with its own queue on the compute executor
 (a base model's per owner, so owners take turns), the least recently used evicted past
-``max_sampler_backends``.
+``max_sampler_backends``. Queued requests that share every option (:func:`batch_key`) run
+as one sampler call: one :class:`~skyrl_sdk.types.SampleRequest` holding all their prompts.
 
-Weights versions: a training model's ``version`` grows with every ``optim_step`` and
-``load_weights``. An ephemeral ``snapshot`` session pins the version it was created at and
-samples the live model while it is still at that version; before the weights change, a
-pinned version is snapshotted once, in memory (:mod:`.snapshots`), and its sessions then
-sample a sampler built from that snapshot (the last ``max_ephemeral_snapshots`` per model
+Weights versions: a training model's is its engine's (``Engine.weights_version``), which
+grows with every ``optim_step`` that changed the weights and every ``load_weights``. An
+ephemeral ``snapshot`` session pins the version it was created at and samples the live model
+while it is still at that version; before the weights change, a pinned version is
+snapshotted once, in memory through the engine's ``copy_trainable`` (:mod:`.snapshots`), and
+its sessions then sample a sampler built from that snapshot (the last ``max_ephemeral_snapshots`` per model
 are kept, within the ``snapshot_memory`` byte budget over all models). ``inflight``
 sessions always sample the live weights.
 
@@ -25,16 +27,16 @@ import collections
 import shutil
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 
 from ...errors import InputError, NotFoundError, quoted
 from ...inputs.coerce import lora_config_from_any
 from ...models.weight_files import weights_problem
+from ...types import ModelInput, SampleRequest
 from ..config import ServerConfig
 from ..state.store import Store
 from ..wire import proto
@@ -44,7 +46,7 @@ from .executor import Executors, Queue
 from .futures import Job, Result
 from .served import RNG_LOCK, ServedModels
 from .sessions import TrainingModel
-from .snapshots import SnapshotCache, WeightsSnapshot, load_tensors, supports_memory_snapshots, take_tensors
+from .snapshots import SnapshotCache, WeightsSnapshot, load_snapshot, take_snapshot
 
 
 @attrs.define(eq=False)
@@ -66,6 +68,17 @@ class SampleWork:
 
     spec: SampleSpec
     record: Callable[[Any], None] | None = None
+
+
+def batch_key(target: Hashable, pinned_version: int | None, request: SampleRequest) -> Hashable | None:
+    """The key under which queued sample requests run as one sampler call: the same sampler
+    (``target``, and the weights version a snapshot session pins) and every option of the
+    request (:meth:`SampleRequest.batch_key`, derived from its fields, so a new option is in
+    it). None, alone: a seeded request (its draws are its own generator's) and a prompt with
+    images (its images are read, and may be refused, in its own call)."""
+    if request.sampling_params.seed is not None or any(isinstance(p, ModelInput) for p in request.prompts):
+        return None
+    return (target, pinned_version, request.batch_key())
 
 
 @attrs.define(eq=False)
@@ -115,10 +128,10 @@ class Sampling:
         """(the model's worker) A session on a live training model, pinning its weights if a snapshot."""
         model.require_backend()
         self.sessions[sid] = SamplingSession(sid, model.owner, model.base_model, None, kind, model=model,
-                                             version=model.version if kind == "snapshot" else None,
+                                             version=model.weights_version if kind == "snapshot" else None,
                                              session_id=model.session_id)
         if kind == "snapshot":
-            model.pinned.add(model.version)
+            model.pinned.add(model.weights_version)
 
     def session_from(self, owner: str, model_path: Any, base_model: Any, sid: str) -> SamplingSession:
         """(a thread: it reads the state dir) A session's target, checked."""
@@ -191,7 +204,7 @@ class Sampling:
 
     def _sample_job(self, work: SampleWork, done, get_backend, target_key, snapshot: SamplingSession | None) -> Job:
         def stale() -> bool:
-            return snapshot is not None and snapshot.model.version != snapshot.version
+            return snapshot is not None and snapshot.model.weights_version != snapshot.version
 
         def reroute(jobs: list[Job]) -> list[None]:
             model, v = snapshot.model, snapshot.version
@@ -208,34 +221,23 @@ class Sampling:
             if stale():
                 return reroute(jobs)
             specs = [j.payload.spec for j in jobs]
-            first = specs[0].request  # the jobs of a batch differ only in their prompts and target ids
-            targets = [s.request.target_prompt_logprobs[0] if s.request.target_prompt_logprobs else None
-                       for s in specs]
             backend = get_backend()
             with RNG_LOCK:
-                outs = backend.sample([s.prompt for s in specs], first.sampling_params, first.num_samples,
-                                      prompt_logprobs=first.prompt_logprobs,
-                                      topk_prompt_logprobs=first.topk_prompt_logprobs,
-                                      topk_sample_logprobs=first.topk_sample_logprobs,
-                                      target_prompt_logprobs=targets if any(t is not None for t in targets) else None,
-                                      prompt_alt_tokens_k=first.prompt_alt_tokens_k)
-            for out, j in zip(outs, jobs, strict=True):
+                outs = backend.sample_request(SampleRequest.batched([s.request for s in specs]))
+            results: list[Result | None] = []
+            for j, s in zip(jobs, specs, strict=True):  # one prompt, so one output, per job
+                out, outs = outs[0], outs[1:]
                 if j.payload.record is not None:
                     j.payload.record(out)
-            return [Result.proto(proto.sample_output_to_proto(o, s.prompt_logprobs_last_n, s.request))
-                    for o, s in zip(outs, specs, strict=True)]
+                results.append(Result.proto(proto.sample_output_to_proto(out, s.prompt_logprobs_last_n, s.request)))
+            return results
 
         def run() -> Result | None:
             return run_batch([job])[0]
 
         spec = work.spec
-        call, key = spec.request, None
-        # an image prompt runs alone: its images are read (and may be refused) in its own call
-        if call.sampling_params.seed is None and isinstance(spec.prompt, np.ndarray):
-            key = (target_key, snapshot.version if snapshot else None, call.sampling_params, call.num_samples,
-                   call.prompt_logprobs, call.topk_prompt_logprobs, call.topk_sample_logprobs,
-                   call.prompt_alt_tokens_k)
-        cost = call.num_samples * (spec.prompt_length + call.sampling_params.max_tokens)  # roughly: tokens decoded
+        key = batch_key(target_key, snapshot.version if snapshot else None, spec.request)
+        cost = spec.request.num_samples * (spec.prompt_length + spec.request.sampling_params.max_tokens)  # ~decoded
         job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=work, cost=cost)
         return job
 
@@ -243,14 +245,11 @@ class Sampling:
     def before_weight_change(self, model: TrainingModel) -> None:
         """(the model's worker) Snapshot the current weights if an ephemeral session pins them:
         in memory, or on disk for an engine without memory snapshots or one too big for the budget."""
-        v = model.version
+        v = model.weights_version
         if v not in model.pinned or v in model.snapshots:
             return
-        tensors, nbytes = None, 0
-        if supports_memory_snapshots(model.backend):
-            tensors, nbytes = take_tensors(model.backend, self.snapshots.max_bytes)
-        if tensors is not None:
-            snap = WeightsSnapshot(model.model_id, v, nbytes, tensors)
+        snap = take_snapshot(model.model_id, model.backend, self.snapshots.max_bytes)
+        if snap is not None:
             model.snapshots[v] = snap
             for old in self.snapshots.add(snap):  # evicted by the byte budget: their samplers go too
                 self._evict(("memory", *old.key))
@@ -287,7 +286,7 @@ class Sampling:
             def load():
                 backend = self.served.sampler_backend(model.base_model, model.lora, own_copy=not shared)
                 try:
-                    load_tensors(backend, self.snapshots.tensors(snap, sid))
+                    load_snapshot(backend, self.snapshots.tensors(snap, sid))
                 except BaseException:
                     backend.close()
                     raise

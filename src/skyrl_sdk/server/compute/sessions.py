@@ -176,13 +176,19 @@ class TrainingModel:
     ready: asyncio.Event
     backend: Any = None
     error: str | None = None
-    version: int = 0
+    #: weights versions (``weights_version``) that snapshot sampling sessions pin
     pinned: set = attrs.Factory(set)
     #: pinned version -> its snapshot (in memory, or a scratch directory)
     snapshots: collections.OrderedDict[int, WeightsSnapshot | Path] = attrs.Factory(collections.OrderedDict)
     dropped: set = attrs.Factory(set)
     #: why the model was released (None while it is live)
     closed: str | None = None
+
+    @property
+    def weights_version(self) -> int:
+        """Its engine's weights version (``Engine.weights_version``, the one count: it moves on
+        every ``optim_step`` that changed the weights and every ``load_weights``)."""
+        return self.require_backend().weights_version
 
     def require_backend(self):
         if self.closed:

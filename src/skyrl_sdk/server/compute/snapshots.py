@@ -10,21 +10,21 @@ LRU over all models with a byte budget (``--snapshot-memory``). A snapshot evict
 budget fails its sessions with a clear error rather than spilling to disk, since spilling
 would bring back the per-step disk writes this exists to remove; a single snapshot larger
 than the whole budget (full fine-tuning of a big model) is written to disk as before.
+
+Only the ``Engine`` contract is used: ``copy_trainable`` / ``load_trainable`` (an engine
+without them is snapshotted on disk) and the engine's ``weights_version``, which pins them.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 from typing import Any
 
 import attrs
 import torch
 
-from ...engines.adapter import AdapterEngine
-from ...engines.local import LocalEngine
-from ...errors import EngineError, InputError
+from ...errors import InputError
 
 
 @attrs.define(eq=False)
@@ -41,43 +41,21 @@ class WeightsSnapshot:
         return (self.model_id, self.version)
 
 
-def _turn(engine: Any):
-    """The adapter's turn on its shared base (reloads it if offloaded), else nothing."""
-    if isinstance(engine, AdapterEngine):
-        return engine.shared.using(engine.adapter)
-    return contextlib.nullcontext()
+def take_snapshot(model_id: str, backend: Any, max_bytes: int) -> WeightsSnapshot | None:
+    """The trained tensors of ``backend``'s engine at its current weights version, copied to CPU
+    memory (``Engine.copy_trainable``), or None when they would exceed ``max_bytes`` or its engine
+    keeps no copies in memory (nothing is copied then: the caller snapshots on disk)."""
+    tensors = backend.engine.copy_trainable(max_bytes)
+    if tensors is None:
+        return None
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return WeightsSnapshot(model_id, backend.weights_version, nbytes, tensors)
 
 
-def supports_memory_snapshots(backend: Any) -> bool:
-    """Whether the backend's engine exposes its trainable tensors (the local engine and adapters
-    on a shared base do; other engines snapshot to disk)."""
-    return isinstance(getattr(backend, "engine", None), LocalEngine)
-
-
-def take_tensors(backend: Any, max_bytes: int) -> tuple[dict[str, torch.Tensor] | None, int]:
-    """CPU copies of the backend's trainable tensors and their bytes, or (None, bytes) when
-    they would exceed ``max_bytes`` (nothing is copied then)."""
-    engine = backend.engine
-    with _turn(engine):
-        params = engine.runner.named_trainable()
-        nbytes = sum(p.numel() * p.element_size() for _, p in params)
-        if nbytes > max_bytes:
-            return None, nbytes
-        return {name: p.detach().to("cpu", copy=True) for name, p in params}, nbytes
-
-
-def load_tensors(backend: Any, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy a snapshot's tensors into a sampler Backend built like the snapshotted one."""
-    engine = backend.engine
-    with _turn(engine), torch.no_grad():
-        params = dict(engine.runner.named_trainable())
-        if params.keys() != tensors.keys():
-            missing, extra = sorted(params.keys() - tensors.keys()), sorted(tensors.keys() - params.keys())
-            raise EngineError(f"weights snapshot does not fit its sampler: missing {missing[:3]}, "
-                              f"unexpected {extra[:3]}")
-        for name, p in params.items():
-            p.copy_(tensors[name])
-    backend.weights_changed()  # a sampler holding its own copy of the weights reloads them
+def load_snapshot(backend: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy a snapshot's tensors into a sampler Backend built like the snapshotted one
+    (``Engine.load_trainable``: its weights version moves, so its sampler reloads them)."""
+    backend.engine.load_trainable(tensors)
 
 
 class SnapshotCache:

@@ -22,12 +22,11 @@ import attrs
 import numpy as np
 
 from ...errors import InputError, quoted, refuse_unknown_keys
-from ...inputs import sample as sample_call
+from ...inputs import sample as sample_input
 from ...inputs.coerce import adam_params_from_any
 from ...inputs.limits import prompt_length_problem
-from ...inputs.sample import SampleCall
 from ...inputs.tinker_proto import SERVER_LIMIT
-from ...types import AdamParams, ModelInput
+from ...types import AdamParams, ModelInput, SampleRequest
 from ...types.numbers import check_number
 from . import caps
 from .tinker_paths import check_name, check_run_id, iso
@@ -54,8 +53,8 @@ REQUEST_KEYS: dict[str, tuple[str, ...]] = {
     "save_weights_for_sampler": ("model_id", "path", "sampling_session_seq_id", "kind", "seq_id", "ttl_seconds",
                                  "user_metadata", "type"),
     "optim_step": ("adam_params", "optim_params", "optimizer_params", "model_id", "seq_id", "type"),
-    "asample": ("prompt", *sample_call.CALL_KEYS, "base_model", "model_path", "sampling_session_id", "seq_id",
-                "prompt_logprobs_last_n", "target_prompt_logprobs", "type"),
+    "asample": ("prompt", *sample_input.OPTION_KEYS, "base_model", "model_path", "sampling_session_id", "seq_id",
+                "prompt_logprobs_last_n", "type"),
     "retrieve_future": ("request_id", "allow_metadata_only"),
     "weights_info": ("tinker_path",),
 }
@@ -261,10 +260,10 @@ def parse_adam_params(body: Mapping[str, Any]) -> AdamParams:
 
 @attrs.frozen(eq=False)
 class SampleSpec:
-    """An asample request: the call, typed as ``Backend.sample`` takes it, and how to shape
-    its answer (``prompt_logprobs_last_n``)."""
+    """An asample request: the one :class:`~skyrl_sdk.types.SampleRequest` (one prompt), and
+    how to shape its answer (``prompt_logprobs_last_n``)."""
 
-    request: SampleCall
+    request: SampleRequest
     prompt_logprobs_last_n: int | None = None
 
     @property
@@ -274,7 +273,7 @@ class SampleSpec:
     @property
     def prompt_length(self) -> int:
         """The prompt's positions as declared (its images' ``expected_tokens`` included)."""
-        return sample_call.declared_length(self.prompt)
+        return sample_input.declared_length(self.prompt)
 
     def check_length(self, limit: int | None) -> None:
         """The prompt plus ``max_tokens`` must fit the server's limit for the model (checked
@@ -286,17 +285,17 @@ class SampleSpec:
 
 
 def parse_sample_request(body: Mapping[str, Any], max_num_samples: int) -> SampleSpec:
-    """A JSON ``SampleRequest`` (everything except where to sample from): the call through
-    :func:`skyrl_sdk.inputs.sample.sample_call_from_json`, the prompt first, then
+    """A JSON ``SampleRequest`` (everything except where to sample from): the request through
+    :func:`skyrl_sdk.inputs.sample.sample_request_from_json`, the prompt first, then
     ``num_samples`` (at most ``max_num_samples``)."""
-    request = sample_call.sample_call_from_json(body, max_num_samples=max_num_samples,
-                                                   max_topk=MAX_TOPK_PROMPT_LOGPROBS)
+    request = sample_input.sample_request_from_json(body, max_num_samples=max_num_samples,
+                                                    max_topk=MAX_TOPK_PROMPT_LOGPROBS)
     last_n = body.get("prompt_logprobs_last_n")
     if last_n is not None:
         if not request.prompt_logprobs:
             raise InputError("prompt_logprobs_last_n needs prompt_logprobs")
         last_n = check_number("prompt_logprobs_last_n", last_n, low=1,
-                              high=sample_call.declared_length(request.prompts[0]) - 1, integer=True)
+                              high=sample_input.declared_length(request.prompts[0]) - 1, integer=True)
     return SampleSpec(request, last_n)
 
 

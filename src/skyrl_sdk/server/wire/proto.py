@@ -13,8 +13,7 @@ from typing import Any
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-from ...inputs.sample import SampleCall
-from ...types import ForwardBackwardOutput, SampleOutput
+from ...types import ForwardBackwardOutput, SampleOutput, SampleRequest
 
 _NUMPY_TO_PROTO = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
 
@@ -65,7 +64,7 @@ def _group_by_layout(arrays: list[dict[str, np.ndarray]]) -> list[list[dict[str,
 TOPK_EMPTY_LOGPROB = -99999.0
 
 
-def sample_output_to_proto(out: SampleOutput, last_n: int | None = None, request: SampleCall | None = None,
+def sample_output_to_proto(out: SampleOutput, last_n: int | None = None, request: SampleRequest | None = None,
                            *, topk: int | None = None) -> bytes:
     """Our output as a protobuf ``SampleResponse``. ``last_n``: only the last n prompt
     positions are scored (earlier ones read as not computed, in both prompt-logprob fields);
