@@ -23,18 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import NotFoundError, quoted
-from ...types.numbers import check_number
-from ..wire.tinker_paths import TinkerPath, iso
 from ..state import session_search
 from ..state.history import History
 from ..state.store import Store
 from ..wire import envelopes
+from ..wire.session_query import SessionSearch
+from ..wire.tinker_paths import TinkerPath, iso
 from .sessions import TrainingModel
 
 #: a model whose worker had work within this many seconds is "live", else "idle"
 LIVE_S = 30.0
-#: Tinker's bounds on a checkpoint's time to live
-MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 
 
 def on_a_thread(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -120,18 +118,14 @@ class Catalog:
         self.store.update_checkpoint(self._owned_checkpoint(owner, run_id, checkpoint_id), public=public)
 
     @on_a_thread
-    def set_ttl(self, owner: str, run_id: str, checkpoint_id: str, ttl_seconds: Any) -> None:
-        """Expire the checkpoint ``ttl_seconds`` from now (3600 s to 10 years), or never (None)."""
+    def set_ttl(self, owner: str, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        """Expire the checkpoint ``ttl_seconds`` from now (checked by ``envelopes.ttl_seconds``), or never (None)."""
         tp = self._owned_checkpoint(owner, run_id, checkpoint_id)
-        expires = None
-        if ttl_seconds is not None:
-            expires = time.time() + check_number("ttl_seconds", ttl_seconds, low=MIN_TTL_S, high=MAX_TTL_S,
-                                                 integer=True)
-        self.store.update_checkpoint(tp, expires_at=expires)
+        self.store.update_checkpoint(tp, expires_at=None if ttl_seconds is None else time.time() + ttl_seconds)
 
     @on_a_thread
-    def search_sessions(self, owner: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        return session_search.search_sessions(self.store, owner, body)
+    def search_sessions(self, owner: str, search: SessionSearch) -> dict[str, Any]:
+        return session_search.search_sessions(self.store, owner, search)
 
     # ---- the console ------------------------------------------------------------------------------
     def status(self, run_id: str) -> str:

@@ -11,21 +11,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 
-from ...errors import InputError
+from ..wire import envelopes
 from ..wire.compat import ROWS, not_served_detail
-from ..wire.envelopes import json_object
-from .guard import BODY_SCOPE_KEY, OWNER_SCOPE_KEY
+from ..wire.session_query import parse_session_search
+from .routes import json_body, runtime
+from .routes import owner as _owner
 
 router = APIRouter(prefix="/api/v1")
 CHECKPOINT = "/training_runs/{run_id}/checkpoints/{segment}/{name}"
-
-
-def runtime(request: Request):
-    return request.app.state.runtime
-
-
-def _owner(request: Request) -> str:
-    return request.scope[OWNER_SCOPE_KEY]
 
 
 @router.post(CHECKPOINT + "/publish")
@@ -42,10 +35,8 @@ async def unpublish(run_id: str, segment: str, name: str, request: Request) -> d
 
 @router.put(CHECKPOINT + "/ttl")
 async def set_ttl(run_id: str, segment: str, name: str, request: Request) -> dict:
-    body = json_object(request.scope.get(BODY_SCOPE_KEY) or b"")
-    if "ttl_seconds" not in body or set(body) - {"ttl_seconds"}:
-        raise InputError(f"set ttl: expected {{\"ttl_seconds\": seconds or null}}, got keys {sorted(body)}")
-    await runtime(request).catalog.set_ttl(_owner(request), run_id, f"{segment}/{name}", body["ttl_seconds"])
+    ttl = envelopes.parse_set_ttl(await json_body(request, "set_ttl"))
+    await runtime(request).catalog.set_ttl(_owner(request), run_id, f"{segment}/{name}", ttl)
     return {}
 
 
@@ -66,8 +57,8 @@ async def download(token: str, file: str, request: Request) -> FileResponse:
 
 @router.post("/sessions/search")
 async def search_sessions(request: Request) -> dict:
-    body = json_object(request.scope.get(BODY_SCOPE_KEY) or b"")
-    return await runtime(request).catalog.search_sessions(_owner(request), body)
+    search = parse_session_search(await json_body(request, "search_sessions"))
+    return await runtime(request).catalog.search_sessions(_owner(request), search)
 
 
 def _declined(method: str, path: str):
