@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import DatumError, InputError
 from ..types import Datum, SampledProvenanceSpan, SampledSequence, TensorData
+from .validation import check_finite_inputs
 
 #: how long a recorded sequence stays usable after sampling or its last use (Tinker: one day)
 RECORD_TTL_S = 24 * 3600.0
@@ -132,6 +133,7 @@ def resolve_provenance(datums: Sequence[Datum], records: SequenceRecords) -> lis
     sampled token); the records used are renewed. Nothing is changed when a datum fails."""
     ids = sorted({s.sequence_id for d in datums for s in (d.model_input_spans or ()) + (d.loss_fn_input_spans or ())})
     for i, d in enumerate(datums):
+        check_finite_inputs(d, i)  # what the datum sends is checked before it is compared or replaced
         if d.model_input_spans is None:
             raise DatumError("this loss needs provenance (Datum.with_provenance naming the sampled sequences); "
                              "sample with record_stability_info=True and attach the sequence_ids", index=i)
