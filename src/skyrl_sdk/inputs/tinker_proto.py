@@ -23,6 +23,7 @@ from ..errors import DatumError, InputError, refuse_unknown_keys
 from ..types import Datum, ModelInput, densify_csr
 from ..types.model_input import chunk_from_fields
 from ..types.numbers import check_number
+from ..types.provenance import span_count_problem
 from .limits import sequence_length_problem
 
 _PROTO_TO_NUMPY = {
@@ -160,6 +161,12 @@ def _datum_from_proto(msg: Any, index: int, limit: int | None) -> Datum:
     problem = sequence_length_problem(length, limit, source=SERVER_LIMIT)
     if problem:
         raise DatumError(problem, index=index)
+    targets = msg.loss_fn_inputs["target_tokens"].shape[:1] if "target_tokens" in msg.loss_fn_inputs else [length]
+    targets_length = int(targets[0]) if targets else 1
+    for field, spans, positions in (("model_input_spans", msg.model_input_spans, length),
+                                    ("loss_fn_input_spans", msg.loss_fn_input_spans, targets_length)):
+        if (problem := span_count_problem(field, len(spans), positions)) is not None:
+            raise DatumError(problem, index=index)  # from the counts, before a span is built
     try:
         chunks = [_chunk_from_proto(chunk, f"model_input.chunks[{j}]") for j, chunk in enumerate(msg.model_input)]
     except InputError as exc:
