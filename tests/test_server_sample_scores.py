@@ -96,7 +96,7 @@ def test_recorded_samples_get_their_ids_and_ad_hoc_ones_are_refused(srv, service
     out = recording.sample(tt.ModelInput.from_ints(PROMPT), 3, tt.SamplingParams(max_tokens=3)).result(timeout=HANG_S)
     ids = [s.sequence_id for s in out.sequences]
     assert len(set(ids)) == 3
-    records = srv.runtime.sequence_records[service.holder.get_session_id()]
+    records = srv.runtime.recorded.sessions[service.holder.get_session_id()]
     used = records.use(ids)
     assert [used[i].tokens.tolist() for i in ids] == [list(s.tokens) for s in out.sequences]
     assert used[ids[0]].prompt.tolist() == PROMPT

@@ -44,6 +44,8 @@ DEFAULT_MAX_TOKENS_PER_REQUEST = 2**19
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 #: ``--header-timeout``: a connection must send its request line and headers within this
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: ``ServerConfig.max_recorded_bytes``: an owner's recorded sampled sequences, all sessions together
+DEFAULT_MAX_RECORDED_BYTES = 256 * 2**20
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -261,6 +263,10 @@ class ServerConfig:
     max_inflight_body_bytes: int | None = None
     #: bytes of failed results kept for retrieval (the oldest dropped first)
     max_failed_bytes: int = 64 * 2**20
+    #: bytes of sequences one owner's sessions recorded with ``record_stability_info`` (for
+    #: ``stable_reinforce``), all its sessions together; the least recently used beyond it are
+    #: dropped (a session's are dropped when it ends)
+    max_recorded_bytes: int = DEFAULT_MAX_RECORDED_BYTES
     #: Ctrl-C / SIGTERM: how long running work may take to stop before the process leaves it
     shutdown_s: float = 8.0
     #: extra flags merged into the answer to the client's ``/client/config`` (e.g.

@@ -24,7 +24,6 @@ import attrs
 from ...errors import InputError, NotFoundError, quoted
 from ...inputs import tinker_proto
 from ...inputs.coerce import lora_config_from_any
-from ...losses.stability import SequenceRecords
 from ..config import ServerConfig
 from ..state.history import History
 from ..state.statedir import StateDirLock
@@ -36,6 +35,7 @@ from .catalog import Catalog
 from .executor import SHUTDOWN_MESSAGE, Executors
 from .exports import DownloadLinks
 from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
+from .recorded import RecordedSequences
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
@@ -64,8 +64,8 @@ class Runtime(WeightRequests):
         self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
         self.models: dict[str, TrainingModel] = {}
         self.catalog = Catalog(self.store, self.history, self.models, self.sampling.runs_sampled)
-        #: per client session, the sequences sampled with record_stability_info (stable_reinforce)
-        self.sequence_records: dict[str, SequenceRecords] = {}
+        #: the sequences sampled with record_stability_info (stable_reinforce), per session and owner
+        self.recorded = RecordedSequences(config.max_recorded_bytes)
         self.downloads = DownloadLinks()  # signed links to external weights' files
         self._expiry_sweep = loop.call_later(EXPIRY_SWEEP_S, self._sweep_expired)
         self.started_at = time.time()
@@ -157,16 +157,10 @@ class Runtime(WeightRequests):
         return any(m.session_id == session_id and not m.closed and m.worker.idle_for() == 0.0
                    for m in self.models.values())
 
-    def records(self, session_id: str) -> SequenceRecords:
-        """The recorded sequences of a client session (Tinker: provenance names sequences of its own session)."""
-        records = self.sequence_records.get(session_id)
-        if records is None:
-            records = self.sequence_records[session_id] = SequenceRecords()
-        return records
-
     def _end_session(self, session_id: str, why: str) -> None:
-        """(a session finished or expired) Release its models and forget its recorded sequences."""
-        self.sequence_records.pop(session_id, None)
+        """(a session finished or expired) Release its models and drop its recorded sequences
+        (a sample of it still running records nothing)."""
+        self.recorded.end(session_id)
         for model in list(self.models.values()):
             if model.session_id == session_id and not model.closed:
                 self._release(model, why)
@@ -240,7 +234,7 @@ class Runtime(WeightRequests):
         self.store.add_run(req.model_id, owner, req.session_id, base, attrs.asdict(lora) if lora else None, metadata)
         rec = self.futures.create(owner, req.model_id, dedup)
         complete = self.futures.completer(rec)
-        records = self.records(req.session_id)
+        records = self.recorded.of(owner, req.session_id)
 
         def create() -> Result:
             try:
@@ -382,7 +376,11 @@ class Runtime(WeightRequests):
                 if session.session_id is None:
                     raise InputError("record_stability_info: recorded sequences belong to a session; sample "
                                      "through a sampling client (a sampling_session_id), not an ad-hoc request")
-                records, prompt = self.records(session.session_id), spec.prompt
+                try:  # an ended session's sequences were dropped with it: none are recorded for it again
+                    self.sessions.check_open(owner, session.session_id)
+                except InputError as exc:
+                    raise InputError(f"record_stability_info: {exc}") from None
+                records, prompt = self.recorded.of(owner, session.session_id), spec.prompt
                 ids = [f"{rec.request_id}:{i}" for i in range(spec.request.num_samples)]
 
                 def record(out):
