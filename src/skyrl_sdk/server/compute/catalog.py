@@ -19,7 +19,6 @@ import collections
 import functools
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from ...errors import NotFoundError, quoted
@@ -29,6 +28,7 @@ from ..state.store import Store
 from ..wire import envelopes
 from ..wire.session_query import SessionSearch
 from ..wire.tinker_paths import TinkerPath, iso
+from .exports import LinkTarget, public_files
 from .sessions import TrainingModel
 
 #: a model whose worker had work within this many seconds is "live", else "idle"
@@ -102,9 +102,18 @@ class Catalog:
         return envelopes.weights_info_json(self.store.run(tp.run_id, None))
 
     @on_a_thread
-    def export_directory(self, owner: str, tinker_path: Any) -> Path:
-        """The directory of one of ``owner``'s own external-weights exports (never another owner's)."""
-        return self.store.resolve_checkpoint(tinker_path, owner, kind="external")[1]
+    def export_target(self, owner: str, tinker_path: Any) -> LinkTarget:
+        """What a download link to one of ``owner``'s own exports names (never another owner's)."""
+        tp, directory = self.store.resolve_checkpoint(tinker_path, owner, kind="external")
+        record = self.store.checkpoint(tp, owner)
+        if record is None:  # deleted or expired since it resolved
+            raise NotFoundError(f"no checkpoint {tp} on this server")
+        return LinkTarget(owner, str(tp), record["time"], directory, tuple(public_files(directory)))
+
+    def link_record(self, owner: str, tinker_path: str) -> dict[str, Any] | None:
+        """(off the event loop) The catalog record a download link's checkpoint has now: ``owner``'s
+        live export, None once it is deleted or expired."""
+        return self.store.checkpoint(TinkerPath.parse(tinker_path), owner)
 
     def _owned_checkpoint(self, owner: str, run_id: str, checkpoint_id: str) -> TinkerPath:
         """``owner``'s live checkpoint ``<run_id>/<checkpoint_id>``; 404 for another owner's (published or not)."""

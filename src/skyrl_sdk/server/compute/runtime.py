@@ -30,6 +30,7 @@ from ..state.statedir import StateDirLock
 from ..state.store import Store
 from ..wire import envelopes, proto
 from ..wire.bodies import Bodies
+from ..wire.tinker_paths import TinkerPath
 from . import visibility
 from .catalog import Catalog
 from .executor import SHUTDOWN_MESSAGE, Executors
@@ -66,7 +67,9 @@ class Runtime(WeightRequests):
         self.catalog = Catalog(self.store, self.history, self.models, self.sampling.runs_sampled)
         #: the sequences sampled with record_stability_info (stable_reinforce), per session and owner
         self.recorded = RecordedSequences(config.max_recorded_bytes)
-        self.downloads = DownloadLinks()  # signed links to external weights' files
+        # signed links to external weights' files, checked against the catalog when used
+        self.downloads = DownloadLinks(self.catalog.link_record,
+                                       lambda path: self.store.checkpoint_dir(TinkerPath.parse(path)))
         self._expiry_sweep = loop.call_later(EXPIRY_SWEEP_S, self._sweep_expired)
         self.started_at = time.time()
         #: monotonic time of the first shutdown signal (None while serving)

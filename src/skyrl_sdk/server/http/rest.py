@@ -8,6 +8,8 @@ would otherwise take ``DELETE .../publish`` for a checkpoint name.
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 
@@ -45,14 +47,16 @@ async def external_weights_urls(run_id: str, segment: str, name: str, request: R
     """Signed links to the files of one of the caller's own exports (another owner reads a
     published checkpoint by loading it, and may export that run of its own)."""
     rt = runtime(request)
-    directory = await rt.catalog.export_directory(_owner(request), f"tinker://{run_id}/{segment}/{name}")
-    return rt.downloads.sign(directory, str(request.base_url))
+    target = await rt.catalog.export_target(_owner(request), f"tinker://{run_id}/{segment}/{name}")
+    return rt.downloads.sign(target, str(request.base_url))
 
 
 @router.get("/downloads/{token}/{file:path}")
 async def download(token: str, file: str, request: Request) -> FileResponse:
-    """A signed link's file (no API key: the token is the credential, see the guard)."""
-    return FileResponse(runtime(request).downloads.file(token, file), media_type="application/octet-stream")
+    """A signed link's file (no API key: the token is the credential, see the guard), checked
+    against the catalog on a thread (the store's lock may be held by a save)."""
+    path = await asyncio.to_thread(runtime(request).downloads.file, token, file)
+    return FileResponse(path, media_type="application/octet-stream")
 
 
 @router.post("/sessions/search")
