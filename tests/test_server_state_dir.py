@@ -243,6 +243,47 @@ def test_the_start_empties_scratch_left_by_a_crashed_export(tmp_path):
         assert not (tmp_path / "state" / "scratch" / "snapshots").exists()
 
 
+# ---- a save running at shutdown ------------------------------------------------------------------------------
+def test_a_save_running_when_the_server_stops_is_reported_as_what_happened(tmp_path):
+    """Issue 41, item 10. Before: at SIGTERM every unfinished request was answered "did not run
+    to the end" at once, the running save too, which then committed: after the restart the
+    checkpoint the client was told did not run was listed. Now the shutdown waits (up to
+    ``shutdown_s``) for the running job, and its long-poll answers with its real result."""
+    import threading
+
+    srv = ServerThread(tmp_path / "state").start()
+    stopper = threading.Thread(target=srv.stop)
+    try:
+        service = srv.service_client()
+        trainer = service.create_lora_training_client(base_model="tiny", rank=2).result(timeout=HANG_S)
+        backend = srv.runtime.models[trainer.model_id].backend
+        started, release, real = threading.Event(), threading.Event(), backend.save_state
+
+        def held_save(*args, **kwargs):
+            started.set()
+            release.wait(HANG_S)
+            return real(*args, **kwargs)
+
+        backend.save_state = held_save
+        future = trainer.save_state("at-shutdown")
+        assert started.wait(HANG_S)
+        stopper.start()  # what SIGTERM does (uvicorn's should_exit), with the save running
+        while srv.runtime.stopping is None:
+            assert stopper.is_alive()
+            started.wait(0.01)
+        release.set()
+        path = future.result(timeout=HANG_S).path  # (before: RequestFailedError "shutting down")
+    finally:
+        release.set()
+        if stopper.ident is None:  # (failed before the stop began)
+            srv.stop()
+        else:
+            stopper.join(HANG_S)
+    with ServerThread(tmp_path / "state") as again:
+        listed = {c.tinker_path for c in again.rest_client().list_user_checkpoints().result(timeout=HANG_S).checkpoints}
+    assert listed == {path}
+
+
 # ---- acknowledged steps survive kill -9 ------------------------------------------------------------------------
 @pytest.mark.slow  # a server process
 def test_every_acknowledged_step_is_in_the_history_after_kill_9(tmp_path):

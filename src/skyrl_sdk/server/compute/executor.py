@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = ("the server is shutting down; this request did not run to the end "
                     "(submit it again after the restart)")
+#: the answer of a request still running when the server stopped waiting for it (``shutdown_s``)
+RUNNING_AT_SHUTDOWN = ("the server stopped while this request was still running; whether it completed is not known "
+                       "(a save that completed is listed after the restart)")
 
 
 class Stopped(Exception):

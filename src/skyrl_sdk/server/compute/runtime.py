@@ -14,6 +14,7 @@ in :mod:`.sampling`, request parsing and response shapes in :mod:`..wire.envelop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from ..wire.bodies import Bodies
 from ..wire.tinker_paths import TinkerPath
 from . import visibility
 from .catalog import Catalog
-from .executor import SHUTDOWN_MESSAGE, Executors
+from .executor import RUNNING_AT_SHUTDOWN, SHUTDOWN_MESSAGE, Executors
 from .exports import DownloadLinks
 from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
 from .recorded import RecordedSequences
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 class _ShuttingDown(Exception):
     """A request that arrived after the shutdown began."""
+
 
 
 class Runtime(WeightRequests):
@@ -266,10 +268,8 @@ class Runtime(WeightRequests):
         return rec
 
     def _set_ready(self, model: TrainingModel) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server has shut down
             self.loop.call_soon_threadsafe(model.ready.set)
-        except RuntimeError:  # the loop is closed: the server has shut down
-            pass
 
     async def get_info(self, owner: str, body: dict) -> dict:
         model = self.model(owner, body.get("model_id"))
@@ -405,8 +405,8 @@ class Runtime(WeightRequests):
     # ---- shutdown ------------------------------------------------------------------------------
     def begin_shutdown(self) -> None:
         """(event loop, at the first Ctrl-C / SIGTERM, before connections drain) Fail every request
-        that has not run and answer every waiting long-poll with "the server is shutting down";
-        the running job stops at its next micro-batch."""
+        that has not run, answering its long-polls with "the server is shutting down"; the
+        running job stops at its next micro-batch (:meth:`settle` waits for it)."""
         if self.stopping is not None:
             return
         self.stopping = time.monotonic()
@@ -414,7 +414,16 @@ class Runtime(WeightRequests):
         for m in self.models.values():
             m.sequencer.fail_pending(SHUTDOWN_MESSAGE)
         self.executors.stop()
-        self.futures.fail_unfinished(SHUTDOWN_MESSAGE)
+
+    async def settle(self, give_up: Callable[[], bool] = lambda: False) -> None:
+        """(event loop, after :meth:`begin_shutdown`) Wait for the running job until ``shutdown_s``
+        after the signal (or ``give_up()``: a second signal), so its long-poll answers with what
+        happened (a committed save is done); what is still unanswered then ran past the deadline."""
+        deadline = (self.stopping or time.monotonic()) + self.config.shutdown_s
+        while any(ex.alive() for ex in self.executors.all()) and time.monotonic() < deadline and not give_up():
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0)  # the ended job's result, queued from its thread, is delivered first
+        self.futures.fail_unfinished(RUNNING_AT_SHUTDOWN)
 
     def close(self) -> None:
         """(any thread, after ``begin_shutdown`` and ``sessions.stop()`` on the loop) Wait for the

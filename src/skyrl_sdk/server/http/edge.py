@@ -204,8 +204,9 @@ def install_accept_log_limiter(loop: asyncio.AbstractEventLoop, every_s: float =
 
 class Server(uvicorn.Server):
     """uvicorn's server, with the accept-error log limited and, at the first Ctrl-C / SIGTERM,
-    the app's ``begin_shutdown()`` (fail what has not run, answer long-polls) called before
-    connections are drained, so clients hear "shutting down" instead of a dropped connection."""
+    before connections are drained: the app's ``begin_shutdown()`` (fail what has not run,
+    answering its long-polls) and ``settle()`` (wait for the running job, so its long-poll
+    answers with what happened), so clients hear the truth instead of a dropped connection."""
 
     async def startup(self, sockets: Any = None) -> None:
         install_accept_log_limiter(asyncio.get_running_loop())
@@ -215,6 +216,9 @@ class Server(uvicorn.Server):
         begin = getattr(self.config.app, "begin_shutdown", None)
         if begin is not None:
             begin()
+            settle = getattr(self.config.app, "settle", None)
+            if settle is not None:
+                await settle(lambda: self.force_exit)
             await asyncio.sleep(0.05)  # the woken long-polls answer
         await super().shutdown(sockets)
 
