@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 
 from .builtin_plugins import get_registry
-from .engines import call_grads
+from .engines import call_grads, turns
 from .errors import CheckpointError, CriticExportWarning, DatumError, InputError
 from .inputs.coerce import adam_params_from_any, data_from_any, lora_config_from_any
 from .inputs.sample import sample_call
@@ -176,7 +176,9 @@ class Backend:
 
     def _read_images(self, inputs: list[ModelInput], error) -> list[ModelInput]:
         """``inputs`` with their images read by the model's image processor (checked against the
-        image limits first, then decoded), or refused by name when the model reads no images."""
+        image limits first, then decoded), or refused by name when the model reads no images.
+        Between two images whoever runs the call may give way (``engines.turns``), as between
+        micro-batches: the server's other clients do not wait for all of a call's decoding."""
         if not any(mi.has_images for mi in inputs):
             return inputs
         images = getattr(self.engine, "images", None)
@@ -184,7 +186,7 @@ class Backend:
             i = next(i for i, mi in enumerate(inputs) if mi.has_images)
             raise error(i, f"model_input holds an image, but model {self.model_name!r} reads no images (it is not "
                            f"a vision-language model: Qwen2-VL, Qwen2.5-VL or Qwen3-VL)")
-        return images.prepare(inputs, error)
+        return images.prepare(inputs, error, between=turns.between_micro_batches)
 
     @staticmethod
     def _outputs(result) -> ForwardBackwardOutput:

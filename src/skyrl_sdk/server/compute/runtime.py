@@ -7,8 +7,8 @@ Route handlers (event loop) call into :class:`Runtime`; every Backend call happe
 compute executor (:mod:`.executor`) through the owning model's queue, in fair turns, so the
 event loop never blocks on compute. Every request carries its API key's owner: another
 owner's ids read as unknown, and an owner's unfinished requests are bounded. Sampling lives
-in :mod:`.sampling`, request parsing and response shapes in :mod:`..wire.envelopes` / :mod:`..wire.proto`
-(large bodies parsed off the event loop, :mod:`.bodies`), durable records in :mod:`.store`.
+in :mod:`.sampling`, request parsing and response shapes in :mod:`..wire.envelopes` /
+:mod:`..wire.proto` (large bodies parsed off the event loop), durable records in :mod:`..state.store`.
 """
 
 from __future__ import annotations
@@ -308,8 +308,7 @@ class Runtime(WeightRequests):
 
     def _seq_limit(self, model_id: str) -> int | None:
         """(any thread) The longest datum ``model_id``'s base accepts."""
-        model = self.models.get(model_id)
-        return self.served.max_seq_len(model.base_model if model is not None else None)
+        return self.served.max_seq_len(model.base_model if (model := self.models.get(model_id)) else None)
 
     def forward_backward(self, owner: str, req: tinker_proto.ForwardBackwardRequest) -> FutureRecord:
         def make(model: TrainingModel):
@@ -328,7 +327,8 @@ class Runtime(WeightRequests):
             return run
 
         what = "forward" if req.forward_only else "forward_backward"
-        return self._sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id, cost=req.tokens)
+        cost = None if any(d.model_input.has_images for d in req.data or ()) else req.tokens  # images: never nested
+        return self._sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id, cost=cost)
 
     def optim_step(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):

@@ -223,6 +223,8 @@ class Sampling:
                    call.prompt_logprobs, call.topk_prompt_logprobs, call.topk_sample_logprobs,
                    call.prompt_alt_tokens_k)
         cost = call.num_samples * (spec.prompt_length + call.sampling_params.max_tokens)  # roughly: tokens decoded
+        if not isinstance(spec.prompt, np.ndarray):  # images: decoding is work tokens do not count
+            cost = None  # never run inside another's turn (between its own images it gives way)
         job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=work, cost=cost)
         return job
 
