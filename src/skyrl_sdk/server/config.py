@@ -244,8 +244,15 @@ class ServerConfig:
     #: the connection edge (``server/http/edge.py``): a connection's request line and headers must
     #: arrive within ``header_timeout_s`` (and the next request's within it of the last answer)
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
-    #: open connections; beyond it the oldest idle one is closed (None: min(1000, fd limit / 2))
+    #: open connections; beyond it one that is idle, not reading its answer, trickling its body
+    #: or long-polling beyond its owner's share makes room (None: min(1000, fd limit / 2))
     max_connections: int | None = None
+    #: an answer the client does not read (the send buffer stays full) is dropped after this
+    #: (nginx's send_timeout)
+    send_timeout_s: float = 30.0
+    #: requests a client may send before reading the answers; after this many in a row its
+    #: connection is closed after the next answer
+    max_pipelined_requests: int = 32
     #: an idle keep-alive connection is closed after this
     keep_alive_s: float = 5.0
     #: a request body must arrive within this (else 408)

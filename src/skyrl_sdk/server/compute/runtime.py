@@ -126,10 +126,10 @@ class Runtime(WeightRequests):
                              f"server accepts at most {limit} per owner (--max-queued-requests); wait for some "
                              f"to finish, then submit again")
 
-    async def retrieve(self, owner: str, body: dict) -> Result | dict:
-        """Long-poll a future: its Result, or a ``try_again`` / unknown-id JSON answer."""
+    async def retrieve(self, owner: str, body: dict, ended: asyncio.Event | None = None) -> Result | dict:
+        """Long-poll a future: its Result, or a ``try_again`` (at once once ``ended`` is set) / unknown-id answer."""
         request_id = body.get("request_id")
-        rec, result = await self.futures.wait(owner, request_id, self.config.long_poll_s) \
+        rec, result = await self.futures.wait(owner, request_id, self.config.long_poll_s, ended) \
             if isinstance(request_id, str) else (None, None)
         if rec is None:
             return {"error": f"unknown request_id {quoted(request_id)}: this server has no such request (requests in "

@@ -1,5 +1,7 @@
-"""The connection edge: uvicorn (h11) with a header timeout, a connection cap, a quiet accept
-loop at the file-descriptor limit, and a shutdown that answers clients first.
+"""The connection edge: uvicorn (h11) with a header timeout, a write deadline, a bound on
+pipelined requests, a connection cap that always makes room for a newcomer while anyone
+holds a connection idly, a quiet accept loop at the file-descriptor limit, and a shutdown
+that answers clients first.
 
 Why these and not uvicorn's options (0.54, measured): uvicorn has no header timeout (its
 keep-alive timer starts only after a response and any received byte cancels it), so 1500
@@ -8,15 +10,30 @@ connections that each sent half a request line were all still open a minute late
 connections, which turns such a client into a denial of service for everyone (health checks
 included); ``http="auto"`` picks httptools when installed, which has no header size limit. So
 h11 is forced, with :class:`GuardedH11Protocol` (a subclass of uvicorn's, hence the upper
-bound on uvicorn in pyproject.toml): a connection must send its request line and headers
-within ``header_timeout_s`` of connecting or of its last answer, else it is dropped; one
-answered before its body was read (the guard refuses at the headers) may send the rest of
-it, discarded, for :data:`LINGER_S`, then is closed (uvicorn would drain it for as long as it
-trickles in); beyond ``max_connections`` the oldest connection with no request in progress is
-dropped to make room, else the one whose body has gone longest without a byte (16 bodies of
-one byte each used to hold a 16-connection server until their 120 s deadline, resetting
-every health check), and only with neither the new one. Hypercorn has header timeouts but no
-connection cap and cost ~35% more per request here.
+bound on uvicorn in pyproject.toml):
+
+- a connection must send its request line and headers within ``header_timeout_s`` of
+  connecting or of its last answer, else it is dropped; one answered before its body was read
+  (the guard refuses at the headers) may send the rest of it, discarded, for :data:`LINGER_S`;
+- an answer the client does not read (the transport's buffer stays over its high-water mark,
+  h11's backpressure) is given ``send_timeout_s`` (nginx's ``send_timeout``), then the
+  connection is dropped: 16 connections that each sent 400 pipelined requests in one write and
+  never read used to hold a 16-connection server forever;
+- after ``max_pipelined`` requests a client sent before reading the answers, the connection is
+  closed after the next answer (the rest of what it sent is dropped);
+- beyond ``max_connections`` one connection makes room for the newcomer, the first of: the
+  least recently served with no request in progress; the one whose answer has gone unread
+  longest; the one whose request body has gone longest without a byte (16 bodies of one byte
+  each used to hold a 16-connection server until their 120 s deadline); a long-poll of the
+  owner holding the most, when it holds more than its share (a quarter of the cap) or
+  long-polls hold all but the headroom (an eighth of the cap) of the connections: that
+  long-poll is answered at once (429, ``Retry-After``, then closed), so one owner's waiting
+  requests never lock out ``/healthz`` or other owners (they count against its share, not the
+  whole cap). Only when every connection is busy otherwise is the newcomer turned away.
+
+The edge learns a request's owner, and how to end its long-poll, from a :class:`Waiting` the
+guard puts in the request's scope (:data:`WAITING_SCOPE_KEY`). Hypercorn has header timeouts
+but no connection cap and cost ~35% more per request here.
 """
 
 from __future__ import annotations
@@ -25,6 +42,7 @@ import asyncio
 import logging
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -60,14 +78,35 @@ def default_max_connections() -> int:
 #: how long a connection answered before its request body was read (401, 413, an open path)
 #: may go on sending that body, discarded, before it is closed
 LINGER_S = 2.0
+#: the ASGI scope key of a request's :class:`Waiting`
+WAITING_SCOPE_KEY = "skyrl_sdk.waiting"
 
 
-def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a header timeout and a connection cap (module docstring)."""
+class Waiting:
+    """What the edge knows of a request in progress: its ``owner`` (set by the guard), and while
+    it waits for a result (a long-poll: ``since``, loop time), ``wake()`` to make it answer now."""
+
+    __slots__ = ("owner", "wake", "since")
+
+    def __init__(self, owner: str | None = None) -> None:
+        self.owner = owner
+        self.wake: Callable[[], None] | None = None
+        self.since = 0.0
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int, send_timeout_s: float = 30.0,
+                     max_pipelined: int = 32) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the edge's timeouts and connection accounting (module docstring)."""
 
     class GuardedH11Protocol(H11Protocol):
         HEADER_TIMEOUT_S = header_timeout_s
+        SEND_TIMEOUT_S = send_timeout_s
+        MAX_PIPELINED = max_pipelined
         MAX_CONNECTIONS = max_connections
+        #: long-polls of one owner beyond which one of them makes room for a newcomer
+        LONG_POLL_SHARE = max(1, max_connections // 4)
+        #: connections long-polls may not hold all of (beyond it one of them makes room)
+        HEADROOM = max(1, max_connections // 8)
         #: this server's open connections, least recently served first (a connection moves to
         #: the end when a request head arrives and when it is answered; a dict: ordered, O(1))
         _open: dict[GuardedH11Protocol, None] = {}
@@ -77,6 +116,11 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
         _waiting: str | None = None
         #: loop time of the last bytes received (a stalled body is the first to go at the cap)
         _last_data = 0.0
+        #: loop time the transport's buffer went over its high-water mark (None: below it)
+        _write_paused_at: float | None = None
+        _write_timer: asyncio.TimerHandle | None = None
+        #: requests in a row that had arrived before the answer to the previous one was sent
+        _pipelined = 0
 
         # ---- a connection's state -------------------------------------------------------------
         def _in_request(self) -> bool:
@@ -86,6 +130,11 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
         def _body_arriving(self) -> bool:
             """In a request whose body has not all arrived."""
             return self._in_request() and self.conn.their_state is h11.SEND_BODY
+
+        def _long_poll(self) -> Waiting | None:
+            """The request's :class:`Waiting` while it waits for a result (a long-poll), else None."""
+            waiting = self.scope.get(WAITING_SCOPE_KEY) if self._in_request() and self.scope else None
+            return waiting if waiting is not None and waiting.wake is not None else None
 
         def _retime(self) -> None:
             """Arm the timer the connection's state calls for: none in a request; the header
@@ -112,26 +161,54 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             self._retime()
 
         def _make_room(self) -> None:
-            """Drop one connection: the least recently served one with no request in progress
-            (one that never sent a whole request head, or is lingering, before one that keeps
-            asking: least recent first, so usually the first one looked at), else the one whose
-            request body has gone longest without a byte (a trickled body must not lock out
-            new clients; a request whose body has arrived is never dropped)."""
+            """Make room for a newcomer: drop (or, a long-poll, answer at once) the first
+            connection of the module docstring's order, if any."""
             victim = next((c for c in self._open if not c._in_request()), None)
+            if victim is None:
+                unread = [c for c in self._open if c._write_paused_at is not None]
+                victim = min(unread, key=lambda c: c._write_paused_at) if unread else None
             if victim is None:
                 readers = [c for c in self._open if c._body_arriving()]
                 victim = min(readers, key=lambda c: c._last_data) if readers else None
             if victim is not None:
                 del self._open[victim]
-                victim._disarm()
-                victim.transport.abort()
+                victim._drop()
                 self.connections.discard(victim)
+                return
+            self._end_a_long_poll()
+
+        def _end_a_long_poll(self) -> None:
+            """Answer at once the oldest long-poll of the owner holding the most, when that owner
+            holds more than its share or long-polls hold all but the headroom; it closes after
+            that answer and counts no more."""
+            polls: dict[str | None, list[GuardedH11Protocol]] = {}
+            for c in self._open:
+                if (waiting := c._long_poll()) is not None:
+                    polls.setdefault(waiting.owner, []).append(c)
+            if not polls:
+                return
+            mine = max(polls.values(), key=len)
+            if len(mine) <= self.LONG_POLL_SHARE and sum(map(len, polls.values())) <= \
+                    self.MAX_CONNECTIONS - self.HEADROOM:
+                return
+            victim = min(mine, key=lambda c: c._long_poll().since)
+            wake = victim._long_poll().wake
+            victim.cycle.keep_alive = False  # closed after its answer
+            del self._open[victim]
+            self.connections.discard(victim)
+            wake()
+
+        def _drop(self) -> None:
+            self._disarm()
+            self._disarm_write()
+            self.transport.abort()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._rejected:
                 return
             self._open.pop(self, None)
             self._disarm()
+            self._disarm_write()
             super().connection_lost(exc)
 
         def eof_received(self) -> None:
@@ -145,14 +222,42 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             was_in_request = self._in_request()
             super().data_received(data)
             if self._in_request() and not was_in_request:  # a whole head arrived
+                self._pipelined = 0
                 self._served()
             self._retime()
 
         def on_response_complete(self) -> None:
+            answered = self.cycle
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._served()
-                self._retime()  # the next request's head within the same time, or a short linger
+            if self.transport.is_closing():
+                return
+            if self.cycle is not answered and self._in_request():  # the next request had already arrived
+                self._pipelined += 1
+                if self._pipelined >= self.MAX_PIPELINED:
+                    self.cycle.keep_alive = False  # answer this one, then close: the rest is dropped
+            self._served()
+            self._retime()  # the next request's head within the same time, or a short linger
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_paused_at is None:
+                self._write_paused_at = self.loop.time()
+                self._write_timer = self.loop.call_later(self.SEND_TIMEOUT_S, self._unread)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._disarm_write()
+
+        def _unread(self) -> None:
+            """The client has not read the answer for ``SEND_TIMEOUT_S``: drop the connection."""
+            self._write_timer = None
+            self._open.pop(self, None)
+            self._drop()
+
+        def _disarm_write(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+            self._write_timer, self._write_paused_at = None, None
 
         def _served(self) -> None:
             if self._open.pop(self, True) is None:
@@ -228,7 +333,8 @@ def server_config(app: Any, config: Any, **overrides: Any) -> uvicorn.Config:
     above, keep-alive ``keep_alive_s``, a graceful drain of at most 3 s of ``shutdown_s``."""
     max_connections = config.max_connections or default_max_connections()
     options = dict(host=config.host, port=config.port, log_level="warning", lifespan="on",
-                   http=guarded_protocol(config.header_timeout_s, max_connections),
+                   http=guarded_protocol(config.header_timeout_s, max_connections, config.send_timeout_s,
+                                         config.max_pipelined_requests),
                    timeout_keep_alive=config.keep_alive_s,
                    timeout_graceful_shutdown=min(3.0, config.shutdown_s / 2))
     return uvicorn.Config(app, **{**options, **overrides})

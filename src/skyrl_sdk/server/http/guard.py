@@ -40,6 +40,7 @@ from typing import Any
 from ..config import DEFAULT_OWNER
 from ..wire.bodies import Bodies
 from . import origins
+from .edge import WAITING_SCOPE_KEY, Waiting
 
 #: the console's page and its static files: they carry no data, so they need no key (what the
 #: page shows comes from /console/api/*, behind the key like every other route)
@@ -159,6 +160,7 @@ class Guard:
             status, detail, extra = owner
             await _send_json(send, status, {"status": "ok"} if status == 200 else {"detail": detail}, extra)
             return
+        scope[WAITING_SCOPE_KEY] = Waiting(owner)  # what the edge may know of this request (its owner)
         held = [0]  # bytes of this request counted in the in-flight budget
         try:
             if _is_open(scope.get("path") or ""):  # no data, no body: whatever was sent is never read

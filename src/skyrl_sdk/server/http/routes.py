@@ -9,6 +9,7 @@ by :class:`~.guard.Guard`) and passes it on: another owner's ids read as unknown
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from ...types.numbers import integer_from_text
 from ..compute.runtime import Runtime
 from ..wire import envelopes
+from .edge import WAITING_SCOPE_KEY
 from .guard import BODY_SCOPE_KEY, OWNER_SCOPE_KEY
 
 router = APIRouter(prefix="/api/v1")
@@ -160,9 +162,25 @@ async def get_info(request: Request) -> dict:
 
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request) -> Response:
-    """Long-poll: the result once ready, else ``try_again`` after ``long_poll_s``."""
-    answer = await runtime(request).retrieve(owner(request), await json_body(request, "retrieve_future"))
+    """Long-poll: the result once ready, else ``try_again`` after ``long_poll_s``. While it
+    waits the connection edge may need its connection for a newcomer (its owner holds more
+    than its share: :mod:`.edge`): then it answers at once 429 with ``Retry-After`` (the client
+    polls again after a pause) and the connection closes."""
+    body = await json_body(request, "retrieve_future")
+    waiting, ended = request.scope.get(WAITING_SCOPE_KEY), asyncio.Event()
+    if waiting is not None:
+        waiting.wake, waiting.since = ended.set, asyncio.get_running_loop().time()
+    try:
+        answer = await runtime(request).retrieve(owner(request), body, ended)
+    finally:
+        if waiting is not None:
+            waiting.wake = None
     if isinstance(answer, dict):
+        if ended.is_set() and answer.get("type") == "try_again":
+            return JSONResponse({"detail": "this long-poll's connection was needed by another client: your "
+                                           "long-polls hold more than your share of this server's connections; "
+                                           "poll again shortly"}, status_code=429,
+                                headers={"retry-after": "1", "connection": "close"})
         return JSONResponse(answer)
     return Response(content=answer.body, media_type=answer.media_type)
 
