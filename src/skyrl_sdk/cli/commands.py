@@ -317,8 +317,9 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
                    help="a connection must send its request headers within this (default 10)")
     p.add_argument("--max-connections", type=int, default=None, metavar="N",
-                   help="open connections; beyond N the oldest idle one is closed (default: 1000, "
-                        "at most half the open-file limit)")
+                   help="open connections; beyond N an idle one, one not reading its answer, one trickling its "
+                        "body or an owner's excess long-poll makes room (default: 1000, at most half the open-file "
+                        "limit)")
     p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
                    help="without an API key the server answers only requests whose Host is a loopback name or "
                         "--host: allow this name too ('*': any); repeatable (docs/server.md)")

@@ -14,8 +14,8 @@ Its folders are its layers, bottom to top; a module imports from its own layer a
 - ``compute/``: the models and the work on them: ``runtime`` (the one entry for routes), the
   compute thread (``executor``), jobs and their order (``futures``), served models and the memory
   budget (``served``, ``memory``), client and sampling sessions (``sessions``, ``sampling``,
-  ``snapshots``), sequences recorded for ``stable_reinforce`` (``recorded``), saves and exports (``weights``, ``exports``), the catalog (``catalog``,
-  ``visibility``);
+  ``snapshots``), sequences recorded for ``stable_reinforce`` (``recorded``), saves and exports
+  (``weights``, ``exports``), the catalog (``catalog``, ``visibility``);
 - ``http/``: the HTTP edge: uvicorn with its connection accounting (``edge``), what is decided at
   the headers (``guard``, ``origins``), the routes (``routes``, ``rest``), the console (``console``
   + ``static/``), ``create_app`` (``app``).
