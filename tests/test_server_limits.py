@@ -279,15 +279,27 @@ def test_integers_of_309_digits_and_more_are_refused_naming_the_field(srv, model
                                                                        "sampling_session_seq_id": HUGE})
         assert sampling.status_code == 400, sampling.text
         assert sampling.json()["detail"].startswith("sampling_session_seq_id: expected an integer in 0..")
-        for route, body, field in (("optim_step", {"model_id": model_id, "seq_id": HUGE}, "seq_id"),
-                                   ("create_model", {"session_id": sid, "model_seq_id": HUGE, "base_model": "tiny"},
-                                    "model_seq_id"),
-                                   ("asample", {"base_model": "tiny", "prompt": {"chunks": [
-                                       {"type": "encoded_text", "tokens": [1, 2]}]}, "num_samples": 1,
-                                       "sampling_params": {"max_tokens": 1}, "seq_id": -HUGE}, "seq_id")):
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+        sample = {"base_model": "tiny", "prompt": prompt, "num_samples": 1}
+        for route, body, says in (
+                ("optim_step", {"model_id": model_id, "seq_id": HUGE}, "seq_id: expected an integer in "),
+                ("optim_step", {"model_id": model_id, "adam_params": {"learning_rate": HUGE}},
+                 "AdamParams.learning_rate: expected a finite number"),
+                ("create_model", {"session_id": sid, "model_seq_id": HUGE, "base_model": "tiny"},
+                 "model_seq_id: expected an integer in "),
+                ("create_model", {"session_id": sid, "model_seq_id": 9, "base_model": "tiny",
+                                  "lora_config": {"rank": HUGE}}, "LoraConfig.rank: expected an integer in 1.."),
+                ("create_model", {"session_id": sid, "model_seq_id": 9, "base_model": "tiny",
+                                  "lora_config": {"rank": 2, "seed": HUGE}}, "LoraConfig.seed: expected an integer in "),
+                ("asample", {**sample, "sampling_params": {"max_tokens": 1}, "seq_id": -HUGE},
+                 "seq_id: expected an integer in "),
+                ("asample", {**sample, "sampling_params": {"max_tokens": 1, "stop": [HUGE]}},
+                 "SamplingParams.stop[0]: expected an integer in "),
+                ("asample", {**sample, "sampling_params": {"max_tokens": HUGE}},
+                 "SamplingParams.max_tokens: expected an integer in ")):
             answer = http.post(f"/api/v1/{route}", json=body)
             assert answer.status_code == 200, (route, answer.text)
-            assert _user_error(http, answer.json()).startswith(f"{field}: expected an integer in "), route
+            assert _user_error(http, answer.json()).startswith(says), route
         assert len(str(HUGE)) == 401 and len(ttl.text) < 400  # the value is never echoed whole
 
 

@@ -150,5 +150,8 @@ def to_float(value: Any) -> Any:
     """attrs converter for float fields: ints and numpy scalars become plain floats; anything
     else is left as it is for the validator to reject with the field's name."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past 1e308: left for the validator to refuse by name
+            return value
     return value

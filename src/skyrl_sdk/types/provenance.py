@@ -16,11 +16,11 @@ from typing import Any
 import attrs
 
 from ..errors import InputError
-from .numbers import check_number
+from .numbers import INT64_MAX, check_number
 
 
 def _length(instance: Any, attribute: Any, value: Any) -> None:
-    check_number(f"{type(instance).__name__}.{attribute.name}", value, low=0, integer=True)
+    check_number(f"{type(instance).__name__}.{attribute.name}", value, low=0, high=INT64_MAX, integer=True)
 
 
 def _sequence_id(instance: Any, attribute: Any, value: Any) -> None:
