@@ -112,7 +112,8 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, send_timeout
         _open: dict[GuardedH11Protocol, None] = {}
         _rejected = False
         _timer: asyncio.TimerHandle | None = None
-        #: what the armed timer waits for: "head" (a request line and headers) or "linger"
+        #: what the armed timer waits for: "head" (a request line and headers), "linger", or
+        #: "flush" (a closing connection's last answer to be read)
         _waiting: str | None = None
         #: loop time of the last bytes received (a stalled body is the first to go at the cap)
         _last_data = 0.0
@@ -139,7 +140,10 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, send_timeout
         def _retime(self) -> None:
             """Arm the timer the connection's state calls for: none in a request; the header
             timeout when idle; a short linger when answered before its body was read."""
-            if self.transport.is_closing() or self._in_request():
+            if self.transport.is_closing():
+                if self._waiting != "flush":
+                    self._disarm()
+            elif self._in_request():
                 self._disarm()
             elif self.conn.their_state is h11.SEND_BODY:  # the rest of a body no one will read
                 if self._waiting != "linger":
@@ -229,7 +233,9 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, send_timeout
         def on_response_complete(self) -> None:
             answered = self.cycle
             super().on_response_complete()
-            if self.transport.is_closing():
+            if self.transport.is_closing():  # closing once the answer is sent: the client must read it
+                if self.transport.get_write_buffer_size() and self._waiting != "flush":
+                    self._arm(self.SEND_TIMEOUT_S, "flush")
                 return
             if self.cycle is not answered and self._in_request():  # the next request had already arrived
                 self._pipelined += 1
@@ -274,9 +280,9 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, send_timeout
             self._timer, self._waiting = None, None
 
         def _timed_out(self) -> None:
-            self._timer, self._waiting = None, None
-            if not self._in_request() and not self.transport.is_closing():
-                self.transport.abort()  # no request to answer; frees the fd at once
+            waited, self._timer, self._waiting = self._waiting, None, None
+            if waited == "flush" or (not self._in_request() and not self.transport.is_closing()):
+                self.transport.abort()  # no request to answer (or a last answer never read); frees the fd
 
     return GuardedH11Protocol
 
