@@ -237,6 +237,29 @@ def test_connections_that_never_read_their_answers_make_room_and_are_dropped(srv
             s.close()
 
 
+def test_a_client_that_does_not_take_its_answers_gets_no_more_computed(srv):
+    """Issue 41, item 1: h11's backpressure. Before: uvicorn computed the answer to every
+    pipelined request as long as its own buffer was under 64 KiB, and the kernel takes
+    megabytes for a client that never reads (1010 such connections kept the server busy for a
+    minute and a half, every newcomer timing out). Now the next request waits until the client
+    has taken (acknowledged) the previous answer: one answer, then nothing until it reads."""
+    state = srv.server.server_state
+    before = state.total_requests
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(HANG)
+    try:
+        s.connect(("127.0.0.1", srv.port))
+        s.sendall(b"GET /console/console.js HTTP/1.1\r\nHost: x\r\n\r\n" * 400)
+        deadline = time.monotonic() + HANG
+        while not any(getattr(c, "_held", False) for c in list(state.connections)):
+            assert time.monotonic() < deadline, "the connection was never held"
+            time.sleep(0.01)
+        assert state.total_requests - before <= 2
+    finally:
+        s.close()
+
+
 def test_a_connection_may_pipeline_only_so_many_requests(srv):
     """Issue 41, item 1: after ``max_pipelined_requests`` (32) requests sent before their answers
     were read, the connection is closed after the next answer (before: 400 were all answered)."""
