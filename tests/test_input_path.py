@@ -166,6 +166,7 @@ ROUTE_TYPES = {
     "get_info": tt.GetInfoRequest, "load_weights": tt.LoadWeightsRequest, "save_weights": tt.SaveWeightsRequest,
     "save_weights_for_sampler": tt.SaveWeightsForSamplerRequest, "optim_step": tt.OptimStepRequest,
     "asample": tt.SampleRequest, "retrieve_future": tt.FutureRetrieveRequest,
+    "search_sessions": tt.SessionSearchRequest,
 }
 
 
