@@ -229,6 +229,19 @@ def test_a_crash_between_the_move_and_the_record_finishes_the_delete_at_start(tm
     restarted.close()
 
 
+def test_a_record_whose_files_are_missing_for_another_reason_is_kept(tmp_path):
+    """Only a delete's own leftovers finish a delete at start-up: records whose directories are
+    missing otherwise (a disk not mounted yet) are kept, not deleted wholesale."""
+    store, tp = _saved_store(tmp_path / "state")
+    directory = store.checkpoint_dir(tp)
+    store.close()
+    os.replace(directory, tmp_path / "elsewhere")
+    restarted = Store(tmp_path / "state")
+    restarted.tidy()
+    assert [c["tinker_path"] for c in restarted.list_checkpoints("alice")[0]] == [str(tp)]
+    restarted.close()
+
+
 def test_the_start_empties_scratch_left_by_a_crashed_export(tmp_path):
     """Issue 41, item 9. Before: a crashed export's merged model copy
     (``scratch/exports/<id>/model``) stayed on disk forever: the start cleared only

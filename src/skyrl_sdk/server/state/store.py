@@ -127,17 +127,17 @@ class Store:
     def tidy(self) -> None:
         """(start-up) Saves interrupted by a crash leave temp/.old directories: remove them (only
         our own names, of dead processes); let no save ever replace the state dir or a parent;
-        empty ``scratch/`` (a process's working files: offloaded adapters, snapshots, exports
-        being written, checkpoints being deleted; the state dir is this process's alone now);
-        finish deletes a crash cut short; delete expired checkpoints; reconcile directories that
-        have no record."""
+        finish deletes a crash cut short; empty ``scratch/`` (a process's working files:
+        offloaded adapters, snapshots, exports being written, checkpoints being deleted; the
+        state dir is this process's alone now); delete expired checkpoints; reconcile
+        directories that have no record."""
         if (leftovers := clean_interrupted_saves(self.root, recursive=True)):
             logger.info("removed %d leftovers of interrupted saves", len(leftovers))
         protect_directory(self.root)
+        if (n := self._finish_deletes()):
+            logger.warning("finished %d checkpoint deletes a crash had cut short", n)
         if (self.root / "scratch").exists():
             shutil.rmtree(self.root / "scratch", ignore_errors=True)
-        if (n := self._finish_deletes()):
-            logger.warning("finished %d checkpoint deletes a crash had cut short (their files were already gone)", n)
         if (n := self.delete_expired()):
             logger.info("deleted %d expired checkpoints", n)
         self.reconcile_checkpoints()
@@ -357,38 +357,40 @@ class Store:
     def delete_checkpoint(self, tp: TinkerPath) -> bool:
         """Delete a checkpoint's record and files (the caller checked who owns it), so that a
         crash at any moment leaves the whole checkpoint or none of it: its directory is first
-        moved aside into ``scratch/deleted/`` (one rename: the moment it is gone), then its
-        record is deleted, then the files. A crash after the rename leaves a record without a
-        directory, which the next start deletes (:meth:`tidy`); one during the removal leaves
-        files in scratch, which the next start empties. (Removing the files in place, record
-        first, let a crash leave a half-removed directory that the next start adopted again.)"""
+        moved aside, in one rename (the moment it is gone), to
+        ``scratch/deleted/<id>/<run dir>/<segment>/<name>``, then its record is deleted, then
+        the files. A crash after the rename leaves the record and the moved directory, which
+        names it: the next start deletes that record, then empties scratch (:meth:`tidy`).
+        (Removing the files in place, record first, let a crash leave a half-removed directory
+        that the next start adopted again.)"""
         directory = self.checkpoint_dir(tp)
         with self._lock:
-            moved = None
+            trash = None
             if directory.exists() or directory.is_symlink():
-                moved = self.inside(self.root / "scratch" / "deleted" / uuid.uuid4().hex)
+                trash = self.inside(self.root / "scratch" / "deleted" / uuid.uuid4().hex)
+                moved = trash / directory.relative_to(self.root / "runs")
                 moved.parent.mkdir(parents=True, exist_ok=True)
                 try:
                     os.replace(directory, moved)
                 except OSError:  # (another file system under the state dir) removed in place, record first
-                    moved = directory
+                    trash = directory
             found = self._exec("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
                                (tp.run_id, tp.kind, tp.name)).rowcount > 0
-        if moved is not None:
-            shutil.rmtree(moved, ignore_errors=True)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
             found = True
         return found
 
     def _finish_deletes(self) -> int:
-        """(start-up) Delete the records whose directory is gone (a delete cut short after its
-        rename; nothing else removes a recorded checkpoint's directory); how many."""
-        rows = self._rows("SELECT run_id, kind, name FROM checkpoints")
-        gone = [TinkerPath(r["run_id"], r["kind"], r["name"]) for r in rows]
-        gone = [tp for tp in gone if not os.path.lexists(self.checkpoint_dir(tp))]
-        for tp in gone:
-            self._exec("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
-                       (tp.run_id, tp.kind, tp.name))
-        return len(gone)
+        """(start-up, before scratch is emptied) Delete the records of the checkpoints a crash
+        left moved aside in ``scratch/deleted/`` (a delete cut after its rename); how many."""
+        finished = 0
+        for moved in sorted((self.root / "scratch" / "deleted").glob("*/*/*/*")):  # <id>/<run dir>/<segment>/<name>
+            run_id, kind = self.run_id_of_dirname(moved.parent.parent.name), SEGMENT_TO_KIND.get(moved.parent.name)
+            if run_id is not None and kind is not None:
+                finished += self._exec("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
+                                       (run_id, kind, moved.name)).rowcount
+        return finished
 
     def reconcile_checkpoints(self) -> tuple[list[str], list[str]]:
         """(start-up) Adopt or quarantine checkpoint directories without a record (:mod:`.reconcile`).
