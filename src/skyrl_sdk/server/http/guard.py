@@ -11,7 +11,9 @@ In order, each answered by the guard itself before anything else runs:
 - With API keys configured, a request without a known ``X-API-Key`` header gets 401 before
   its body is read (every key compared in constant time; ASGI header names arrive
   lower-cased, so any casing the client used matches). The console's page and files stay
-  open. The key's owner is put in the ASGI scope (``OWNER_SCOPE_KEY``) for the routes.
+  open. The key's owner is put in the ASGI scope (``OWNER_SCOPE_KEY``) for the routes, and a
+  :class:`~.edge.Waiting` naming it (``WAITING_SCOPE_KEY``, in the scope uvicorn holds too) for
+  the connection edge, which counts an owner's long-polls against its share of the connections.
 - The body is read here, before any route runs, and handed on in the scope
   (``BODY_SCOPE_KEY``, no copy): larger than the route's cap (declared, sent, chunked, or
   after zstd) gets 413; a pause of more than ``body_idle_timeout_s`` between two pieces, or
