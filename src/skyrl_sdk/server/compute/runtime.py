@@ -50,7 +50,6 @@ class _ShuttingDown(Exception):
     """A request that arrived after the shutdown began."""
 
 
-
 class Runtime(WeightRequests):
     def __init__(self, config: ServerConfig, loop: asyncio.AbstractEventLoop, bodies: Bodies | None = None,
                  state_lock: StateDirLock | None = None) -> None:
