@@ -315,9 +315,11 @@ def test_runs_page_and_a_freed_run(world):
         assert http.get(f"/console/api/runs/{newer}").json()["status"] == "freed"
         for params, field in (({"limit": 0}, "limit"), ({"limit": 201}, "limit"), ({"offset": -1}, "offset")):
             r = http.get("/console/api/runs", params=params)
-            assert r.status_code == 400 and r.json()["detail"].startswith(f"{field}: expected an integer"), r.text
+            detail = r.json()["detail"]
+            assert r.status_code == 400 and detail.startswith(f"query parameter {field!r}: expected an integer"), r.text
         r = http.get(f"/console/api/runs/{world['run']}/curves", params={"points": 1})
-        assert r.status_code == 400 and r.json()["detail"].startswith("points: expected an integer in 2..2000")
+        assert r.status_code == 400
+        assert r.json()["detail"].startswith("query parameter 'points': expected an integer in 2..2000")
 
 
 def test_the_page_needs_no_key_and_carries_no_data(world):

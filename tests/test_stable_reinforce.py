@@ -201,6 +201,28 @@ def test_provenance_is_checked_against_the_records(make_backend):
         other.forward_backward([good], "stable_reinforce")
 
 
+@pytest.mark.parametrize("key, position", [("logprobs", 0), ("logprobs", -1), ("advantages", 0), ("advantages", -1)])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_non_finite_inputs_are_refused_as_every_loss_refuses_them(make_backend, key, position, value):
+    """Issue 41, item 17. Before: NaN logprobs at a prompt position passed the comparison with
+    the records (NaN * 0 is NaN, and NaN > tolerance is false) and were then replaced, so
+    stable_reinforce trained on them where importance_sampling refuses them; a NaN advantage at
+    a prompt position was refused as "a nonzero advantage". Now both get the message every loss
+    gives."""
+    backend = make_backend(lora={"rank": 4})
+    data, _ = recorded_data(backend)
+    values = data[0].loss_fn_inputs[key].to_numpy().copy()
+    values[position] = value
+    flat = position % values.size
+    plain = Datum(model_input=data[0].model_input, loss_fn_inputs={**data[0].loss_fn_inputs, key: values})
+    with pytest.raises(DatumError) as refused_is:
+        backend.forward_backward([plain], "importance_sampling")
+    with pytest.raises(DatumError) as refused_sr:
+        backend.forward_backward([variant(data[0], **{key: values})], "stable_reinforce")
+    assert str(refused_sr.value) == str(refused_is.value)
+    assert f"expected finite values, got {value} at flat position {flat}" in str(refused_sr.value)
+
+
 def test_refused_calls_leave_no_gradient(make_backend):
     backend = make_backend(lora={"rank": 4})
     data, _ = recorded_data(backend)

@@ -159,7 +159,7 @@ class Backend:
                  backward: bool = True) -> Steps[tuple[list[Datum], ResolvedLoss]]:
         """(stepped: a loss's ``prepare`` runs a forward first) A call's datums and loss, checked."""
         resolved = self.resolve(loss_fn, loss_fn_config)
-        datums, resolved = prepare_call(data, resolved, self._call_model(), backward=backward,
+        datums, resolved = yield from prepare_call(data, resolved, self._call_model(), backward=backward,
                                         losses=get_registry().losses)  # checked: nothing computed yet
         if resolved.spec.prepare is not None and not resolved.scores_only:
             prepared = yield from self.engine.run_steps(datums, resolved, backward=False)

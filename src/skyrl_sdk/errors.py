@@ -24,6 +24,8 @@ def quoted(value: Any) -> str:
     that much again in every answer and in every failed result it keeps."""
     if isinstance(value, (str, bytes)) and len(value) > QUOTE_CHARS:
         return f"{value[:QUOTE_CHARS - 20]!r}... ({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+    if isinstance(value, int) and value.bit_length() > 4 * QUOTE_CHARS:  # repr fails past 4300 digits
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     text = repr(value)
     return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS - 20]}... ({len(text)} characters)"
 

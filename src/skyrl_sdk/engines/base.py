@@ -195,7 +195,9 @@ def image_inputs(model: str, config: EngineConfig) -> ImageInputs | None:
     if not is_vision_language(hf_config):
         return None
     limits = ImageLimits(max_pixels=config.max_image_pixels, max_tokens_per_datum=config.max_image_tokens_per_datum,
-                         max_tokens_per_call=config.max_image_tokens_per_call)
+                         max_tokens_per_call=config.max_image_tokens_per_call,
+                         max_pixels_per_call=config.max_image_pixels_per_call, max_jpeg_scans=config.max_jpeg_scans,
+                         max_decode_s=config.max_image_decode_s)
     return ImageInputs.load(directory, hf_config, limits)
 
 

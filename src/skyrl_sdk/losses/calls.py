@@ -11,8 +11,8 @@ from its engine, so this layer never reaches up to the engines or the models.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
@@ -24,12 +24,16 @@ from .resolve import ResolvedLoss, reading_values
 from .stability import SequenceRecords, resolve_provenance
 from .validation import check_call, check_prompts, check_target_ids, inputs_for_forward
 
+T = TypeVar("T")
+
 
 class ImageReader(Protocol):
     """A model's image processor under its image limits (``skyrl_sdk.models.images.ImageInputs``)."""
 
-    def prepare(self, inputs: Sequence[ModelInput], error: Callable[[int, str], InputError]) -> list[ModelInput]:
-        """``inputs`` with every image read (``error(i, message)`` builds input ``i``'s error)."""
+    def prepare_steps(self, inputs: Sequence[ModelInput],
+                      error: Callable[[int, str], InputError]) -> Generator[None, None, list[ModelInput]]:
+        """``inputs`` with every image read (``error(i, message)`` builds input ``i``'s error), as
+        a stepped call that yields between two decodes."""
         ...
 
 
@@ -45,27 +49,29 @@ class CallModel:
     images: ImageReader | None
     sequences: SequenceRecords
 
-    def read_images(self, inputs: list[ModelInput], error: Callable[[int, str], InputError]) -> list[ModelInput]:
+    def read_images(self, inputs: list[ModelInput],
+                    error: Callable[[int, str], InputError]) -> Generator[None, None, list[ModelInput]]:
         """``inputs`` with their images read (checked against the image limits first, then
-        decoded), or refused by name when the model reads no images."""
+        decoded, yielding between two decodes), or refused by name when the model reads no images."""
         if not any(mi.has_images for mi in inputs):
             return inputs
         if self.images is None:
             i = next(i for i, mi in enumerate(inputs) if mi.has_images)
             raise error(i, f"model_input holds an image, but model {self.name!r} reads no images (it is not a "
                            f"vision-language model: Qwen2-VL, Qwen2.5-VL or Qwen3-VL)")
-        return self.images.prepare(inputs, error)
+        return (yield from self.images.prepare_steps(inputs, error))
 
 
 def prepare_call(data: Sequence[Any], resolved: ResolvedLoss, model: CallModel, *, backward: bool,
-                 losses: Mapping[str, LossSpec]) -> tuple[list[Datum], ResolvedLoss]:
+                 losses: Mapping[str, LossSpec]) -> Generator[None, None, tuple[list[Datum], ResolvedLoss]]:
     """A ``forward_backward`` (``backward``) or ``forward`` call's datums, ready for the engine,
     and ``resolved`` with its call-level normalizers: ``data`` made ``Datum``s, their images
     read, their provenance resolved when the loss needs it, a forward's datums stripped of the
     other losses' inputs (``losses``: every registered loss), then the whole call checked. A
-    bad call raises before anything is computed."""
+    bad call raises before anything is computed. A stepped call (``engines.turns.Steps``): it
+    yields between two image decodes, where its driver may give others their turns."""
     datums = data_from_any(data)
-    inputs = model.read_images([d.model_input for d in datums], lambda i, msg: DatumError(msg, index=i))
+    inputs = yield from model.read_images([d.model_input for d in datums], lambda i, msg: DatumError(msg, index=i))
     datums = [d if mi is d.model_input else attrs.evolve(d, model_input=mi) for d, mi in zip(datums, inputs,
                                                                                             strict=True)]
     if resolved.spec.needs_provenance:  # the recorded sampler logprobs, named by each datum's provenance
@@ -84,8 +90,8 @@ def prepare_sample(request: SampleRequest, model: CallModel) -> SampleRequest:
     the ``target_prompt_logprobs`` ids within the vocabulary."""
     where = [i for i, p in enumerate(request.prompts) if isinstance(p, ModelInput)]
     if where:
-        read = model.read_images([request.prompts[i] for i in where],
-                                 lambda k, msg: InputError(f"prompt {where[k]}: {msg}"))
+        read = _to_end(model.read_images([request.prompts[i] for i in where],
+                                         lambda k, msg: InputError(f"prompt {where[k]}: {msg}")))
         prompts = list(request.prompts)
         for i, model_input in zip(where, read, strict=True):
             prompts[i] = model_input
@@ -94,3 +100,12 @@ def prepare_sample(request: SampleRequest, model: CallModel) -> SampleRequest:
                   model.max_positions, request.sampling_params.max_tokens)
     check_target_ids(request.target_prompt_logprobs, model.vocab_size)
     return request
+
+
+def _to_end(steps: Generator[None, None, T]) -> T:
+    """A stepped call run to its end here (a sample's prompts give way to nobody)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value

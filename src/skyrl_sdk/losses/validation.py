@@ -108,18 +108,25 @@ def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None,
             check_token_range(tokens, vocab_size, i, "model_input")
         shapes = {k: v.shape for k, v in datum.loss_fn_inputs.items()}
         check_loss_inputs(spec, shapes, n, index=i, label=label)
+        check_finite_inputs(datum, i)
         for key, tensor in datum.loss_fn_inputs.items():
-            array = tensor.array
             if key == "target_tokens":
                 if vocab_size is not None:
-                    check_token_range(array, vocab_size, i, key)
-            elif array.size and not np.isfinite(array).all():
-                bad = int(np.flatnonzero(~np.isfinite(array.reshape(-1)))[0])
-                raise DatumError(
-                    f"expected finite values, got {array.reshape(-1)[bad]} at flat position {bad}", index=i, key=key
-                )
+                    check_token_range(tensor.array, vocab_size, i, key)
             elif key in _RATIO_BOUNDS:
-                _check_ratio_bound(array, key, i)
+                _check_ratio_bound(tensor.array, key, i)
+
+
+def check_finite_inputs(datum: Datum, index: int) -> None:
+    """Every loss input of ``datum`` but its token ids holds finite values, else a DatumError
+    naming the first offender. Every loss is held to it, before anything reads the values (a
+    loss whose inputs are replaced from records, as ``stable_reinforce``'s logprobs, too)."""
+    for key, tensor in datum.loss_fn_inputs.items():
+        array = tensor.array
+        if key != "target_tokens" and array.size and not np.isfinite(array).all():
+            bad = int(np.flatnonzero(~np.isfinite(array.reshape(-1)))[0])
+            raise DatumError(f"expected finite values, got {array.reshape(-1)[bad]} at flat position {bad}",
+                             index=index, key=key)
 
 
 def token_range_problem(tokens: np.ndarray, vocab_size: int) -> str | None:

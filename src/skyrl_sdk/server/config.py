@@ -211,6 +211,8 @@ class ServerConfig:
     turn_tokens: int = _declared("turn_tokens")
     header_timeout_s: float = _declared("header_timeout_s")
     max_connections: int | None = _declared("max_connections")
+    send_timeout_s: float = _declared("send_timeout_s")
+    max_pipelined_requests: int = _declared("max_pipelined_requests")
     keep_alive_s: float = _declared("keep_alive_s")
     body_timeout_s: float = _declared("body_timeout_s")
     body_idle_timeout_s: float = _declared("body_idle_timeout_s")
@@ -218,6 +220,7 @@ class ServerConfig:
     max_json_body_bytes: int = _declared("max_json_body_bytes")
     max_inflight_body_bytes: int | None = _declared("max_inflight_body_bytes")
     max_failed_bytes: int = _declared("max_failed_bytes")
+    max_recorded_bytes: int = _declared("max_recorded_bytes")
     shutdown_s: float = _declared("shutdown_s")
     client_config: dict[str, Any] = _declared("client_config")
 

@@ -125,8 +125,9 @@ SETTINGS: tuple[Setting, ...] = (
     _S("header_timeout_s", 10.0, "a connection must send its request line and headers within S seconds of "
        "connecting (or of its last answer), else it is closed (see The connection edge)", flag="--header-timeout",
        type=float, metavar="S", positive=True, console=True, unit="s"),
-    _S("max_connections", None, "open connections; beyond N the oldest one with no request in progress is closed, "
-       "else the one whose request body has gone longest without a byte", flag="--max-connections", type=int,
+    _S("max_connections", None, "open connections; beyond N one makes room: the oldest idle one, else the one not "
+       "reading its answer longest, else the one whose request body has gone longest without a byte, else the oldest "
+       "long-poll of an owner over its share (see The connection edge)", flag="--max-connections", type=int,
        metavar="N", shown="`1000`, at most half the open-file limit", positive=True, console=True),
     _S("allowed_hosts", (), "without an API key the server answers only requests whose `Host` is a loopback name "
        "(`localhost`, `127.0.0.1`, `::1`) or `--host`; this allows NAME too (`*`: any); repeatable (see Security)",
@@ -158,11 +159,18 @@ SETTINGS: tuple[Setting, ...] = (
        "refused"),
     _S("turn_tokens", 8192, "a job of at most this many tokens may run between another job's micro-batches (see "
        "Fairness)"),
+    _S("send_timeout_s", 30.0, "an answer the client does not read (the send buffer stays full) is dropped after "
+       "this (nginx's `send_timeout`; see The connection edge)"),
+    _S("max_pipelined_requests", 32, "requests a client may send before reading the answers; after this many in a "
+       "row its connection is closed after the next answer"),
     _S("keep_alive_s", 5.0, "an idle keep-alive connection is closed after this"),
     _S("body_timeout_s", 120.0, "a request body must arrive within this (else 408)"),
     _S("body_idle_timeout_s", 10.0, "nor may it pause longer than this between two pieces (else 408; nginx's "
        "`client_body_timeout`)"),
     _S("max_failed_bytes", 64 * MiB, "bytes of failed results kept for retrieval (the oldest dropped first)"),
+    _S("max_recorded_bytes", 256 * MiB, "bytes of sequences one owner's sessions recorded with "
+       "`record_stability_info` (for `stable_reinforce`), all its sessions together; the least recently used beyond "
+       "it are dropped (a session's are dropped when it ends)", unit="bytes"),
     _S("shutdown_s", 8.0, "Ctrl-C / SIGTERM: how long running work may take to stop before the process leaves it"),
     _S("client_config", {}, "extra flags merged into the answer to the client's `/client/config` (e.g. "
        "`{\"fwdbwd_max_chunk_len\": 256}`; see `tinker.types.ClientConfigResponse`)"),

@@ -19,22 +19,20 @@ import collections
 import functools
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from ...errors import NotFoundError, quoted
-from ...types.numbers import check_number
 from ..state import session_search
 from ..state.history import History
 from ..state.store import Store
 from ..wire import envelopes
+from ..wire.session_query import SessionSearch
 from ..wire.tinker_paths import TinkerPath, iso
+from .exports import LinkTarget, public_files
 from .sessions import TrainingModel
 
 #: a model whose worker had work within this many seconds is "live", else "idle"
 LIVE_S = 30.0
-#: Tinker's bounds on a checkpoint's time to live
-MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 
 
 def on_a_thread(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -104,9 +102,18 @@ class Catalog:
         return envelopes.weights_info_json(self.store.run(tp.run_id, None))
 
     @on_a_thread
-    def export_directory(self, owner: str, tinker_path: Any) -> Path:
-        """The directory of one of ``owner``'s own external-weights exports (never another owner's)."""
-        return self.store.resolve_checkpoint(tinker_path, owner, kind="external")[1]
+    def export_target(self, owner: str, tinker_path: Any) -> LinkTarget:
+        """What a download link to one of ``owner``'s own exports names (never another owner's)."""
+        tp, directory = self.store.resolve_checkpoint(tinker_path, owner, kind="external")
+        record = self.store.checkpoint(tp, owner)
+        if record is None:  # deleted or expired since it resolved
+            raise NotFoundError(f"no checkpoint {tp} on this server")
+        return LinkTarget(owner, str(tp), record["time"], directory, tuple(public_files(directory)))
+
+    def link_record(self, owner: str, tinker_path: str) -> dict[str, Any] | None:
+        """(off the event loop) The catalog record a download link's checkpoint has now: ``owner``'s
+        live export, None once it is deleted or expired."""
+        return self.store.checkpoint(TinkerPath.parse(tinker_path), owner)
 
     def _owned_checkpoint(self, owner: str, run_id: str, checkpoint_id: str) -> TinkerPath:
         """``owner``'s live checkpoint ``<run_id>/<checkpoint_id>``; 404 for another owner's (published or not)."""
@@ -120,18 +127,14 @@ class Catalog:
         self.store.update_checkpoint(self._owned_checkpoint(owner, run_id, checkpoint_id), public=public)
 
     @on_a_thread
-    def set_ttl(self, owner: str, run_id: str, checkpoint_id: str, ttl_seconds: Any) -> None:
-        """Expire the checkpoint ``ttl_seconds`` from now (3600 s to 10 years), or never (None)."""
+    def set_ttl(self, owner: str, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        """Expire the checkpoint ``ttl_seconds`` from now (checked by ``envelopes.ttl_seconds``), or never (None)."""
         tp = self._owned_checkpoint(owner, run_id, checkpoint_id)
-        expires = None
-        if ttl_seconds is not None:
-            expires = time.time() + check_number("ttl_seconds", ttl_seconds, low=MIN_TTL_S, high=MAX_TTL_S,
-                                                 integer=True)
-        self.store.update_checkpoint(tp, expires_at=expires)
+        self.store.update_checkpoint(tp, expires_at=None if ttl_seconds is None else time.time() + ttl_seconds)
 
     @on_a_thread
-    def search_sessions(self, owner: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        return session_search.search_sessions(self.store, owner, body)
+    def search_sessions(self, owner: str, search: SessionSearch) -> dict[str, Any]:
+        return session_search.search_sessions(self.store, owner, search)
 
     # ---- the console ------------------------------------------------------------------------------
     def status(self, run_id: str) -> str:

@@ -25,11 +25,13 @@ error), a running step first finishes.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import inspect
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import attrs
 
@@ -40,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = ("the server is shutting down; this request did not run to the end "
                     "(submit it again after the restart)")
+#: the answer of a request still running when the server stopped waiting for it (``shutdown_s``)
+RUNNING_AT_SHUTDOWN = ("the server stopped while this request was still running; whether it completed is not known "
+                       "(a save that completed is listed after the restart)")
 
 
 class Stopped(Exception):
@@ -356,3 +361,10 @@ class Executors:
     def join(self, deadline: float) -> bool:
         """Wait until ``deadline`` (monotonic) for every executor to end; whether all did."""
         return all([ex.join(max(0.0, deadline - time.monotonic())) for ex in self.all()])
+
+    async def settle(self, deadline: float, give_up: Callable[[], bool]) -> None:
+        """(event loop) Wait until no executor runs a job, ``deadline`` (monotonic) passes or
+        ``give_up()``; then one more turn of the loop, so a result queued from a thread is delivered."""
+        while any(ex.alive() for ex in self.all()) and time.monotonic() < deadline and not give_up():
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0)

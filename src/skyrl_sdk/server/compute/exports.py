@@ -8,17 +8,26 @@ adapter in ``adapter/`` (``PeftModel.from_pretrained(base, <dir>/adapter)``). Wi
 suffix, as Tinker does (what the cookbook's ``weights.download`` asks for a training
 checkpoint, decrypting with a key it generated).
 
-:class:`DownloadLinks` signs links to an export's files: unguessable tokens that expire after
-:data:`LINK_TTL_S`, each naming one checkpoint directory, served without an API key (the
-client fetches them with ``urllib``), only the files the listing named.
+:class:`DownloadLinks` signs links to an export's files, served without an API key (the
+client fetches them with ``urllib``): the token in the link is the credential, an HMAC of
+what it names (owner, checkpoint, the checkpoint's creation time, the link's expiry) under
+a key of this process. Stateless: signing keeps nothing in memory (links cost the server no
+memory however many are asked for), and a link stops working when it expires
+(:data:`LINK_TTL_S`), when the server restarts, and as soon as its checkpoint is gone from
+the catalog: deleted, expired, or deleted and exported again under the same name (the new
+export's creation time differs, so an old link never serves new content).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
+import json
 import secrets
 import shutil
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,40 +99,79 @@ def export_external(backend: Any, lora: bool, directory: Path, scratch: Path, re
 
 
 @attrs.frozen
-class _Link:
+class LinkTarget:
+    """What a link names: ``owner``'s live export ``path`` (a ``tinker://`` path) as created at
+    ``created`` (its catalog record's time), its ``directory`` and public ``files``."""
+
+    owner: str
+    path: str
+    created: str
     directory: Path
-    files: frozenset[str]
-    expires: float
+    files: tuple[str, ...]
+
+
+#: bytes of a link's MAC (HMAC-SHA256, truncated: 144 bits)
+_MAC_BYTES = 18
 
 
 class DownloadLinks:
-    """Signed, expiring links to the files of a checkpoint directory (thread-safe)."""
+    """Signed, expiring, stateless links to the files of an export (see the module docstring).
+    ``lookup(owner, path)`` gives the live checkpoint's catalog record (None once deleted or
+    expired) and ``directory(path)`` its directory; both run where :meth:`file` runs (off the
+    event loop)."""
 
-    def __init__(self, ttl_s: float = LINK_TTL_S) -> None:
-        self.ttl_s = ttl_s
-        self._links: dict[str, _Link] = {}
-        self._lock = threading.Lock()
+    def __init__(self, lookup: Callable[[str, str], dict[str, Any] | None], directory: Callable[[str], Path],
+                 ttl_s: float = LINK_TTL_S) -> None:
+        self.lookup, self.directory, self.ttl_s = lookup, directory, ttl_s
+        self._key = secrets.token_bytes(32)
 
-    def sign(self, directory: Path, base_url: str) -> dict[str, Any]:
-        """``{"urls": {file: url}, "expires": iso}`` for every file of ``directory``."""
-        files = public_files(directory)
-        token = secrets.token_urlsafe(32)
-        now = time.time()
-        with self._lock:
-            for old in [t for t, link in self._links.items() if link.expires <= now]:
-                del self._links[old]
-            self._links[token] = _Link(directory, frozenset(files), now + self.ttl_s)
+    def sign(self, target: LinkTarget, base_url: str) -> dict[str, Any]:
+        """``{"urls": {file: url}, "expires": iso}`` for every file of ``target``."""
+        expires = int(time.time() + self.ttl_s)
+        payload = json.dumps([target.owner, target.path, target.created, expires], separators=(",", ":")).encode()
+        token = f"{_b64(payload)}.{_b64(self._mac(payload))}"
         base = base_url.rstrip("/")
-        return {"urls": {f: f"{base}/api/v1/downloads/{token}/{f}" for f in files}, "expires": iso(now + self.ttl_s)}
+        return {"urls": {f: f"{base}/api/v1/downloads/{token}/{f}" for f in target.files}, "expires": iso(expires)}
 
     def file(self, token: str, name: str) -> Path:
-        """The file a link names; NotFoundError for an unknown or expired link or another file."""
-        with self._lock:
-            link = self._links.get(token)
-        if link is None or link.expires <= time.time() or name not in link.files:
+        """(off the event loop) The file a link names; NotFoundError for a forged, expired or
+        stale link (its checkpoint deleted, expired or re-created) or a file it does not name."""
+        owner, path, created, expires = self._verified(token)
+        if expires <= time.time():
+            raise NotFoundError("this download link has expired: ask for new ones "
+                                "(RestClient.get_external_weights_urls)")
+        record = self.lookup(owner, path)
+        if record is None or record["time"] != created:
+            raise NotFoundError("this download link's checkpoint was deleted, expired or re-created since the link "
+                                "was signed: ask for new links (RestClient.get_external_weights_urls)")
+        directory = self.directory(path)
+        if name not in public_files(directory):
+            raise NotFoundError("this download link names no such file")
+        return directory / name
+
+    def _mac(self, payload: bytes) -> bytes:
+        return hmac.new(self._key, payload, hashlib.sha256).digest()[:_MAC_BYTES]
+
+    def _verified(self, token: str) -> tuple[str, str, str, int]:
+        """What a token of this process names; NotFoundError for any other token."""
+        payload_b64, _, mac_b64 = token.partition(".")
+        try:
+            payload, mac = _unb64(payload_b64), _unb64(mac_b64)
+        except ValueError:
+            payload, mac = b"", b""
+        if not mac or not hmac.compare_digest(mac, self._mac(payload)):
             raise NotFoundError("unknown or expired download link: ask for new ones "
                                 "(RestClient.get_external_weights_urls)")
-        path = link.directory / name
-        if not path.is_file():
-            raise NotFoundError("this file is gone: its checkpoint was deleted or expired")
-        return path
+        owner, path, created, expires = json.loads(payload)  # signed by this process: its own shape
+        return owner, path, created, expires
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    """base64url without padding; ValueError for anything else (or anything long)."""
+    if len(text) > 4096:
+        raise ValueError("token too long")
+    return base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True)

@@ -343,17 +343,23 @@ class FutureStore:
         """``owner``'s requests accepted and not finished (queued, waiting for a seq_id, or running)."""
         return self._pending.get(owner, 0)
 
-    async def wait(self, owner: str, request_id: str, timeout: float
+    async def wait(self, owner: str, request_id: str, timeout: float, ended: asyncio.Event | None = None
                    ) -> tuple[FutureRecord | None, Result | None]:
         """(record, result): record None for an unknown id (or another owner's); result None
-        means still running after ``timeout`` seconds."""
+        means still running after ``timeout`` seconds (or when ``ended`` was set first)."""
         rec = self._records.get(request_id)
         if rec is None or rec.owner != owner:
             return None, None
         if rec.result is None:
+            waits = {asyncio.ensure_future(rec.event.wait())}
+            if ended is not None:
+                waits.add(asyncio.ensure_future(ended.wait()))
             try:
-                await asyncio.wait_for(asyncio.shield(rec.event.wait()), timeout)
-            except asyncio.TimeoutError:
+                await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waited in waits:
+                    waited.cancel()
+            if rec.result is None:
                 return rec, None
         rec.retrieved_at = time.time()
         return rec, rec.result

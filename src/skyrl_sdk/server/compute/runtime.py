@@ -5,16 +5,15 @@ class and the services it holds for them: ``sessions`` (client sessions, :mod:`.
 write weights to the state dir, :mod:`.weights`).
 
 Route handlers (event loop) call into :class:`Runtime`; every Backend call happens on the
-compute executor (:mod:`.executor`) through the owning model's queue, in fair turns, so the
-event loop never blocks on compute. Every request carries its API key's owner: another
-owner's ids read as unknown, and an owner's unfinished requests are bounded. Sampling lives
-in :mod:`.sampling`, request parsing and response shapes in :mod:`..wire.envelopes` / :mod:`..wire.proto`
-(large bodies parsed off the event loop, :mod:`.bodies`), durable records in :mod:`.store`.
+compute executor (:mod:`.executor`) through the owning model's queue, in fair turns. Every
+request carries its API key's owner: another owner's ids read as unknown, and an owner's
+unfinished requests are bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -26,18 +25,20 @@ from ...engines.turns import Steps
 from ...errors import InputError, NotFoundError, quoted
 from ...inputs import tinker_proto
 from ...inputs.coerce import lora_config_from_any
-from ...losses.stability import SequenceRecords, sequence_ids
+from ...losses.stability import sequence_ids
 from ..config import ServerConfig
 from ..state.history import History
 from ..state.statedir import StateDirLock
 from ..state.store import Store
 from ..wire import envelopes, proto
 from ..wire.bodies import Bodies
+from ..wire.tinker_paths import TinkerPath
 from . import visibility
 from .catalog import Catalog
-from .executor import SHUTDOWN_MESSAGE, Executors
+from .executor import RUNNING_AT_SHUTDOWN, SHUTDOWN_MESSAGE, Executors
 from .exports import DownloadLinks
 from .futures import FutureRecord, FutureStore, Job, Result, Sequencer
+from .recorded import RecordedSequences
 from .sampling import Sampling
 from .served import ServedModels
 from .sessions import Sessions, TrainingModel
@@ -66,9 +67,11 @@ class Runtime:
         self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
         self.models: dict[str, TrainingModel] = {}
         self.catalog = Catalog(self.store, self.history, self.models, self.sampling.runs_sampled)
-        #: per client session, the sequences sampled with record_stability_info (stable_reinforce)
-        self.sequence_records: dict[str, SequenceRecords] = {}
-        self.downloads = DownloadLinks()  # signed links to external weights' files
+        #: the sequences sampled with record_stability_info (stable_reinforce), per session and owner
+        self.recorded = RecordedSequences(config.max_recorded_bytes)
+        # signed links to external weights' files, checked against the catalog when used
+        self.downloads = DownloadLinks(self.catalog.link_record,
+                                       lambda path: self.store.checkpoint_dir(TinkerPath.parse(path)))
         #: save_weights, save_weights_for_sampler, save_weights_external and the expiry sweep
         self.weights = WeightRequests(self.store, self.sampling, self.sequenced, loop)
         self.started_at = time.time()
@@ -127,10 +130,10 @@ class Runtime:
                              f"server accepts at most {limit} per owner (--max-queued-requests); wait for some "
                              f"to finish, then submit again")
 
-    async def retrieve(self, owner: str, body: dict) -> Result | dict:
-        """Long-poll a future: its Result, or a ``try_again`` / unknown-id JSON answer."""
+    async def retrieve(self, owner: str, body: dict, ended: asyncio.Event | None = None) -> Result | dict:
+        """Long-poll a future: its Result, or a ``try_again`` (at once once ``ended`` is set) / unknown-id answer."""
         request_id = body.get("request_id")
-        rec, result = await self.futures.wait(owner, request_id, self.config.long_poll_s) \
+        rec, result = await self.futures.wait(owner, request_id, self.config.long_poll_s, ended) \
             if isinstance(request_id, str) else (None, None)
         if rec is None:
             return {"error": f"unknown request_id {quoted(request_id)}: this server has no such request (requests in "
@@ -145,10 +148,9 @@ class Runtime:
     def model(self, owner: str, model_id: Any) -> TrainingModel:
         m = self.models.get(model_id) if isinstance(model_id, str) else None
         if m is None or m.owner != owner:
-            raise NotFoundError(
-                f"unknown model_id {quoted(model_id)}: this server has no such model (models live in memory and are "
-                f"lost when the server restarts; recreate it with create_training_client_from_state)"
-            )
+            raise NotFoundError(f"unknown model_id {quoted(model_id)}: this server has no such model (models live in "
+                                f"memory and are lost when the server restarts; recreate it with "
+                                f"create_training_client_from_state)")
         return m
 
     def _live_model(self, owner: str, model_id: Any) -> TrainingModel:
@@ -163,13 +165,10 @@ class Runtime:
         return any(m.session_id == session_id and not m.closed and m.worker.idle_for() == 0.0
                    for m in self.models.values())
 
-    def records(self, session_id: str) -> SequenceRecords:
-        """The recorded sequences of a client session (Tinker: provenance names sequences of its own session)."""
-        return self.sequence_records.setdefault(session_id, SequenceRecords())
-
     def _end_session(self, session_id: str, why: str) -> None:
-        """(a session finished or expired) Release its models and forget its recorded sequences."""
-        self.sequence_records.pop(session_id, None)
+        """(a session finished or expired) Release its models and drop its recorded sequences
+        (a sample of it still running records nothing)."""
+        self.recorded.end(session_id)
         for model in list(self.models.values()):
             if model.session_id == session_id and not model.closed:
                 self._release(model, why)
@@ -245,7 +244,7 @@ class Runtime:
         self.models[req.model_id] = model
         rec = self.futures.create(owner, req.model_id, dedup)
         complete = self.futures.completer(rec)
-        records = self.records(req.session_id)
+        records = self.recorded.of(owner, req.session_id)
 
         def create() -> Result:
             try:
@@ -264,7 +263,8 @@ class Runtime:
                 model.error = str(exc)
                 raise
             finally:
-                self._set_ready(model)
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the server has shut down
+                    self.loop.call_soon_threadsafe(model.ready.set)
             return Result.json(answer)
 
         def done(result: Result) -> None:
@@ -274,12 +274,6 @@ class Runtime:
 
         worker.put(Job(run=create, done=done, what=f"create_model({req.model_id})"))
         return rec
-
-    def _set_ready(self, model: TrainingModel) -> None:
-        try:
-            self.loop.call_soon_threadsafe(model.ready.set)
-        except RuntimeError:  # the loop is closed: the server has shut down
-            pass
 
     async def get_info(self, owner: str, body: dict) -> dict:
         model = self.model(owner, body.get("model_id"))
@@ -318,8 +312,7 @@ class Runtime:
 
     def _seq_limit(self, model_id: str) -> int | None:
         """(any thread) The longest datum ``model_id``'s base accepts."""
-        model = self.models.get(model_id)
-        return self.served.max_seq_len(model.base_model if model is not None else None)
+        return self.served.max_seq_len(model.base_model if (model := self.models.get(model_id)) else None)
 
     def forward_backward(self, owner: str, req: tinker_proto.ForwardBackwardRequest) -> FutureRecord:
         def make(model: TrainingModel):
@@ -338,7 +331,8 @@ class Runtime:
             return run
 
         what = "forward" if req.forward_only else "forward_backward"
-        return self.sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id, cost=req.tokens)
+        cost = None if any(d.model_input.has_images for d in req.data or ()) else req.tokens  # images: never in a gap
+        return self.sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id, cost=cost)
 
     def optim_step(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
@@ -389,7 +383,11 @@ class Runtime:
                 if session.session_id is None:
                     raise InputError("record_stability_info: recorded sequences belong to a session; sample "
                                      "through a sampling client (a sampling_session_id), not an ad-hoc request")
-                records, prompt = self.records(session.session_id), spec.prompt
+                try:  # an ended session's sequences were dropped with it: none are recorded for it again
+                    self.sessions.check_open(owner, session.session_id)
+                except InputError as exc:
+                    raise InputError(f"record_stability_info: {exc}") from None
+                records, prompt = self.recorded.of(owner, session.session_id), spec.prompt
 
                 def record(out):
                     records.record_outputs([prompt], [out], [rec.request_id])
@@ -410,8 +408,8 @@ class Runtime:
     # ---- shutdown ------------------------------------------------------------------------------
     def begin_shutdown(self) -> None:
         """(event loop, at the first Ctrl-C / SIGTERM, before connections drain) Fail every request
-        that has not run and answer every waiting long-poll with "the server is shutting down";
-        the running job stops at its next micro-batch."""
+        that has not run, answering its long-polls with "the server is shutting down"; the
+        running job stops at its next micro-batch (:meth:`settle` waits for it)."""
         if self.stopping is not None:
             return
         self.stopping = time.monotonic()
@@ -419,13 +417,18 @@ class Runtime:
         for m in self.models.values():
             m.sequencer.fail_pending(SHUTDOWN_MESSAGE)
         self.executors.stop()
-        self.futures.fail_unfinished(SHUTDOWN_MESSAGE)
+
+    async def settle(self, give_up: Callable[[], bool] = lambda: False) -> None:
+        """(event loop, after :meth:`begin_shutdown`) Wait for the running job until ``shutdown_s``
+        after the signal (or ``give_up()``: a second signal), so its long-poll answers with what
+        happened (a committed save is done); what is still unanswered then ran past the deadline."""
+        await self.executors.settle((self.stopping or time.monotonic()) + self.config.shutdown_s, give_up)
+        self.futures.fail_unfinished(RUNNING_AT_SHUTDOWN)
 
     def close(self) -> None:
-        """(any thread, after ``begin_shutdown`` and ``sessions.stop()`` on the loop) Wait for the
-        running job until ``shutdown_s`` after the signal, then close every Backend. A job still
-        running then (one that cannot stop between micro-batches, such as a long save) is left
-        to the process exit (``left_running``): closing Backends under it is unsafe."""
+        """(any thread, after ``begin_shutdown`` and ``sessions.stop()``) Wait for the running job until
+        ``shutdown_s`` after the signal, then close every Backend; a job still running then (a long
+        save) is left to the process exit (``left_running``): closing Backends under it is unsafe."""
         deadline = (self.stopping or time.monotonic()) + self.config.shutdown_s
         self.executors.stop()
         if not self.executors.join(deadline):

@@ -238,6 +238,8 @@ class Sampling:
         spec = work.spec
         key = batch_key(target_key, snapshot.version if snapshot else None, spec.request)
         cost = spec.request.num_samples * (spec.prompt_length + spec.request.sampling_params.max_tokens)  # ~decoded
+        if isinstance(spec.prompt, ModelInput):  # images: decoding is work tokens do not count
+            cost = None  # never run in another call's gap
         job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=work, cost=cost)
         return job
 

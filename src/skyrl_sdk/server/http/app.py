@@ -28,10 +28,11 @@ def create_app(config: ServerConfig | None = None, state_lock: StateDirLock | No
 
     The returned object is the FastAPI app wrapped in the auth / body-limit middleware;
     the FastAPI app itself is its ``.fastapi`` attribute (its ``state.runtime`` holds the
-    live :class:`~.runtime.Runtime` while the app runs), and ``.begin_shutdown()`` fails the
-    work that has not run and answers waiting long-polls (the server calls it at the first
-    signal, before it drains connections). ``state_lock``: the state dir's lock, taken by
-    ``skyrl-sdk serve`` before its checks (else the runtime takes it at start-up)."""
+    live :class:`~.runtime.Runtime` while the app runs), ``.begin_shutdown()`` fails the
+    work that has not run and answers its long-polls, and ``await .settle()`` waits for the
+    running job (the server calls both at the first signal, before it drains connections).
+    ``state_lock``: the state dir's lock, taken by ``skyrl-sdk serve`` before its checks (else
+    the runtime takes it at start-up)."""
     config = config or ServerConfig()
     bodies = Bodies.of(config)
 
@@ -86,5 +87,11 @@ def create_app(config: ServerConfig | None = None, state_lock: StateDirLock | No
         if runtime is not None:
             runtime.begin_shutdown()
 
+    async def settle(give_up: Any = lambda: False) -> None:
+        runtime = getattr(app.state, "runtime", None)
+        if runtime is not None:
+            await runtime.settle(give_up)
+
     guarded.begin_shutdown = begin_shutdown  # type: ignore[attr-defined]
+    guarded.settle = settle  # type: ignore[attr-defined]
     return guarded

@@ -23,7 +23,7 @@ from ..settings import SETTINGS
 from ..state.history import MAX_POINTS
 from .edge import default_max_connections
 from .guard import CONSOLE_STATIC
-from .routes import in_range, owner, runtime
+from .routes import owner, query_integer, runtime
 
 router = APIRouter()
 
@@ -68,8 +68,9 @@ async def me(request: Request) -> dict:
 
 
 @router.get("/console/api/runs")
-async def runs(request: Request, limit: int = 50, offset: int = 0) -> dict:
-    limit, offset = in_range("limit", limit, 1, MAX_RUNS_PAGE), in_range("offset", offset, 0)
+async def runs(request: Request) -> dict:
+    limit = query_integer(request, "limit", 50, 1, MAX_RUNS_PAGE)
+    offset = query_integer(request, "offset", 0, 0)
     return await runtime(request).catalog.console_runs(owner(request), limit, offset)
 
 
@@ -79,8 +80,8 @@ async def run_detail(run_id: str, request: Request) -> dict:
 
 
 @router.get("/console/api/runs/{run_id}/curves")
-async def curves(run_id: str, request: Request, points: int = 1000) -> Response:
-    points = in_range("points", points, 2, MAX_POINTS)
+async def curves(run_id: str, request: Request) -> Response:
+    points = query_integer(request, "points", 1000, 2, MAX_POINTS)
     body = await runtime(request).catalog.curves_body(owner(request), run_id, points)
     return Response(body, media_type="application/json")
 

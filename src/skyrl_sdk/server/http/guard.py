@@ -11,8 +11,9 @@ In order, each answered by the guard itself before anything else runs:
 - With API keys configured, a request without a known ``X-API-Key`` header gets 401 before
   its body is read (every key compared in constant time; ASGI header names arrive
   lower-cased, so any casing the client used matches). The console's page and files stay
-  open. The key's owner is put in the ASGI scope (``OWNER_SCOPE_KEY``) for the routes.
-- A query parameter that is an integer outside int64: 400 naming it (SQLite would overflow).
+  open. The key's owner is put in the ASGI scope (``OWNER_SCOPE_KEY``) for the routes, and a
+  :class:`~.edge.Waiting` naming it (``WAITING_SCOPE_KEY``, in the scope uvicorn holds too) for
+  the connection edge, which counts an owner's long-polls against its share of the connections.
 - The body is read here, before any route runs, and handed on in the scope
   (``BODY_SCOPE_KEY``, no copy): larger than the route's cap (declared, sent, chunked, or
   after zstd) gets 413; a pause of more than ``body_idle_timeout_s`` between two pieces, or
@@ -36,13 +37,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import re
-import urllib.parse
 from typing import Any
 
 from ..config import DEFAULT_OWNER
 from ..wire.bodies import Bodies
 from . import origins
+from .edge import WAITING_SCOPE_KEY, Waiting
 
 #: the console's page and its static files: they carry no data, so they need no key (what the
 #: page shows comes from /console/api/*, behind the key like every other route)
@@ -62,8 +62,6 @@ PROTOBUF_PATHS = frozenset({"/api/v1/forward_backward"})
 MAX_HEADER_BYTES = 16 * 1024
 #: on every answer: no content sniffing, nothing cached (answers hold an owner's data)
 SECURITY_HEADERS = ((b"x-content-type-options", b"nosniff"), (b"cache-control", b"no-store"))
-_INTEGER = re.compile(r"[+-]?[0-9]+")
-_INT64 = (-(2**63), 2**63 - 1)
 
 
 async def _send_json(send: Any, status: int, obj: dict, extra_headers: list | None = None) -> None:
@@ -89,17 +87,6 @@ def header_bytes(scope: dict) -> int:
     """Bytes of the request line and headers as sent (names, values, separators)."""
     line = len(scope.get("method", "")) + len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + 12
     return line + sum(len(k) + len(v) + 4 for k, v in scope.get("headers", []))
-
-
-def out_of_range_query_integer(query_string: bytes) -> str | None:
-    """What is wrong with the first query parameter whose value is an integer outside int64
-    (none fits in more than 20 characters: no 4300-digit string is ever converted); else None."""
-    for name, value in urllib.parse.parse_qsl(query_string.decode("latin-1"), keep_blank_values=True):
-        value = value.strip()
-        if _INTEGER.fullmatch(value) and (len(value) > 20 or not _INT64[0] <= int(value) <= _INT64[1]):
-            shown = value if len(value) <= 40 else f"{value[:40]}... ({len(value)} characters)"
-            return f"query parameter {name[:100]!r}: expected an integer in {_INT64[0]}..{_INT64[1]}, got {shown}"
-    return None
 
 
 class _Gone(Exception):
@@ -162,8 +149,6 @@ class Guard:
             owner = self.owner_of(headers.get("x-api-key", b""))
             if owner is None:
                 return 401, "missing or unknown X-API-Key", [(b"www-authenticate", b"X-API-Key")]
-        if (bad := out_of_range_query_integer(scope.get("query_string", b""))) is not None:
-            return 400, bad, []
         return owner
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -177,6 +162,7 @@ class Guard:
             status, detail, extra = owner
             await _send_json(send, status, {"status": "ok"} if status == 200 else {"detail": detail}, extra)
             return
+        scope[WAITING_SCOPE_KEY] = Waiting(owner)  # what the edge may know of this request (its owner)
         held = [0]  # bytes of this request counted in the in-flight budget
         try:
             if _is_open(scope.get("path") or ""):  # no data, no body: whatever was sent is never read

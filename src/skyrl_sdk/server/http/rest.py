@@ -13,21 +13,14 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
 
-from ...errors import InputError
+from ..wire import envelopes
 from ..wire.compat import ROWS, not_served_detail
-from ..wire.envelopes import json_object
-from .guard import BODY_SCOPE_KEY, OWNER_SCOPE_KEY
+from ..wire.session_query import parse_session_search
+from .routes import json_body, runtime
+from .routes import owner as _owner
 
 router = APIRouter(prefix="/api/v1")
 CHECKPOINT = "/training_runs/{run_id}/checkpoints/{segment}/{name}"
-
-
-def runtime(request: Request):
-    return request.app.state.runtime
-
-
-def _owner(request: Request) -> str:
-    return request.scope[OWNER_SCOPE_KEY]
 
 
 @router.post(CHECKPOINT + "/publish")
@@ -44,10 +37,8 @@ async def unpublish(run_id: str, segment: str, name: str, request: Request) -> d
 
 @router.put(CHECKPOINT + "/ttl")
 async def set_ttl(run_id: str, segment: str, name: str, request: Request) -> dict:
-    body = json_object(request.scope.get(BODY_SCOPE_KEY) or b"")
-    if "ttl_seconds" not in body or set(body) - {"ttl_seconds"}:
-        raise InputError(f"set ttl: expected {{\"ttl_seconds\": seconds or null}}, got keys {sorted(body)}")
-    await runtime(request).catalog.set_ttl(_owner(request), run_id, f"{segment}/{name}", body["ttl_seconds"])
+    ttl = envelopes.parse_set_ttl(await json_body(request, "set_ttl"))
+    await runtime(request).catalog.set_ttl(_owner(request), run_id, f"{segment}/{name}", ttl)
     return {}
 
 
@@ -56,21 +47,22 @@ async def external_weights_urls(run_id: str, segment: str, name: str, request: R
     """Signed links to the files of one of the caller's own exports (another owner reads a
     published checkpoint by loading it, and may export that run of its own)."""
     rt = runtime(request)
-    directory = await rt.catalog.export_directory(_owner(request), f"tinker://{run_id}/{segment}/{name}")
-    return await asyncio.to_thread(rt.downloads.sign, directory, str(request.base_url))  # lists the files
+    target = await rt.catalog.export_target(_owner(request), f"tinker://{run_id}/{segment}/{name}")
+    return rt.downloads.sign(target, str(request.base_url))
 
 
 @router.get("/downloads/{token}/{file:path}")
 async def download(token: str, file: str, request: Request) -> FileResponse:
-    """A signed link's file (no API key: the token is the credential, see the guard)."""
-    path = await asyncio.to_thread(runtime(request).downloads.file, token, file)  # checks the file is there
+    """A signed link's file (no API key: the token is the credential, see the guard), checked
+    against the catalog on a thread (the store's lock may be held by a save)."""
+    path = await asyncio.to_thread(runtime(request).downloads.file, token, file)
     return FileResponse(path, media_type="application/octet-stream")
 
 
 @router.post("/sessions/search")
 async def search_sessions(request: Request) -> dict:
-    body = json_object(request.scope.get(BODY_SCOPE_KEY) or b"")
-    return await runtime(request).catalog.search_sessions(_owner(request), body)
+    search = parse_session_search(await json_body(request, "search_sessions"))
+    return await runtime(request).catalog.search_sessions(_owner(request), search)
 
 
 def _declined(method: str, path: str):

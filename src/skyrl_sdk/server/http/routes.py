@@ -9,14 +9,16 @@ by :class:`~.guard.Guard`) and passes it on: another owner's ids read as unknown
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ...errors import InputError
+from ...types.numbers import integer_from_text
 from ..compute.runtime import Runtime
 from ..wire import envelopes
+from .edge import WAITING_SCOPE_KEY
 from .guard import BODY_SCOPE_KEY, OWNER_SCOPE_KEY
 
 router = APIRouter(prefix="/api/v1")
@@ -116,8 +118,8 @@ async def finish_session(session_id: str, request: Request) -> dict:
 
 
 @router.get("/sessions")
-async def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
-    return await runtime(request).sessions.list(owner(request), *page(limit, offset))
+async def list_sessions(request: Request) -> dict:
+    return await runtime(request).sessions.list(owner(request), *page(request, 20))
 
 
 @router.get("/sessions/{session_id}")
@@ -160,9 +162,25 @@ async def get_info(request: Request) -> dict:
 
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request) -> Response:
-    """Long-poll: the result once ready, else ``try_again`` after ``long_poll_s``."""
-    answer = await runtime(request).retrieve(owner(request), await json_body(request, "retrieve_future"))
+    """Long-poll: the result once ready, else ``try_again`` after ``long_poll_s``. While it
+    waits the connection edge may need its connection for a newcomer (its owner holds more
+    than its share: :mod:`.edge`): then it answers at once 429 with ``Retry-After`` (the client
+    polls again after a pause) and the connection closes."""
+    body = await json_body(request, "retrieve_future")
+    waiting, ended = request.scope.get(WAITING_SCOPE_KEY), asyncio.Event()
+    if waiting is not None:
+        waiting.wake, waiting.since = ended.set, asyncio.get_running_loop().time()
+    try:
+        answer = await runtime(request).retrieve(owner(request), body, ended)
+    finally:
+        if waiting is not None:
+            waiting.wake = None
     if isinstance(answer, dict):
+        if ended.is_set() and answer.get("type") == "try_again":
+            return JSONResponse({"detail": "this long-poll's connection was needed by another client: your "
+                                           "long-polls hold more than your share of this server's connections; "
+                                           "poll again shortly"}, status_code=429,
+                                headers={"retry-after": "1", "connection": "close"})
         return JSONResponse(answer)
     return Response(content=answer.body, media_type=answer.media_type)
 
@@ -189,22 +207,24 @@ async def cancel_future(request: Request) -> dict:
 
 
 # ---- catalog: training runs and checkpoints ------------------------------------------------------
-def in_range(name: str, value: int, low: int, high: int | None = None) -> int:
-    """A query integer within ``low..high``, else a 400 naming it (never clamped)."""
-    if value < low or (high is not None and value > high):
-        wanted = f"in {low}..{high}" if high is not None else f">= {low}"
-        raise InputError(f"{name}: expected an integer {wanted}, got {value}")
-    return value
+def query_integer(request: Request, name: str, default: int, low: int, high: int | None = None) -> int:
+    """Query parameter ``name`` as an integer within ``low..high`` (and int64), ``default`` when
+    absent; else a 400 naming it: never clamped, never rounded (``20.0``, ``1_000`` and int64's
+    overflow are refused: :func:`~skyrl_sdk.types.numbers.integer_from_text`, the one rule)."""
+    text = request.query_params.get(name)
+    if text is None:
+        return default
+    return integer_from_text(f"query parameter {name!r}", text, low=low, high=high)
 
 
-def page(limit: int, offset: int) -> tuple[int, int]:
-    """A listing's ``limit`` (0..MAX_PAGE) and ``offset`` (>= 0)."""
-    return in_range("limit", limit, 0, MAX_PAGE), in_range("offset", offset, 0)
+def page(request: Request, limit: int) -> tuple[int, int]:
+    """A listing's ``limit`` (0..MAX_PAGE, default ``limit``) and ``offset`` (>= 0, default 0)."""
+    return query_integer(request, "limit", limit, 0, MAX_PAGE), query_integer(request, "offset", 0, 0)
 
 
 @router.get("/training_runs")
-async def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
-    return await runtime(request).catalog.training_runs(owner(request), *page(limit, offset))
+async def list_training_runs(request: Request) -> dict:
+    return await runtime(request).catalog.training_runs(owner(request), *page(request, 20))
 
 
 @router.get("/training_runs/{run_id}")
@@ -224,8 +244,8 @@ async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -
 
 
 @router.get("/checkpoints")
-async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
-    return await runtime(request).catalog.checkpoints(owner(request), None, *page(limit, offset))
+async def list_user_checkpoints(request: Request) -> dict:
+    return await runtime(request).catalog.checkpoints(owner(request), None, *page(request, 100))
 
 
 @router.post("/weights_info")

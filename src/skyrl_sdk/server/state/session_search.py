@@ -7,17 +7,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from datetime import datetime, timezone
 from typing import Any
 
-from ...errors import InputError, quoted, refuse_unknown_keys
-from ...types.numbers import check_number
+from ..wire.session_query import PROJECT_ID, SessionSearch, StatusQuery
 from ..wire.tinker_paths import iso
 from .store import Store
-
-#: the one project every session of this server is in
-PROJECT_ID = "default"
-SEARCH_KEYS = ("session_id", "project_ids", "user_metadata", "display_name", "owner", "statuses", "limit", "cursor")
 
 
 def _status(row: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -30,23 +24,12 @@ def _status(row: Mapping[str, Any]) -> dict[str, Any] | None:
     return None  # expired (no heartbeat), or a finish without a reason
 
 
-def _matches_status(status: dict | None, queries: list[dict]) -> bool:
+def _matches_status(status: dict | None, queries: tuple[StatusQuery, ...]) -> bool:
     for q in queries:
-        if status is not None and q.get("type") == status["type"]:
-            reasons = q.get("reasons")
-            if status["type"] != "client_finished" or not reasons or status["reason"]["type"] in reasons:
+        if status is not None and q.type == status["type"]:
+            if status["type"] != "client_finished" or not q.reasons or status["reason"]["type"] in q.reasons:
                 return True
     return False
-
-
-def _cursor(value: Any) -> tuple[float, str] | None:
-    if value is None:
-        return None
-    try:
-        when = datetime.fromisoformat(str(value["last_created_at"]).replace("Z", "+00:00"))
-        return when.replace(tzinfo=when.tzinfo or timezone.utc).timestamp(), str(value["last_session_id"])
-    except (TypeError, KeyError, ValueError):
-        raise InputError(f"cursor: expected a previous page's next_cursor, got {quoted(value)}") from None
 
 
 def _after(row: Mapping[str, Any], cursor: tuple[float, str]) -> bool:
@@ -58,36 +41,27 @@ def _after(row: Mapping[str, Any], cursor: tuple[float, str]) -> bool:
     return row["created_at"] < when
 
 
-def search_sessions(store: Store, owner: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    """One page of ``owner``'s sessions matching Tinker's ``SessionSearchRequest``, newest first."""
-    refuse_unknown_keys("SessionSearchRequest", body, SEARCH_KEYS)
-    limit = check_number("limit", body.get("limit", 50), low=1, high=200, integer=True)
-    projects = body.get("project_ids")
-    if projects is not None and (not isinstance(projects, list) or set(projects) - {PROJECT_ID}):
-        raise InputError(f"project_ids: this server has one project, {PROJECT_ID!r}; got {quoted(projects)}")
-    wanted = body.get("user_metadata") or {}
-    if not isinstance(wanted, dict):
-        raise InputError(f"user_metadata: expected an object of exact key/value matches, got {quoted(wanted)}")
-    words = str(body.get("display_name") or "").lower().split()
-    statuses, cursor = body.get("statuses"), _cursor(body.get("cursor"))
+def search_sessions(store: Store, owner: str, search: SessionSearch) -> dict[str, Any]:
+    """One page of ``owner``'s sessions matching ``search`` (Tinker's ``SessionSearchRequest``,
+    checked by :func:`~..wire.session_query.parse_session_search`), newest first."""
     rows, _ = store.list_sessions(owner, 10**9, 0)
     rows.sort(key=lambda r: (r["created_at"], r["session_id"]), reverse=True)
     page: list[dict[str, Any]] = []
     for row in rows:
-        if cursor is not None and not _after(row, cursor):
+        if search.cursor is not None and not _after(row, search.cursor):
             continue
         name = row["display_name"] or ""
-        by_id = body.get("session_id") is not None and row["session_id"] == body["session_id"]
-        by_name = bool(words) and all(w in name.lower() for w in words)
-        if (body.get("session_id") is not None or words) and not (by_id or by_name):
+        by_id = search.session_id is not None and row["session_id"] == search.session_id
+        by_name = bool(search.words) and all(w in name.lower() for w in search.words)
+        if (search.session_id is not None or search.words) and not (by_id or by_name):
             continue
         metadata = json.loads(row["user_metadata"]) if row["user_metadata"] else {}
-        if any(str(metadata.get(k)) != str(v) or k not in metadata for k, v in wanted.items()):
+        if any(k not in metadata or str(metadata[k]) != v for k, v in search.user_metadata.items()):
             continue
         status = _status(row)
-        if statuses is not None and not _matches_status(status, statuses):
+        if search.statuses is not None and not _matches_status(status, search.statuses):
             continue
-        if len(page) == limit:
+        if len(page) == search.limit:
             last = page[-1]
             return {"sessions": page, "next_cursor": {"last_created_at": last["created_at"],
                                                       "last_session_id": last["session_id"]}}

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -129,10 +131,17 @@ class Store:
     def tidy(self) -> None:
         """(start-up) Saves interrupted by a crash leave temp/.old directories: remove them (only
         our own names, of dead processes); let no save ever replace the state dir or a parent;
-        delete expired checkpoints; reconcile directories that have no record."""
+        finish deletes a crash cut short; empty ``scratch/`` (a process's working files:
+        offloaded adapters, snapshots, exports being written, checkpoints being deleted; the
+        state dir is this process's alone now); delete expired checkpoints; reconcile
+        directories that have no record."""
         if (leftovers := clean_interrupted_saves(self.root, recursive=True)):
             logger.info("removed %d leftovers of interrupted saves", len(leftovers))
         protect_directory(self.root)
+        if (n := self._finish_deletes()):
+            logger.warning("finished %d checkpoint deletes a crash had cut short", n)
+        if (self.root / "scratch").exists():
+            shutil.rmtree(self.root / "scratch", ignore_errors=True)
         if (n := self.delete_expired()):
             logger.info("deleted %d expired checkpoints", n)
         self.reconcile_checkpoints()
@@ -356,14 +365,42 @@ class Store:
         return self._checkpoint_json(rows[0]) if rows else None
 
     def delete_checkpoint(self, tp: TinkerPath) -> bool:
-        """Delete a checkpoint's record and files (the caller checked who owns it)."""
+        """Delete a checkpoint's record and files (the caller checked who owns it), so that a
+        crash at any moment leaves the whole checkpoint or none of it: its directory is first
+        moved aside, in one rename (the moment it is gone), to
+        ``scratch/deleted/<id>/<run dir>/<segment>/<name>``, then its record is deleted, then
+        the files. A crash after the rename leaves the record and the moved directory, which
+        names it: the next start deletes that record, then empties scratch (:meth:`tidy`).
+        (Removing the files in place, record first, let a crash leave a half-removed directory
+        that the next start adopted again.)"""
         directory = self.checkpoint_dir(tp)
-        found = self._exec("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
-                           (tp.run_id, tp.kind, tp.name)).rowcount > 0
-        if directory.exists():
-            shutil.rmtree(directory, ignore_errors=True)
+        with self._lock:
+            trash = None
+            if directory.exists() or directory.is_symlink():
+                trash = self.inside(self.root / "scratch" / "deleted" / uuid.uuid4().hex)
+                moved = trash / directory.relative_to(self.root / "runs")
+                moved.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.replace(directory, moved)
+                except OSError:  # (another file system under the state dir) removed in place, record first
+                    trash = directory
+            found = self._exec("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
+                               (tp.run_id, tp.kind, tp.name)).rowcount > 0
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
             found = True
         return found
+
+    def _finish_deletes(self) -> int:
+        """(start-up, before scratch is emptied) Delete the records of the checkpoints a crash
+        left moved aside in ``scratch/deleted/`` (a delete cut after its rename); how many."""
+        finished = 0
+        for moved in sorted((self.root / "scratch" / "deleted").glob("*/*/*/*")):  # <id>/<run dir>/<segment>/<name>
+            run_id, kind = self.run_id_of_dirname(moved.parent.parent.name), SEGMENT_TO_KIND.get(moved.parent.name)
+            if run_id is not None and kind is not None:
+                finished += self._exec("DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
+                                       (run_id, kind, moved.name)).rowcount
+        return finished
 
     def reconcile_checkpoints(self) -> tuple[list[str], list[str]]:
         """(start-up) Adopt or quarantine checkpoint directories without a record (:mod:`.reconcile`).

@@ -25,7 +25,7 @@ from ...errors import InputError, quoted, refuse_unknown_keys
 from ...inputs import sample as sample_input
 from ...inputs.coerce import adam_params_from_any
 from ...inputs.limits import prompt_length_problem
-from ...inputs.tinker_proto import SERVER_LIMIT
+from ...inputs.tinker_proto import SERVER_LIMIT, check_seq_id
 from ...types import AdamParams, ModelInput, SampleRequest
 from ...types.numbers import check_number
 from . import caps
@@ -57,7 +57,16 @@ REQUEST_KEYS: dict[str, tuple[str, ...]] = {
                 "prompt_logprobs_last_n", "type"),
     "retrieve_future": ("request_id", "allow_metadata_only"),
     "weights_info": ("tinker_path",),
+    # the RestClient's routes (server/http/rest.py)
+    "set_ttl": ("ttl_seconds",),
+    "search_sessions": ("session_id", "project_ids", "user_metadata", "display_name", "owner", "statuses", "limit",
+                        "cursor"),
 }
+#: Tinker's bounds on a checkpoint's time to live, in whole seconds: one hour to ten years
+MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
+#: the largest id number a request may give (``model_seq_id``, ``sampling_session_seq_id``, an
+#: ``asample``'s ``seq_id``): int64's
+MAX_ID_NUMBER = 2**63 - 1
 
 
 # ---- reading fields -----------------------------------------------------------------------------
@@ -84,10 +93,11 @@ def json_object(raw: bytes) -> dict[str, Any]:
 
 
 def integer(body: Mapping[str, Any], key: str, required: bool = True) -> int | None:
+    """An id number of the body: an integer 0..int64 (a longer one, or a decimal, refused by name)."""
     value = body.get(key)
     if value is None and not required:
         return None
-    return check_number(key, value, low=0, integer=True)
+    return check_number(key, value, low=0, high=MAX_ID_NUMBER, integer=True)
 
 
 def flag(body: Mapping[str, Any], key: str) -> bool:
@@ -106,9 +116,23 @@ def _object(body: Mapping[str, Any], key: str) -> dict | None:
     return value
 
 
-def _ttl(body: Mapping[str, Any]) -> float | None:
-    value = body.get("ttl_seconds")
-    return None if value is None else check_number("ttl_seconds", value, low=0, low_open=True)
+def ttl_seconds(value: Any) -> int | None:
+    """A checkpoint's ``ttl_seconds``, the one rule of every save and of ``PUT .../ttl``: null
+    (never expires) or whole seconds in :data:`MIN_TTL_S`..:data:`MAX_TTL_S` (an expiry past
+    year 9999 cannot even be written as a date)."""
+    return None if value is None else check_number("ttl_seconds", value, low=MIN_TTL_S, high=MAX_TTL_S,
+                                                   integer=True)
+
+
+def _ttl(body: Mapping[str, Any]) -> int | None:
+    return ttl_seconds(body.get("ttl_seconds"))
+
+
+def parse_set_ttl(body: Mapping[str, Any]) -> int | None:
+    """``PUT .../ttl``'s body: ``{"ttl_seconds": seconds or null}`` (the key is required)."""
+    if "ttl_seconds" not in body:
+        raise InputError('set ttl: expected {"ttl_seconds": seconds or null}, got no ttl_seconds')
+    return ttl_seconds(body["ttl_seconds"])
 
 
 def session_id(body: Mapping[str, Any], key: str = "session_id") -> str:
@@ -116,8 +140,9 @@ def session_id(body: Mapping[str, Any], key: str = "session_id") -> str:
 
 
 def seq_id(body: Mapping[str, Any]) -> int | None:
-    """The request's ``seq_id`` (None: not ordered)."""
-    return integer(body, "seq_id", required=False)
+    """A training request's ``seq_id`` (None: not ordered), by the rule its protobuf form has
+    (:func:`~skyrl_sdk.inputs.tinker_proto.check_seq_id`)."""
+    return check_seq_id(body.get("seq_id"))
 
 
 def model_id(body: Mapping[str, Any]) -> str:
@@ -243,8 +268,9 @@ def parse_sampler_source(body: Mapping[str, Any]) -> SamplerSource:
 
 
 def parse_sample_ref(body: Mapping[str, Any]) -> tuple[str | None, int | None]:
-    """asample's ``(sampling_session_id, seq_id)``; both given make the request deduplicated."""
-    return _optional_text(body, "sampling_session_id"), seq_id(body)
+    """asample's ``(sampling_session_id, seq_id)``; both given make the request deduplicated
+    (a sampling client numbers its requests from 0, and they are never held for order)."""
+    return _optional_text(body, "sampling_session_id"), integer(body, "seq_id", required=False)
 
 
 def parse_adam_params(body: Mapping[str, Any]) -> AdamParams:

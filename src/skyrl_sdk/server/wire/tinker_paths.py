@@ -35,8 +35,19 @@ def check_run_id(run_id: Any, what: str = "training run id") -> str:
     return run_id
 
 
+#: the last instant a date can show (year 9999)
+_LAST = datetime.max.replace(tzinfo=timezone.utc)
+
+
 def iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc).isoformat()
+    """A time stamp as ISO 8601 (UTC). One past year 9999 (an expiry a state dir of an earlier
+    version may hold) shows as the last representable instant rather than failing the answer."""
+    if ts is None:
+        return None
+    try:
+        return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat()
+    except (OverflowError, ValueError, OSError):
+        return _LAST.isoformat() if ts > 0 else datetime.fromtimestamp(0, tz=timezone.utc).isoformat()
 
 
 @attrs.frozen
