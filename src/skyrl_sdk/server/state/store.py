@@ -131,10 +131,9 @@ class Store:
     def tidy(self) -> None:
         """(start-up) Saves interrupted by a crash leave temp/.old directories: remove them (only
         our own names, of dead processes); let no save ever replace the state dir or a parent;
-        finish deletes a crash cut short; empty ``scratch/`` (a process's working files:
-        offloaded adapters, snapshots, exports being written, checkpoints being deleted; the
-        state dir is this process's alone now); delete expired checkpoints; reconcile
-        directories that have no record."""
+        finish deletes a crash cut short; empty ``scratch/`` (a process's working files; the state
+        dir is this process's alone now); delete expired checkpoints; reconcile directories that
+        have no record."""
         if (leftovers := clean_interrupted_saves(self.root, recursive=True)):
             logger.info("removed %d leftovers of interrupted saves", len(leftovers))
         protect_directory(self.root)
