@@ -15,6 +15,7 @@ import pytest
 from _limits import HANG_S
 from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk.cli import commands as cli
+from skyrl_sdk.cli import losses as cli_losses
 from skyrl_sdk.losses.base import LossSpec
 from skyrl_sdk.losses.dialects import convert_tinker
 from skyrl_sdk.plugins.registry import DialectSpec
@@ -109,7 +110,7 @@ def test_losses_human_output_shows_config_defaults(capsys, monkeypatch):
 
     spec = LossSpec(name="fake", fn=lambda b, c: None, description="a fake loss",
                     required_inputs=("target_tokens", "advantages"), optional_inputs=("weights",), config_cls=Cfg)
-    assert cli.config_defaults(spec) == {"beta": 0.25, "tags": ()}
+    assert cli_losses.config_defaults(spec) == {"beta": 0.25, "tags": ()}
     monkeypatch.setitem(plugins.get_registry().losses, "fake", spec)
     assert cli.main(["losses", "--wide"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fake "))
@@ -118,8 +119,8 @@ def test_losses_human_output_shows_config_defaults(capsys, monkeypatch):
     assert cli.main(["losses"]) == 0
     out = capsys.readouterr().out
     block = out[out.index("fake (policy)\n"):].split("\n\n")[0].splitlines()
-    assert block == ["fake (policy)", "  called as: native: fake; tinker: fake",
-                     "  inputs: target_tokens, advantages [weights]", "  config: beta=0.25, tags=()", "  a fake loss"]
+    assert block == ["fake (policy)", "  called as: native: fake; tinker: fake", "  inputs: target_tokens, advantages",
+                     "  optional: weights", "  config: beta=0.25, tags=()", "  a fake loss"]
 
 
 def _spec(name: str, role: str = "policy") -> LossSpec:
@@ -138,7 +139,7 @@ def _spec(name: str, role: str = "policy") -> LossSpec:
 )
 def test_dialect_names_come_from_the_dialects_own_table(name, role, expected):
     tinker = DialectSpec("tinker", convert_tinker)
-    assert cli.dialect_names(tinker, _spec(name, role)) == expected
+    assert cli_losses.dialect_names(tinker, _spec(name, role)) == expected
 
 
 def test_a_dialect_that_shadows_a_name_hides_it():
@@ -146,8 +147,8 @@ def test_a_dialect_that_shadows_a_name_hides_it():
         return ("other", {}) if loss_fn == "mine" else None
 
     convert.names = ("mine",)
-    assert cli.dialect_names(DialectSpec("d", convert), _spec("mine")) == []
-    assert cli.dialect_names(DialectSpec("d", convert), _spec("other")) == ["mine", "other"]
+    assert cli_losses.dialect_names(DialectSpec("d", convert), _spec("mine")) == []
+    assert cli_losses.dialect_names(DialectSpec("d", convert), _spec("other")) == ["mine", "other"]
 
 
 def test_version(capsys):
@@ -310,17 +311,18 @@ def test_losses_fit_100_columns_by_default_and_wide_is_one_line_each():
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= 100
     rows = loss_rows()
-    blocks = proc.stdout.strip().split("\n\n")
+    *blocks, shared = proc.stdout.strip().split("\n\n")
     assert [b.splitlines()[0] for b in blocks] == [f"{r['name']} ({r['role']})" for r in rows]
+    assert shared.startswith("Every loss also takes, in every dialect: ") and "kl_coef" in shared
     # wrapped, not cut: every word of every description is there
     assert " ".join(proc.stdout.split()).count(" ".join(rows[0]["description"].split())) == 1
     wide = run_cli("losses", "--wide").stdout.splitlines()
-    assert len(wide) == 1 + len(rows) and wide[0].split()[:2] == ["NAME", "ROLE"]
+    assert len(wide) == 2 + len(rows) and wide[0].split()[:2] == ["NAME", "ROLE"]  # + the shared keys' line
 
 
 def loss_rows() -> list:
     plugins.reset()
-    return cli.loss_rows()
+    return cli_losses.loss_rows()
 
 
 def test_a_closed_pipe_is_not_a_traceback():

@@ -34,8 +34,14 @@ RECORD_TTL_S = 24 * 3600.0
 MAX_RECORDED_TOKENS = 2**24
 #: how far a datum's ``logprobs`` may be from the recorded ones at a sampled position
 LOGPROB_TOLERANCE = 1e-3
-#: the loss inputs resolution writes (a datum must not bring its own)
+#: the loss input resolution writes: 1.0 where the target is a sampled token (a datum must not bring its own)
 SAMPLED_MASK = "sampled_mask"
+#: every loss input resolution writes, and what a caller should know of it
+COMPUTED_INPUTS = {
+    "logprobs": "the recorded sampler logprobs replace it; if sent, it must match them within "
+                f"{LOGPROB_TOLERANCE:g} at sampled positions",
+    SAMPLED_MASK: "computed from the datum's provenance (1 where the target is a sampled token)",
+}
 
 
 @attrs.define(eq=False)
