@@ -41,7 +41,7 @@ def did_you_mean(name: Any, choices: Iterable[str]) -> str:
 
     Error messages append it so a misspelt loss, dialect, engine or key points at the fix.
     """
-    close = _closest(name, choices)
+    close = closest(name, choices)
     return f"; did you mean {close!r}?" if close else ""
 
 
@@ -51,7 +51,7 @@ def did_you_mean_keys(unknown: Iterable[str], accepted: Iterable[str]) -> str:
     unknown, accepted = list(unknown), sorted(set(accepted))
     if len(unknown) == 1:
         return did_you_mean(unknown[0], accepted)
-    close = [f"{hint!r} for {key!r}" for key in unknown if (hint := _closest(key, accepted))]
+    close = [f"{hint!r} for {key!r}" for key in unknown if (hint := closest(key, accepted))]
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
@@ -68,7 +68,7 @@ def refuse_unknown_keys(what: str, keys: Iterable[Any], accepted: Iterable[str],
                                     f"{did_you_mean_keys(unknown, accepted)}")
 
 
-def _closest(name: Any, choices: Iterable[str]) -> str | None:
+def closest(name: Any, choices: Iterable[str]) -> str | None:
     """The choice closest to ``name``, compared case-insensitively (``'PPO'`` -> ``'ppo'``):
     names are lower case, and a user who typed the capitals meant the same name."""
     if not isinstance(name, str) or not name or len(name) > QUOTE_CHARS:
