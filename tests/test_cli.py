@@ -231,7 +231,8 @@ def test_missing_optional_module_is_reported(monkeypatch, capsys):
     monkeypatch.delitem(sys.modules, "skyrl_sdk.cli.serve", raising=False)
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the [server] extra were not installed
     assert cli.main(["serve"]) == 2
-    assert "cannot import 'uvicorn' (pip install 'skyrl-sdk[server]')" in capsys.readouterr().err
+    assert "cannot import 'uvicorn' (pip install -e \".[server]\" (in the skyrl-sdk checkout; `skyrl-sdk doctor`" \
+        in capsys.readouterr().err
 
 
 def test_plugin_errors_exit_nonzero_with_a_message(monkeypatch, capsys):
@@ -253,7 +254,7 @@ def test_bare_command_prints_the_help_with_the_commands(capsys):
     assert cli.main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: skyrl-sdk")
-    for command in ("plugins", "losses", "version", "demo", "serve"):
+    for command in ("plugins", "losses", "version", "doctor", "demo", "serve"):
         assert f"\n    {command} " in out
     assert "skyrl-sdk demo" in out  # where to start
 
@@ -272,7 +273,7 @@ def _subcommands() -> dict:
 
 def test_every_command_has_a_one_line_summary_and_no_rest_markup():
     commands = _subcommands()
-    assert set(commands) == {"plugins", "losses", "version", "demo", "serve"}
+    assert set(commands) == {"plugins", "losses", "version", "doctor", "demo", "serve"}
     texts = [cli.build_parser().format_help()]
     for name, (sub, summary) in commands.items():
         assert summary and "\n" not in summary, name

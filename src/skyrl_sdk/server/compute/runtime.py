@@ -26,11 +26,11 @@ from ...inputs import tinker_proto
 from ...inputs.coerce import lora_config_from_any
 from ...losses.stability import SequenceRecords
 from ..config import ServerConfig
-from ..wire.bodies import Bodies
 from ..state.history import History
 from ..state.statedir import StateDirLock
 from ..state.store import Store
 from ..wire import envelopes, proto
+from ..wire.bodies import Bodies
 from . import visibility
 from .catalog import Catalog
 from .executor import SHUTDOWN_MESSAGE, Executors

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import uuid
 
-from ..wire.tinker_paths import TinkerPath
 from ..wire import envelopes
+from ..wire.tinker_paths import TinkerPath
 from .exports import age_recipients, export_external
 from .futures import FutureRecord, Result
 from .sessions import TrainingModel
