@@ -368,9 +368,10 @@ def test_serve_refuses_to_start_with_the_reason(argv, expected, tmp_path, capsys
 @pytest.mark.parametrize("port", ["99999", "65536", "-1"])
 def test_serve_port_out_of_range_is_one_line_exit_2(port, tmp_path, capsys):
     assert cli.main(["serve", "--port", port, "--state-dir", str(tmp_path / "s")]) == 2
-    err = capsys.readouterr().err
-    assert err == ("skyrl-sdk serve: cannot start: --port: expected a TCP port from 1 to 65535, or 0 for a free "
-                   f"one, got {port}\n")
+    first, last = capsys.readouterr().err.splitlines()
+    assert first.startswith(f"skyrl-sdk serve: starting on 127.0.0.1:{port} (models: tiny; ")
+    assert last == ("skyrl-sdk serve: cannot start: --port: expected a TCP port from 1 to 65535, or 0 for a free "
+                    f"one, got {port}")
 
 
 def test_serve_port_in_use_is_one_line_exit_2_before_any_model_loads(tmp_path, capsys, monkeypatch):
@@ -384,8 +385,48 @@ def test_serve_port_in_use_is_one_line_exit_2_before_any_model_loads(tmp_path, c
         taken.listen()
         port = taken.getsockname()[1]
         assert cli.main(["serve", "--port", str(port), "--state-dir", str(tmp_path / "s")]) == 2
-    err = capsys.readouterr().err
-    assert err == f"skyrl-sdk serve: cannot start: --host/--port: cannot bind 127.0.0.1:{port}: address already in use\n"
+    first, last = capsys.readouterr().err.splitlines()
+    assert first.startswith(f"skyrl-sdk serve: starting on 127.0.0.1:{port} ")
+    assert last == (f"skyrl-sdk serve: cannot start: --host/--port: cannot bind 127.0.0.1:{port}: address already in "
+                    "use; another server may hold it: another --port, or --port 0 for a free one")
+
+
+def _imported_before(argv: list[str], line_start: str, tmp_path) -> tuple[list[str], list[str]]:
+    """``skyrl-sdk`` run with ``-X importtime``: the modules it imported before it printed the
+    line starting with ``line_start`` (or before it ended), and its other stderr lines."""
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "skyrl_sdk.cli", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    modules, lines = [], []
+    try:
+        for line in proc.stderr:
+            if line.startswith("import time:"):
+                modules.append(line.rsplit("|", 1)[1].strip())
+            else:
+                lines.append(line.rstrip("\n"))
+                if line.startswith(line_start):
+                    break
+    finally:
+        proc.kill()
+        proc.wait(timeout=HANG_S)
+        proc.stderr.close()
+    return modules, lines
+
+
+def test_serve_says_it_is_starting_and_refuses_a_busy_port_before_importing_torch(tmp_path):
+    """A busy port is refused at once, suggesting --port 0: the first line and the refusal come
+    before torch, transformers or the server are imported (counted by imports, not seconds)."""
+    import socket
+
+    modules, lines = _imported_before(["serve"], "skyrl-sdk serve: starting", tmp_path)
+    assert lines[-1].startswith("skyrl-sdk serve: starting on 127.0.0.1:8000") and "torch" not in modules
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        modules, lines = _imported_before(["serve", "--port", str(port)], "skyrl-sdk serve: cannot start", tmp_path)
+    assert lines[-1].endswith("address already in use; another server may hold it: another --port, or --port 0 "
+                              "for a free one")
+    assert not {"torch", "transformers", "fastapi", "uvicorn"} & set(modules), modules
 
 
 def test_an_unknown_option_shows_the_commands_own_usage(capsys):
@@ -444,8 +485,9 @@ def test_serve_tries_a_plugin_sampler_with_its_config_before_binding(fresh_plugi
 
     argv = ["serve", "--port", str(free_port()), "--state-dir", str(tmp_path / "s"), "--sampler", "picky"]
     assert cli.main([*argv, "--sampler-config", '{"size": 3}']) == 2
-    assert capsys.readouterr().err == ("skyrl-sdk serve: cannot start: model 'tiny' on engine 'local' with sampler "
-                                       "'picky': InputError: sampler_config['size']: at most 2, got 3\n")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "skyrl-sdk serve: cannot start: model 'tiny' on engine 'local' with sampler 'picky': InputError: "
+        "sampler_config['size']: at most 2, got 3")
     said = serve_command.preflight(ServerConfig(sampler="picky", sampler_config={"size": 2}), lazy=True)
     assert said == "picky of size 2"
     assert "(models: tiny; engine: local; sampler: picky of size 2; state: " in \
@@ -456,6 +498,16 @@ def _serve(tmp_path, port: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "skyrl_sdk.cli", "serve", "--port", str(port),
                              "--state-dir", str(tmp_path / "state"), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _until_listening(proc: subprocess.Popen) -> tuple[str, list[str]]:
+    """The banner's first line, and the start-up lines before it (which must say what it did)."""
+    before = []
+    for line in proc.stderr:
+        if line.startswith("skyrl-sdk serve: listening on "):
+            return line, before
+        before.append(line.rstrip("\n"))
+    raise AssertionError(f"serve ended without listening: {before}")
 
 
 @pytest.mark.slow
@@ -477,8 +529,13 @@ def test_serve_port_0_binds_a_free_port_and_prints_it(tmp_path):
 
     proc = _serve(tmp_path, 0)
     try:
-        first = proc.stderr.readline()
-        match = re.match(r"skyrl-sdk serve: listening on http://127\.0\.0\.1:(\d+) ", first)
+        first, before = _until_listening(proc)
+        assert [line.split(" (")[0].split(" ...")[0] for line in before] == [
+            "skyrl-sdk serve: starting on 127.0.0.1:0", "skyrl-sdk serve: the port is free; importing torch, "
+            "transformers and the HTTP server", "skyrl-sdk serve: loading tiny on engine local and sampling a token "
+            "with transformers", "skyrl-sdk serve: tiny ready"], before
+        match = re.match(r"skyrl-sdk serve: listening on http://127\.0\.0\.1:(\d+) \(ready in [\d.]+ s; models: tiny; ",
+                         first)
         assert match, first
         port = int(match.group(1))
         assert port != 0
@@ -503,7 +560,7 @@ def test_serve_banner_comes_after_the_bind(tmp_path):
     port = free_port()
     proc = _serve(tmp_path, port)
     try:
-        first = proc.stderr.readline()
+        first, _ = _until_listening(proc)
         assert first.startswith(f"skyrl-sdk serve: listening on http://127.0.0.1:{port}"), first
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass  # already bound when the banner appeared

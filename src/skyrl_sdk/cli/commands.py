@@ -18,7 +18,6 @@ from typing import Any
 
 from ..errors import SkyrlError, did_you_mean, install_hint
 from ..version import __version__
-from .losses import cmd_losses
 from .output import print_json, print_table
 
 logger = logging.getLogger(__name__)
@@ -226,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--dialect", default=None, help="show only the names of this dialect")
     p.add_argument("--wide", action="store_true", help="one line per loss (a wide table) instead of wrapped blocks")
-    p.set_defaults(func=cmd_losses)
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.losses", "cmd_losses", "is skyrl-sdk fully installed?"))
 
     p = _command(sub, common, "version", "print the version (with --json, also key dependencies)")
     p.add_argument("--json", action="store_true", help="also the versions of key dependencies, as JSON")
