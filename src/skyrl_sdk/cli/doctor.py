@@ -202,9 +202,17 @@ def versions() -> list[dict[str, Any]]:
     if not conflicts:
         return [check("versions", OK, f"they agree: {shown}")]
     return [check(f"versions: {req.name}", FAIL, f"{dist} {installed[dist]} requires {req.name}{req.specifier}, "
-                                                 f"but {req.name} {have} is installed",
-                  f"pip install '{req.name}{req.specifier}' (or the {dist} that fits {req.name} {have})")
+                                                 f"but {req.name} {have} is installed", _version_fix(dist, req, have))
             for dist, req, have in conflicts]
+
+
+def _version_fix(dist: str, req: Any, have: str) -> str:
+    """What to change: never torch (its build is chosen on purpose: docs/install.md), the package
+    that asks for another one instead."""
+    if req.name == "torch":
+        return (f"keep torch {have}: install the {dist} release built for it, or pip uninstall {dist}"
+                + (" (text models need none of the vision/audio companions)" if dist in COMPANIONS else ""))
+    return f"pip install '{req.name}{req.specifier}' (or the {dist} release that fits {req.name} {have})"
 
 
 def imports_beside_torch() -> list[dict[str, Any]]:
