@@ -564,7 +564,7 @@ def test_serve_banner_comes_after_the_bind(tmp_path):
         assert first.startswith(f"skyrl-sdk serve: listening on http://127.0.0.1:{port}"), first
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass  # already bound when the banner appeared
-        hint = "".join(proc.stderr.readline() for _ in range(4))
+        hint = "".join(proc.stderr.readline() for _ in range(5))
         assert f"TINKER_BASE_URL=http://127.0.0.1:{port} TINKER_API_KEY=tml-local" in hint
         assert f"console in a browser: http://127.0.0.1:{port}/\n" in hint
         busy = _serve(tmp_path, port)  # same port: binding fails, no banner, non-zero exit

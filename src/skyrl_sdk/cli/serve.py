@@ -169,7 +169,10 @@ def client_hint(url: str, api_key: str | None, key_from_env: bool = False, keys_
         key, note = "tml-local", "tml-<anything>: the client insists on the prefix; this server checks no key"
     return (f"  point the tinker client here:\n"
             f"    export TINKER_BASE_URL={url} TINKER_API_KEY={key}   # {note}\n"
-            f"    or in Python: tinker.ServiceClient(base_url=\"{url}\", api_key=...)")
+            f"    or in Python: tinker.ServiceClient(base_url=\"{url}\", api_key=...)\n"
+            f"    without network, also export HF_HUB_OFFLINE=1: the tokenizers this server names are local "
+            f"directories; any other name (base_model=\"tiny\" typed by hand) then fails at once instead of after "
+            f"~50 s of model-hub retries")
 
 
 def console_hint(url: str, needs_key: bool) -> str:
