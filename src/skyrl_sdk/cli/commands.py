@@ -132,7 +132,7 @@ def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--short", action="store_true", help="a tiny run (for tests)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     _add_threads(p)
-    p.set_defaults(func=_lazy("skyrl_sdk.cli.demo", "main", "is skyrl-sdk fully installed?"))
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.demo", "main", "skyrl-sdk doctor says what is missing"))
 
 
 SERVE_EPILOG = """\
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--dialect", default=None, help="show only the names of this dialect")
     p.add_argument("--wide", action="store_true", help="one line per loss (a wide table) instead of wrapped blocks")
-    p.set_defaults(func=_lazy("skyrl_sdk.cli.losses", "cmd_losses", "is skyrl-sdk fully installed?"))
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.losses", "cmd_losses", "skyrl-sdk doctor says what is missing"))
 
     p = _command(sub, common, "version", "print the version (with --json, also key dependencies)")
     p.add_argument("--json", action="store_true", help="also the versions of key dependencies, as JSON")
