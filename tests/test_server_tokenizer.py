@@ -68,7 +68,7 @@ def test_a_sampling_client_named_tiny_by_hand_fails_at_once_offline_as_the_banne
         lookups = []
         real = socket.getaddrinfo
         monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: lookups.append(host) or real(host, *a, **k))
-        with pytest.raises(OSError, match="tiny"):  # transformers: no such repo or directory
+        with pytest.raises(OSError):  # transformers: no such repo or directory, offline
             by_hand.get_tokenizer()
         monkeypatch.setattr(socket, "getaddrinfo", real)
         assert [h for h in lookups if "huggingface" in str(h)] == []
