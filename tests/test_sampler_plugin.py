@@ -91,9 +91,8 @@ def test_a_plugin_sampler_serves_backend_sample(install):
 def test_unknown_sampler_and_bad_config_are_clear_errors(monkeypatch):
     monkeypatch.setenv("SKYRL_SDK_PLUGINS", "")  # the built-ins only, whatever this environment installed
     with pytest.raises(errors.UnknownNameError, match=r"unknown sampler 'vllm'; available: \['transformers'\] "
-                                                      r"\(sampler 'vllm' comes with: "
-                                                      r"pip install 'skyrl-sdk-vllm\[gpu\]' \(CUDA\) or "
-                                                      r"'skyrl-sdk-vllm\[cpu\]'\)"):
+                                                      r"\(the skyrl-sdk-vllm plugin has it: pip install -e "
+                                                      r"\"\.\[lora,server\]\" -e \"plugins/skyrl-sdk-vllm\[gpu\]\""):
         skyrl_sdk.Backend(sampler="vllm")
     with pytest.raises(errors.InputError, match="sampler_config: expected a mapping"):
         skyrl_sdk.Backend(sampler_config=[("a", 1)])

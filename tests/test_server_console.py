@@ -102,7 +102,9 @@ def test_how_steps_are_batched_into_writes_changes_nothing(tmp_path):
     assert a["stride"] == b["stride"] == 16 and (a["n"], a["step"]) == (b["n"], b["step"])
     for name in set(SERIES) - {"seconds"}:  # (wall time differs)
         for stat in ("mean", "min", "max"):
-            assert a["series"][name][stat] == pytest.approx(b["series"][name][stat], rel=1e-12), (name, stat)
+            x, y = a["series"][name][stat], b["series"][name][stat]
+            assert [v is None for v in x] == [v is None for v in y], (name, stat)
+            assert [v for v in x if v is not None] == pytest.approx([v for v in y if v is not None], rel=1e-12)
     every.close()
     once.close()
 
@@ -328,7 +330,9 @@ def test_the_page_needs_no_key_and_carries_no_data(world):
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "script-src 'self'" in page.headers["content-security-policy"]
         assert '<script src="/console/console.js"' in page.text
-        for path, media in (("/console/console.js", "text/javascript"), ("/console/console.css", "text/css")):
+        assert '<script src="/console/charts.js"' in page.text
+        for path, media in (("/console/console.js", "text/javascript"), ("/console/charts.js", "text/javascript"),
+                            ("/console/console.css", "text/css")):
             r = http.get(path)
             assert r.status_code == 200 and r.headers["content-type"].startswith(media)
             assert world["run"] not in r.text
@@ -437,3 +441,67 @@ def test_the_console_limits_table_is_the_declaration():
         assert row["value"] == getattr(config, row["setting"]) and row["flag"] == settings.BY_NAME[row["setting"]].flag
     by_name = {r["setting"]: r for r in rows}
     assert by_name["max_memory"]["unit"] == "bytes" and by_name["max_lora_adapters"]["unset"] == "no limit"
+# ---- RL steps -------------------------------------------------------------------------------------------------
+def _rl_data(rng, n_datums: int, weights: bool) -> list[types.Datum]:
+    """RL datums: a prompt of 3 positions (advantage 0), a completion with the datum's advantage."""
+    out = []
+    for _ in range(n_datums):
+        n = int(rng.integers(2, 6))
+        adv = [0.0] * 3 + [float(rng.normal())] * n
+        inputs = {"target_tokens": list(range(2, 5 + n)), "logprobs": [-1.0] * (3 + n), "advantages": adv}
+        if weights:
+            inputs["weights"] = [0.0] * 3 + [1.0] * n
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(list(range(1, 4 + n))), loss_fn_inputs=inputs))
+    return out
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_an_rl_step_has_its_advantages_tokens_and_the_losses_statistics(tmp_path, weights):
+    """Two forward_backward calls of one step merge exactly: advantage mean / std over the scored
+    positions of both (numpy over the raw values), sampled tokens, token-weighted KL and clip
+    fraction, the larger ratio max, the entropy per scored token; the run is an RL run with its loss."""
+    rng = np.random.default_rng(3)
+    calls = [_rl_data(rng, 3, weights), _rl_data(rng, 2, weights)]
+    metrics = [{"loss:sum": 1e-7, "num_tokens:sum": 20.0, "num_loss_tokens:sum": 8.0, "kl_sample_train:mean": 0.01,
+                "clip_fraction:mean": 0.25, "ratio_max:max": 1.5, "entropy_loss:sum": 16.0},
+               {"loss:sum": -1e-7, "num_tokens:sum": 12.0, "num_loss_tokens:sum": 4.0, "kl_sample_train:mean": 0.04,
+                "clip_fraction:mean": 0.5, "ratio_max:max": 1.25, "entropy_loss:sum": 4.0}]
+    h = History(tmp_path / "db", flush_s=3600, write_through=False)
+    for m, data in zip(metrics, calls, strict=True):
+        h.forward_backward("r", m, time.time(), data, "stable_reinforce")
+    h.optim_step("r", {"step": 1.0, "grad_norm": 1.0, "learning_rate": 1e-3, "skipped": 0.0})
+    h.optim_step("r", {"step": 2.0, "grad_norm": 0.0, "learning_rate": 1e-3, "skipped": 0.0})  # nothing trained on
+    c = h.curves("r")
+    s = {k: v["mean"] for k, v in c["series"].items()}
+    scored = np.concatenate([d.loss_fn_inputs["advantages"].to_numpy()[3:] for data in calls for d in data]).astype(np.float64)
+    assert s["advantage_mean"][0] == pytest.approx(scored.mean(), abs=1e-12)
+    assert s["advantage_std"][0] == pytest.approx(scored.std(), rel=1e-9)
+    assert s["sampled_tokens"] == [float(scored.size), None] and s["rl"] == [1.0, None]
+    assert s["kl_sample_train"][0] == pytest.approx((0.01 * 8 + 0.04 * 4) / 12, rel=1e-12)
+    assert s["clip_fraction"][0] == pytest.approx((0.25 * 8 + 0.5 * 4) / 12, rel=1e-12)
+    assert s["ratio_max"] == [1.5, None] and s["entropy"][0] == pytest.approx(20.0 / 12, rel=1e-12)
+    assert c["losses"] == ["stable_reinforce"]
+    last = h.summaries(["r"])["r"]["last"]
+    assert last["loss_fn"] == "stable_reinforce" and last["rl_run"] is True  # carried over a step with nothing
+    h.close()
+
+
+def test_a_supervised_step_has_no_rl_series_and_history_written_before_them_still_reads(tmp_path):
+    h = History(tmp_path / "db", flush_s=3600)
+    _record(h, "r", [1.0, 2.0])
+    c = h.curves("r")
+    assert c["series"]["rl"]["mean"] == [0.0, 0.0]
+    assert all(c["series"][k]["mean"] == [None, None] for k in ("advantage_mean", "kl_sample_train", "ratio_max"))
+    h.close()
+    with sqlite3.connect(tmp_path / "db") as db:  # a bucket written before the RL series existed
+        import json
+
+        for bucket, agg in db.execute("SELECT bucket, agg FROM metrics").fetchall():
+            doc = json.loads(agg)
+            doc["m"] = {k: v for k, v in doc["m"].items() if k in ("loss_per_token", "loss_sum", "grad_norm")}
+            db.execute("UPDATE metrics SET agg = ? WHERE bucket = ?", (json.dumps(doc), bucket))
+    h = History(tmp_path / "db", flush_s=3600)
+    _record(h, "r", [3.0], first_step=3)
+    c = h.curves("r", points=2)
+    assert c["series"]["loss_per_token"]["mean"][0] == pytest.approx(1.5) and c["series"]["rl"]["mean"][-1] == 0.0
+    h.close()

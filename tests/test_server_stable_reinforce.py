@@ -126,3 +126,19 @@ def test_recorded_sequences_are_bounded_per_owner_across_its_sessions(tmp_path):
         for client in sessions:
             client.close("success").result()
         assert owner_records.nbytes == 0
+
+
+def test_kl_coef_through_the_client_names_the_losses_own_kl_coeff(srv):
+    """Through the tinker client, too: ``{"kl_coef": 0.1}`` (every loss's KL term to a reference,
+    which needs ref_logprobs) fails naming stable_reinforce's own ``kl_coeff``; that one trains."""
+    from skyrl_sdk.rl import tinker_datum_from_sample
+
+    service = srv.service_client()
+    trainer = service.create_lora_training_client(base_model="tiny", rank=4).result(timeout=HANG_S)
+    sampler = trainer.save_weights_and_get_sampling_client(record_stability_info=True).result(timeout=HANG_S)
+    data = [tinker_datum_from_sample(PROMPT, s, a) for s, a in zip(recorded(sampler, 2), [1.0, -1.0], strict=True)]
+    with pytest.raises(tinker.RequestFailedError, match="did you mean this loss's own 'kl_coeff'"):
+        trainer.forward_backward(data, "stable_reinforce", {"kl_coef": 0.1}).result(timeout=HANG_S)
+    out = trainer.forward_backward(data, "stable_reinforce", {"kl_coeff": 0.1}).result(timeout=HANG_S)
+    assert np.isfinite(out.metrics["loss:sum"])
+    service.close("success").result()

@@ -77,6 +77,13 @@ def _cannot_start(state, preexec_fn=None) -> str:
     return proc.stdout + proc.stderr
 
 
+def _refusal(out: str) -> str:
+    """The one line of a refused start, after the lines saying what serve was doing (no traceback)."""
+    *progress, last = out.strip().splitlines()
+    assert all(p.startswith("skyrl-sdk serve: ") and "cannot" not in p for p in progress), out
+    return last
+
+
 @pytest.mark.slow  # a server process
 def test_a_read_only_state_dir_is_one_line_at_start(tmp_path):
     """Before: the server started and answered every write with a 500."""
@@ -84,14 +91,14 @@ def test_a_read_only_state_dir_is_one_line_at_start(tmp_path):
     state.mkdir()
     with _read_only(state):
         out = _cannot_start(state)
-    assert out.count("\n") == 1 and out.startswith(f"skyrl-sdk serve: cannot start: state dir {state}")
+    assert _refusal(out).startswith(f"skyrl-sdk serve: cannot start: state dir {state}")
 
 
 @pytest.mark.slow  # a server process
 def test_a_full_disk_is_one_line_at_start(tmp_path):
     """Before: a raw traceback."""
     out = _cannot_start(tmp_path / "state", preexec_fn=_almost_full)
-    assert out.count("\n") == 1 and out.startswith(f"skyrl-sdk serve: cannot start: state dir {tmp_path / 'state'}")
+    assert _refusal(out).startswith(f"skyrl-sdk serve: cannot start: state dir {tmp_path / 'state'}")
     assert "Traceback" not in out
 
 

@@ -264,3 +264,50 @@ def test_provenance_type_checks():
         d.with_provenance([SampledProvenanceSpan("s", 3)], [{"kind": "output", "sequence_id": "s", "length": 3}])
     with pytest.raises(InputError, match="length"):
         SampledProvenanceSpan("s", -1)
+
+
+def _cookbook_rl_loop_provenance():
+    """tinker-cookbook's ``recipes/rl_loop.py`` ``with_sampled_provenance``, taken from the
+    installed file (importing the module needs the math-rl extras it imports at the top)."""
+    import ast
+    import importlib.util
+
+    tinker = pytest.importorskip("tinker")
+    spec = importlib.util.find_spec("tinker_cookbook.recipes.rl_loop")
+    if spec is None:
+        pytest.skip("pip install --no-deps tinker-cookbook (see docs/server.md)")
+    tree = ast.parse(open(spec.origin).read())
+    func = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "with_sampled_provenance")
+    namespace = {"types": tinker.types}
+    exec(compile(ast.Module(body=[func], type_ignores=[]), spec.origin, "exec"), namespace)
+    return namespace["with_sampled_provenance"], tinker.types
+
+
+def test_tinker_cookbooks_rl_loop_datums_train_as_the_same_datums_with_prompt_targets(make_backend):
+    """tinker-cookbook's rl_loop recipe (default loss: stable_reinforce) sends 0 as the target of
+    every prompt position while its spans name the prompt there. Those positions train nothing
+    (advantage 0), so they are not compared: its datums give the loss of the same datums with
+    the prompt's tokens as targets (they used to be refused: "position 0 is token 0 but the span
+    names token 5"); a sampled target that is not the recorded one is still refused."""
+    with_sampled_provenance, tt = _cookbook_rl_loop_provenance()
+    backend = make_backend(lora={"rank": 4})
+    prompt = [5, 6, 7, 8]
+    out = backend.sample([prompt], {"max_tokens": 5, "seed": 2, "stop": []}, num_samples=2, record_stability_info=True)
+    cookbook, ours = [], []
+    for seq, advantage in zip(out[0].sequences, [1.0, -1.0], strict=True):
+        ob_len = len(prompt) - 1
+        model_input = tt.ModelInput.from_ints(prompt).append(tt.EncodedTextChunk(tokens=list(seq.tokens[:-1])))
+        datum = tt.Datum(model_input=model_input, loss_fn_inputs={   # the recipe's layout
+            "target_tokens": [0] * ob_len + list(seq.tokens), "logprobs": [0.0] * ob_len + list(seq.logprobs),
+            "advantages": [0.0] * ob_len + [advantage] * len(seq.tokens)})
+        cookbook.append(with_sampled_provenance(datum, len(prompt), len(seq.tokens), seq.sequence_id))
+        ours.append(rl.datum_from_sample(prompt, seq, advantage))
+    theirs = backend.forward_backward(cookbook, "stable_reinforce").metrics
+    backend.zero_grad()
+    assert theirs["loss:sum"] == backend.forward_backward(ours, "stable_reinforce").metrics["loss:sum"]
+    assert theirs["num_loss_tokens:sum"] == 10.0
+    backend.zero_grad()
+    targets = ours[0].loss_fn_inputs["target_tokens"].to_numpy().copy()
+    targets[-1] = (targets[-1] + 1) % 200
+    with pytest.raises(DatumError, match=r"loss_fn_input_spans: position \d+ is token .* but the span names"):
+        backend.forward_backward([variant(ours[0], target_tokens=targets)], "stable_reinforce")

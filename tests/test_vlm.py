@@ -15,10 +15,12 @@ import pytest
 import torch
 
 import skyrl_sdk
+import vlm_helpers
 from skyrl_sdk.engines.turns import run_to_end
 from skyrl_sdk.errors import DatumError, InputError, ModelLoadError
 from skyrl_sdk.models.tiny_vlm import FAMILIES, make_tiny_vlm
 from skyrl_sdk.models.vlm import mrope_positions
+from skyrl_sdk.testing import grads_of
 from skyrl_sdk.types import Datum, EncodedTextChunk, ImageChunk, ModelInput
 from vlm_helpers import image_input, image_tokens, png, processor, reference_logprobs, sft_datum
 
@@ -265,3 +267,81 @@ def test_other_vision_language_families_are_refused_by_name(tmp_path):
     LlavaConfig().save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="'llava' is a vision-language model skyrl-sdk does not support"):
         skyrl_sdk.Backend(model=str(tmp_path))
+
+
+# ---- what a newcomer needs: counting an image, making a tiny model, the targets at image positions ---------
+def test_image_tokens_is_the_public_count_of_an_images_positions(qwen2_vl_dir):
+    """``Backend.image_tokens`` equals tinker-cookbook's count for the same image, from bytes, a
+    chunk (ours or tinker's) or a size, checks the image as a call would, and a text model refuses."""
+    import tinker
+    from PIL import Image
+    from tinker_cookbook.renderers.base import image_to_chunk
+
+    proc = processor(qwen2_vl_dir)
+    with skyrl_sdk.Backend(model=str(qwen2_vl_dir)) as b:
+        for size in [(60, 40), (50, 90), (300, 200)]:
+            theirs = image_to_chunk(Image.new("RGB", size, (10, 200, 30)), proc)
+            data = png(*size, seed=3)
+            assert b.image_tokens(data) == b.image_tokens(ImageChunk(data, "png")) == b.image_tokens(size) \
+                == b.image_tokens(theirs) == theirs.expected_tokens
+            assert ModelInput([ImageChunk(data, "png", b.image_tokens(data))]).length == theirs.expected_tokens
+        for bad, match in [(b"GIF89a....", "not a PNG or JPEG"), ((0, 5), "two positive integers"),
+                           ("a.png", "expected an ImageChunk")]:
+            with pytest.raises(InputError, match=match):
+                b.image_tokens(bad)
+        with pytest.raises(InputError, match="image: the image is 5000x5000 = 25000000 pixels, over the limit"):
+            b.image_tokens(png(5000, 5000))
+    with skyrl_sdk.Backend(model="tiny") as text, pytest.raises(InputError, match="'tiny' reads no images"):
+        text.image_tokens((60, 40))
+    assert tinker  # the duck-typed chunk above is the tinker client's
+
+
+def test_targets_at_image_positions_do_not_matter_at_weight_zero(qwen2_vl_dir):
+    """docs/backend.md: at an image position (but its last) nothing is predicted; any target id
+    there (tinker-cookbook sends 0) gives the same loss and gradient when its weight is 0."""
+    proc = processor(qwen2_vl_dir)
+    with skyrl_sdk.Backend(model=str(qwen2_vl_dir)) as b:
+        image_id = b.engine.loaded.config.image_token_id
+        mi = image_input(proc, [[1, 2, 3], png(60, 40, seed=1), [4, 5, 6, 7]])
+        ids = np.asarray(vlm_helpers.expanded_ids(mi, image_id)[1:] + [8])
+        in_image = np.asarray(vlm_helpers.expanded_ids(mi, image_id)[1:] + [8]) == image_id
+        weights = (~in_image).astype(np.float32)
+        results = []
+        for fill in (0, image_id, 77):
+            targets = np.where(in_image, fill, ids)
+            out = b.forward_backward([Datum(model_input=mi, loss_fn_inputs={"target_tokens": targets,
+                                                                            "weights": weights})], "cross_entropy")
+            grads = {k: v.clone() for k, v in grads_of(b).items()}
+            b.zero_grad()
+            results.append((out.metrics["loss:sum"], grads))
+    assert results[0][0] == results[1][0] == results[2][0] and results[0][1]
+    for _, grads in results[1:]:
+        assert all(torch.equal(grads[k], results[0][1][k]) for k in grads)
+
+
+def test_make_tiny_vlm_needs_pillow_not_pytest_and_writes_whole_or_nothing(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    # importable and usable without pytest
+    script = ("import sys; sys.modules['pytest'] = None; from skyrl_sdk.models.tiny_vlm import make_tiny_vlm; "
+              f"print(make_tiny_vlm({str(tmp_path / 'nopytest')!r}, 'qwen2_vl'))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "nopytest" / "preprocessor_config.json").is_file()
+    # without Pillow: refused by name before anything is written
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    with pytest.raises(ModelLoadError, match=r"make_tiny_vlm needs Pillow .*pip install -e \".\[vision\]\""):
+        make_tiny_vlm(tmp_path / "nopil", "qwen2_vl")
+    assert not (tmp_path / "nopil").exists()
+    monkeypatch.delitem(sys.modules, "PIL")
+    # a failure half way leaves no directory behind (nor a temporary one)
+    import skyrl_sdk.models.tiny_vlm as tiny_vlm
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tiny_vlm, "tiny_vlm_tokenizer", lambda: type("T", (), {"save_pretrained": broken})())
+    with pytest.raises(Exception, match="disk full"):
+        make_tiny_vlm(tmp_path / "half", "qwen2_vl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nopytest"]

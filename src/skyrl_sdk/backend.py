@@ -410,6 +410,18 @@ class Backend:
             self._calls_since_step = 0
             return LoadStateOutput(path=str(directory.resolve()), optimizer_loaded=optimizer)
 
+    def image_tokens(self, image: Any) -> int:
+        """Positions ``image`` takes in this model's sequences (Tinker's ``expected_tokens``, and
+        what ``ModelInput.length`` counts for it): an ``ImageChunk`` (ours or the tinker client's),
+        PNG or JPEG bytes, or a ``(width, height)``. Its header is checked against the image
+        limits as a call's would be. A text model reads no images: refused by name."""
+        self._check_open()
+        images = getattr(self.engine, "images", None)
+        if images is None:
+            raise InputError(f"image_tokens: model {self.model_name!r} reads no images (it is not a vision-language "
+                             f"model: Qwen2-VL, Qwen2.5-VL or Qwen3-VL)")
+        return images.tokens_of(image)
+
     def get_info(self) -> ModelInfo:
         info = self.engine.info
         return ModelInfo(

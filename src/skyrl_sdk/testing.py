@@ -21,10 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import install_hint
+
 try:
     import pytest
 except ImportError as exc:  # pytest is not a runtime dependency
-    raise ImportError("skyrl_sdk.testing needs pytest: pip install 'skyrl-sdk[testing]'") from exc
+    raise ImportError(f"skyrl_sdk.testing needs pytest: {install_hint('testing')}") from exc
 
 from . import types
 from .models.tiny_vlm import make_tiny_vlm  # noqa: F401  (a tiny random vision-language model, offline)

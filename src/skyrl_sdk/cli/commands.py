@@ -9,40 +9,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-import json
 import logging
 import os
-import shutil
 import sys
-import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
-
-from ..errors import SkyrlError, did_you_mean
+from ..errors import SkyrlError, did_you_mean, install_hint
 from ..version import __version__
+from .output import print_json, print_table
 
 logger = logging.getLogger(__name__)
 
 DESCRIPTION = "skyrl-sdk: train Hugging Face causal LMs behind Tinker's API, in-process or over HTTP."
 EPILOG = "Start with: skyrl-sdk demo. Each command has its own --help."
-
-
-# ---- output helpers -----------------------------------------------------------------------
-
-
-def _print_json(doc: Any) -> None:
-    # repr() keeps odd config defaults (e.g. an enum) printable instead of crashing.
-    print(json.dumps(doc, indent=2, sort_keys=False, default=repr))
-
-
-def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Left-aligned columns, two spaces apart; the last column is not padded."""
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    for row in [headers, *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths[:-1], strict=True)] + [str(row[-1])]
-        print("  ".join(cells).rstrip())
 
 
 # ---- plugins ------------------------------------------------------------------------------
@@ -58,9 +38,9 @@ def plugin_rows() -> list[dict[str, Any]]:
 def cmd_plugins(args: argparse.Namespace) -> int:
     rows = plugin_rows()
     if args.json:
-        _print_json(rows)
+        print_json(rows)
         return 0
-    _print_table(
+    print_table(
         ("NAME", "PACKAGE", "VERSION", "BUILTIN", "REGISTERED"),
         [
             (
@@ -70,110 +50,6 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             for r in rows
         ],
     )
-    return 0
-
-
-# ---- losses -------------------------------------------------------------------------------
-
-
-def dialect_names(dialect: Any, spec: Any) -> list[str]:
-    """The names a client of ``dialect`` calls ``spec`` by.
-
-    Asks the dialect's own converter (its ``convert.names`` lists the names it maps), so the
-    tables stay in the dialect; a native name the dialect does not claim falls through
-    to the registry and is callable as it is.
-    """
-    names = []
-    for name in getattr(dialect.convert, "names", ()):
-        try:
-            converted = dialect.convert(name, None, spec.role)
-        except Exception:  # a name that needs a config is still listed by its owner's docs
-            continue
-        if converted is not None and converted[0] == spec.name:
-            names.append(name)
-    try:
-        shadowed = dialect.convert(spec.name, None, spec.role) is not None
-    except Exception:
-        shadowed = True
-    if not shadowed and spec.name not in names:
-        names.append(spec.name)
-    return names
-
-
-def config_defaults(spec: Any) -> dict[str, Any]:
-    """Default config values, as an instance built with no arguments holds them (factories run)."""
-    if spec.config_cls is None:
-        return {}
-    return attrs.asdict(spec.config_cls(), recurse=False)
-
-
-def loss_rows(dialect: str | None = None) -> list[dict[str, Any]]:
-    """One dict per registered loss, sorted by name."""
-    from ..builtin_plugins import get_registry
-
-    registry = get_registry()
-    dialects = registry.dialects if dialect is None else {dialect: registry.dialect_spec(dialect)}
-    rows = []
-    for name in sorted(registry.losses):
-        spec = registry.losses[name]
-        rows.append({
-            "name": spec.name,
-            "plugin": registry.owners.get(("loss", name)),
-            "role": spec.role,
-            "dialect_names": {d: dialect_names(ds, spec) for d, ds in dialects.items()},
-            "required_inputs": list(spec.required_inputs),
-            "optional_inputs": list(spec.optional_inputs),
-            "outputs": list(spec.outputs),
-            "config": config_defaults(spec),
-            "accepts_topk_targets": spec.accepts_topk_targets,
-            "description": spec.description,
-        })
-    return rows
-
-
-def _loss_text(row: dict[str, Any]) -> tuple[str, ...]:
-    names = "; ".join(f"{d}: {', '.join(n) or '-'}" for d, n in row["dialect_names"].items())
-    inputs = ", ".join(row["required_inputs"])
-    if row["optional_inputs"]:
-        inputs += " [" + ", ".join(row["optional_inputs"]) + "]"
-    config = ", ".join(f"{k}={v!r}" for k, v in row["config"].items()) or "-"
-    return (row["name"], row["role"], names, inputs, config, row["description"])
-
-
-def _print_loss_records(rows: Sequence[dict[str, Any]], width: int) -> None:
-    """One block per loss, every line wrapped to ``width`` columns."""
-    for i, row in enumerate(rows):
-        name, role, names, inputs, config, description = _loss_text(row)
-        if i:
-            print()
-        print(f"{name} ({role})")
-        for label, text in (("called as", names), ("inputs", inputs), ("config", config), ("", description)):
-            if not text:
-                continue
-            lead = f"  {label}: " if label else "  "
-            print(textwrap.fill(text, width=width, initial_indent=lead, subsequent_indent=" " * len(lead),
-                                break_on_hyphens=False))
-
-
-def cmd_losses(args: argparse.Namespace) -> int:
-    from ..builtin_plugins import get_registry
-    from ..errors import UnknownNameError
-
-    if args.dialect is not None:
-        try:
-            get_registry().dialect_spec(args.dialect)
-        except UnknownNameError as exc:
-            print(f"skyrl-sdk: {exc}", file=sys.stderr)
-            return 2
-    rows = loss_rows(args.dialect)
-    if args.json:
-        _print_json(rows)
-        return 0
-    if args.wide:
-        _print_table(("NAME", "ROLE", "CALLED AS", "INPUTS [optional]", "CONFIG DEFAULTS", "DESCRIPTION"),
-                     [_loss_text(r) for r in rows])
-    else:
-        _print_loss_records(rows, width=min(100, shutil.get_terminal_size((100, 24)).columns))
     return 0
 
 
@@ -192,7 +68,7 @@ def cmd_version(args: argparse.Namespace) -> int:
         print(f"skyrl-sdk {__version__}")
         return 0
     deps = ("torch", "transformers", "pluggy", "attrs", "tinker")
-    _print_json({
+    print_json({
         "skyrl_sdk": __version__,
         "python": sys.version.split()[0],
         **{d: _dist_version(d) for d in deps},
@@ -244,7 +120,7 @@ def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--short", action="store_true", help="a tiny run (for tests)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     _add_threads(p)
-    p.set_defaults(func=_lazy("skyrl_sdk.cli.demo", "main", "is skyrl-sdk fully installed?"))
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.demo", "main", "skyrl-sdk doctor says what is missing"))
 
 
 SERVE_EPILOG = """\
@@ -267,7 +143,7 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="check models and engine config without loading the weights at start "
                         "(big models: they load when a client first asks)")
     _add_threads(p)
-    p.set_defaults(func=_lazy("skyrl_sdk.cli.serve", "serve", "pip install 'skyrl-sdk[server]'"))
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.serve", "serve", install_hint("server")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,12 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--dialect", default=None, help="show only the names of this dialect")
     p.add_argument("--wide", action="store_true", help="one line per loss (a wide table) instead of wrapped blocks")
-    p.set_defaults(func=cmd_losses)
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.losses", "cmd_losses", "skyrl-sdk doctor says what is missing"))
 
     p = _command(sub, common, "version", "print the version (with --json, also key dependencies)")
     p.add_argument("--json", action="store_true", help="also the versions of key dependencies, as JSON")
     p.set_defaults(func=cmd_version)
 
+    from .doctor import add_parser as add_doctor
+
+    add_doctor(sub, common, _command)
     _add_demo(sub, common)
     _add_serve(sub, common)
     parser.commands = sub.choices  # name -> the command's own parser (see parse_args)

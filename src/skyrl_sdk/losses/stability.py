@@ -39,10 +39,16 @@ RECORD_TTL_S = 24 * 3600.0
 MAX_RECORDED_TOKENS = 2**24
 #: how far a datum's ``logprobs`` may be from the recorded ones at a sampled position
 LOGPROB_TOLERANCE = 1e-3
-#: the loss inputs resolution writes (a datum must not bring its own)
+#: the loss input resolution writes: 1.0 where the target is a sampled token (a datum must not bring its own)
 SAMPLED_MASK = "sampled_mask"
 #: what one recorded sequence costs besides its arrays (its record, its key, its dict entry)
 RECORD_OVERHEAD_BYTES = 512
+#: every loss input resolution writes, and what a caller should know of it
+COMPUTED_INPUTS = {
+    "logprobs": "the recorded sampler logprobs replace it; if sent, it must match them within "
+                f"{LOGPROB_TOLERANCE:g} at sampled positions",
+    SAMPLED_MASK: "computed from the datum's provenance (1 where the target is a sampled token)",
+}
 
 
 @attrs.define(eq=False)
@@ -226,7 +232,12 @@ class ScopedRecords:
 def resolve_provenance(datums: Sequence[Datum], records: SequenceRecords) -> list[Datum]:
     """Check every datum's provenance against ``records`` and return the datums with the
     recorded sampler logprobs as ``logprobs`` and ``sampled_mask`` (1 where the target is a
-    sampled token); the records used are renewed. Nothing is changed when a datum fails."""
+    sampled token); the records used are renewed. Nothing is changed when a datum fails.
+
+    Checked: the input tokens against every span, the targets against the sampled spans (the
+    positions the loss trains), every span's range. A prompt span's targets are not compared:
+    their advantage must be 0, so they train nothing, and tinker-cookbook's ``rl_loop`` recipe
+    sends 0 there rather than the prompt's next token."""
     ids = sorted({s.sequence_id for d in datums for s in (d.model_input_spans or ()) + (d.loss_fn_input_spans or ())})
     for i, d in enumerate(datums):
         check_finite_inputs(d, i)  # what the datum sends is checked before it is compared or replaced
@@ -274,8 +285,9 @@ def _resolve(index: int, d: Datum, found: dict[str, RecordedSequence]) -> Datum:
     for span in d.loss_fn_input_spans:
         rec = found[span.sequence_id]
         run = _claimed(span, rec, index, "loss_fn_input_spans")
-        _check_run(index, "loss_fn_input_spans", span, targets[pos:pos + span.length], run, pos)
-        if isinstance(span, SampledProvenanceSpan):
+        if isinstance(span, SampledProvenanceSpan):  # a prompt run's targets train nothing (advantage 0, below):
+            # tinker-cookbook's recipes/rl_loop.py sends 0 there, so only the sampled targets must be the recorded ones
+            _check_run(index, "loss_fn_input_spans", span, targets[pos:pos + span.length], run, pos)
             q[pos:pos + span.length] = rec.logprobs[span.offset:span.offset + span.length]
             sampled[pos:pos + span.length] = 1.0
         pos += span.length

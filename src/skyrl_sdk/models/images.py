@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..errors import InputError, ModelLoadError
+from ..errors import InputError, ModelLoadError, install_hint
 from ..types import ImageChunk, ModelInput, PreparedImageChunk
 
 #: PIL's names of the formats Tinker's image chunks carry.
@@ -62,8 +62,7 @@ def load_image_processor(directory: str | None, config: Any):
     try:
         import PIL  # noqa: F401
     except ImportError:  # pragma: no cover - depends on the install
-        raise ModelLoadError("vision-language models read images with Pillow: pip install 'skyrl-sdk[vision]'") \
-            from None
+        raise ModelLoadError(f"vision-language models read images with Pillow: {install_hint('vision')}") from None
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if directory is not None and (Path(directory) / "preprocessor_config.json").is_file():
@@ -76,6 +75,15 @@ def load_image_processor(directory: str | None, config: Any):
     vision = config.vision_config
     return Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
                                     temporal_patch_size=vision.temporal_patch_size)
+
+
+def _format_of(data: bytes) -> str:
+    """``'png'`` or ``'jpeg'`` from an encoded image's first bytes (the header check says the rest)."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if data.startswith(b"\xff\xd8"):
+        return "jpeg"
+    raise InputError(f"image: the data is not a PNG or JPEG image ({len(data)} bytes, starting {data[:8]!r})")
 
 
 class ImageInputs:
@@ -95,6 +103,21 @@ class ImageInputs:
         """Positions a ``width`` x ``height`` image takes (Tinker's ``expected_tokens``, computed
         as tinker-cookbook computes it from the same processor)."""
         return self.processor.get_number_of_image_patches(height, width, images_kwargs={}) // self.merge_size**2
+
+    def tokens_of(self, image: Any) -> int:
+        """Positions ``image`` takes: an ``ImageChunk`` (ours, or the tinker client's), its encoded
+        PNG or JPEG bytes, or a ``(width, height)``; the image's header is read and checked
+        against the limits, as a call's would be (nothing is decoded)."""
+        if isinstance(image, tuple):
+            if len(image) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in image):
+                raise InputError(f"image: expected (width, height) as two positive integers, got {image!r}")
+            return self.count_tokens(*image)
+        data = image if isinstance(image, (bytes, bytearray, memoryview)) else getattr(image, "data", None)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InputError(f"image: expected an ImageChunk, PNG or JPEG bytes, or (width, height), got "
+                             f"{type(image).__name__}")
+        chunk = ImageChunk(bytes(data), getattr(image, "format", None) or _format_of(bytes(data)))
+        return self.count_tokens(*self._header(chunk, lambda msg: InputError(f"image: {msg}")))
 
     def prepare_steps(self, inputs: Sequence[ModelInput],
                       error: Callable[[int, str], InputError]) -> Generator[None, None, list[ModelInput]]:

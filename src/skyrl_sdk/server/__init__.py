@@ -10,8 +10,8 @@ Its folders are its layers, bottom to top; a module imports from its own layer a
   protobuf answers (``proto``), ``tinker://`` paths (``tinker_paths``), metadata caps
   (``caps``), the client's routes (``compat``);
 - ``state/``: what survives a restart, in the state dir: the lock (``statedir``), SQLite records
-  and checkpoint directories (``store``, ``reconcile``), metrics per step (``history``), session
-  search (``session_search``);
+  and checkpoint directories (``store``, ``reconcile``), metrics per step (``history``, what a
+  step's calls tell: ``step_stats``), session search (``session_search``);
 - ``compute/``: the models and the work on them: ``runtime`` (the one entry for routes), the
   compute thread (``executor``), jobs and their order (``futures``), served models and the memory
   budget (``served``, ``memory``), client and sampling sessions (``sessions``, ``sampling``,

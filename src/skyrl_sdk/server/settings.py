@@ -89,7 +89,8 @@ SETTINGS: tuple[Setting, ...] = (
     _S("engine_config", {}, "engine options, e.g. `'{\"device\": \"cuda\", \"dtype\": \"bfloat16\"}'`",
        flag="--engine-config", type=json_object, metavar="JSON", shown="none"),
     _S("sampler", "transformers", "what serves the sampling clients: the built-in decode loop, or `vllm` with the "
-       "skyrl-sdk-vllm plugin (see Samplers)", flag="--sampler", console=True),
+       "skyrl-sdk-vllm plugin (`plugins/skyrl-sdk-vllm`: `pip install -e` it from the checkout; see Samplers)",
+       flag="--sampler", console=True),
     _S("sampler_config", {}, "the sampler's options, e.g. `'{\"gpu_memory_utilization\": 0.4}'`",
        flag="--sampler-config", type=json_object, metavar="JSON", shown="none", console=True),
     _S("state_dir", "./skyrl-server-state", "SQLite records and checkpoint files", flag="--state-dir", metavar="DIR"),

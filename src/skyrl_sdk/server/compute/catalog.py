@@ -33,6 +33,9 @@ from .sessions import TrainingModel
 
 #: a model whose worker had work within this many seconds is "live", else "idle"
 LIVE_S = 30.0
+#: a model whose client showed no sign of life (a heartbeat every 10 s, any request) for this
+#: long is "gone": its script ended without close(); its models are freed at --session-timeout
+CLIENT_GONE_S = 30.0
 
 
 def on_a_thread(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,14 +49,17 @@ def on_a_thread(method: Callable[..., Any]) -> Callable[..., Any]:
 class Catalog:
     """Runs and checkpoints of each owner (see the module docstring). ``models`` is the
     runtime's live training models by id; ``sampling_sessions`` lists the sampling sessions
-    of this process as ``(session id, run id)`` pairs."""
+    of this process as ``(session id, run id)`` pairs; ``silent_for(session id)`` is how long
+    a session's client has shown no sign of life (None: not open)."""
 
     def __init__(self, store: Store, history: History, models: Mapping[str, TrainingModel],
-                 sampling_sessions: Callable[[], list[tuple[str, str]]]) -> None:
+                 sampling_sessions: Callable[[], list[tuple[str, str]]],
+                 silent_for: Callable[[str], float | None] = lambda session_id: None) -> None:
         self.store = store
         self.history = history
         self.models = models
         self.sampling_sessions = sampling_sessions
+        self.silent_for = silent_for
 
     # ---- Tinker's catalog routes ------------------------------------------------------------------
     def _run(self, owner: str, run_id: Any) -> dict[str, Any]:
@@ -138,12 +144,18 @@ class Catalog:
 
     # ---- the console ------------------------------------------------------------------------------
     def status(self, run_id: str) -> str:
-        """live (in memory, work within LIVE_S), idle (in memory, none since), freed (not in memory:
-        released, its session ended, creation failed, or the server restarted)."""
+        """live (in memory, work within LIVE_S), idle (in memory, none since), gone (in memory, but
+        its client has shown no sign of life for CLIENT_GONE_S: the script ended without close();
+        freed at the session timeout), freed (not in memory: released, its session ended,
+        creation failed, or the server restarted)."""
         model = self.models.get(run_id)
         if model is None or model.closed or model.error is not None:
             return "freed"
-        return "live" if model.worker.idle_for() < LIVE_S else "idle"
+        idle = model.worker.idle_for()
+        silent = self.silent_for(model.session_id)
+        if idle > 0 and silent is not None and silent >= CLIENT_GONE_S:
+            return "gone"
+        return "live" if idle < LIVE_S else "idle"
 
     def _sessions_by_run(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = collections.defaultdict(list)
@@ -153,10 +165,13 @@ class Catalog:
 
     def _console_run(self, run: dict[str, Any], summary: dict[str, Any], sessions: list[str]) -> dict[str, Any]:
         lora = run["lora"]
+        model = self.models.get(run["run_id"])
+        silent = self.silent_for(model.session_id) if model is not None else None
         return {"model_id": run["run_id"], "base_model": run["base_model"],
                 "lora_rank": lora["rank"] if lora else None, "session_id": run["session_id"],
                 "created": iso(run["created_at"]), "last_request": iso(run["last_request_time"]),
                 "status": self.status(run["run_id"]), "steps": summary["steps"], "last": summary["last"],
+                "client_silent_s": round(silent, 1) if silent is not None else None,
                 "sampling_sessions": len(sessions)}
 
     async def console_runs(self, owner: str, limit: int, offset: int) -> dict[str, Any]:

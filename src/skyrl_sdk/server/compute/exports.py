@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from ...errors import InputError, NotFoundError
+from ...errors import InputError, NotFoundError, install_hint
 from ...models.checkpoint import atomic_directory
 from ..wire.tinker_paths import iso
 
@@ -57,7 +57,7 @@ def age_recipients(values: Any) -> list[Any] | None:
         import pyrage
     except ImportError:
         raise InputError("age_encryption_recipients: this server cannot encrypt (the pyrage package is not "
-                         "installed: pip install pyrage)") from None
+                         f"installed: {install_hint('server')})") from None
     out = []
     for i, value in enumerate(values):
         kind = pyrage.ssh if value.startswith(("ssh-", "ecdsa-")) else pyrage.x25519

@@ -66,7 +66,8 @@ class Runtime:
         self.sampling = Sampling(config, self.store, self.served, self.executors)
         self.sessions = Sessions(config, self.store, loop, self._end_session, self._session_busy)
         self.models: dict[str, TrainingModel] = {}
-        self.catalog = Catalog(self.store, self.history, self.models, self.sampling.runs_sampled)
+        self.catalog = Catalog(self.store, self.history, self.models, self.sampling.runs_sampled,
+                               self.sessions.silent_for)
         #: the sequences sampled with record_stability_info (stable_reinforce), per session and owner
         self.recorded = RecordedSequences(config.max_recorded_bytes)
         # signed links to external weights' files, checked against the catalog when used
@@ -325,7 +326,7 @@ class Runtime:
                 started = time.time()
                 out = yield from call(req.data, loss_fn=req.loss_fn, loss_fn_config=req.loss_fn_config)
                 if not req.forward_only:
-                    self.history.forward_backward(model.model_id, out.metrics, started, req.data)
+                    self.history.forward_backward(model.model_id, out.metrics, started, req.data, req.loss_fn)
                 return Result.proto(proto.forward_backward_output_to_proto(out))
 
             return run

@@ -92,6 +92,11 @@ class Sessions:
         """A sign of life from ``session_id``'s client."""
         self._last_seen[session_id] = time.monotonic()
 
+    def silent_for(self, session_id: str) -> float | None:
+        """Seconds since the last sign of life of an open session's client (None: not open)."""
+        seen = self._last_seen.get(session_id)
+        return None if seen is None else time.monotonic() - seen
+
     async def heartbeat(self, owner: str, body: dict) -> str | None:
         """Record a heartbeat; for a finished or expired session, the message saying so
         (answered 410, on which the tinker client stops its heartbeat loop)."""

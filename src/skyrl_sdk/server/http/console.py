@@ -64,7 +64,7 @@ for _path in sorted(CONSOLE_STATIC):
 async def me(request: Request) -> dict:
     rt, who = runtime(request), owner(request)
     return {"owner": who, "operator": rt.config.is_operator(who), "key_required": rt.config.owners() is not None,
-            "version": __version__, "models": list(rt.config.models)}
+            "version": __version__, "models": list(rt.config.models), "session_timeout_s": rt.config.session_timeout_s}
 
 
 @router.get("/console/api/runs")

@@ -46,7 +46,7 @@ from .edge import WAITING_SCOPE_KEY, Waiting
 
 #: the console's page and its static files: they carry no data, so they need no key (what the
 #: page shows comes from /console/api/*, behind the key like every other route)
-CONSOLE_STATIC = frozenset({"/", "/console/console.js", "/console/console.css"})
+CONSOLE_STATIC = frozenset({"/", "/console/console.js", "/console/charts.js", "/console/console.css"})
 HEALTHZ = "/api/v1/healthz"
 OPEN_PATHS = frozenset({HEALTHZ}) | CONSOLE_STATIC
 #: signed download links: the unguessable, expiring token in the path is the credential

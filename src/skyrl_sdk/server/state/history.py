@@ -11,7 +11,9 @@ token** is ``loss:sum`` over the summed weights: the weighted mean loss per toke
 ``cross_entropy`` is the NLL per token that tinker-cookbook prints as its train NLL (its weights
 need not be 0/1: the cookbook's sum to 1 per sequence). Its **seconds** are the wall time from
 the end of the previous step (for the first, from the start of its first ``forward_backward``)
-to its end: what a step costs the client, waiting and other clients' turns included.
+to its end: what a step costs the client, waiting and other clients' turns included. Its
+entropy and, for an RL step, its RL curves (advantages, sampled tokens, the sampler-trainer
+gap, importance ratios) come from :mod:`.step_stats`; a step also keeps the name of its loss.
 
 **Bounded.** A run's steps are stored in buckets of ``stride`` consecutive steps (at first 1:
 every step exactly). Each bucket keeps, per series, the count, sum, min and max of its steps'
@@ -36,12 +38,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ...losses.reduction import call_normalizers
+from .step_stats import RL_SERIES, STEP_SERIES, call_sums, finite, merge_sums, step_values
 
 logger = logging.getLogger(__name__)
 
 #: the curves, in the console's order
-SERIES = ("loss_per_token", "loss_sum", "grad_norm", "learning_rate", "skipped", "tokens", "seconds")
+SERIES = ("loss_per_token", "loss_sum", "grad_norm", "learning_rate", "skipped", "tokens", "seconds", *STEP_SERIES,
+          *RL_SERIES)
+#: a series a bucket written before it existed holds: no values
+_EMPTY = (0, 0.0, None, None)
 MAX_ROWS = 2048
 #: most points one curves answer holds
 MAX_POINTS = 2000
@@ -55,14 +60,6 @@ CREATE TABLE IF NOT EXISTS metrics (run_id TEXT NOT NULL, bucket INTEGER NOT NUL
 """
 
 
-def _finite(value: Any) -> float | None:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
-
-
 def bucket_of(point: Mapping[str, Any]) -> dict[str, Any]:
     """One step as a bucket: per series ``[count, sum, min, max]`` (count 0 when the value is
     missing, e.g. the ``grad_norm`` of a skipped step)."""
@@ -70,7 +67,8 @@ def bucket_of(point: Mapping[str, Any]) -> dict[str, Any]:
     for name in SERIES:
         v = point.get(name)
         series[name] = [0, 0.0, None, None] if v is None else [1, v, v, v]
-    return {"n": 1, "s0": point["step"], "s1": point["step"], "t1": point["time"], "m": series}
+    return {"n": 1, "s0": point["step"], "s1": point["step"], "t1": point["time"], "m": series,
+            "losses": [point["loss_fn"]] if point.get("loss_fn") else []}
 
 
 def merge(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
@@ -79,11 +77,12 @@ def merge(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
         return b
     series = {}
     for name in SERIES:
-        (ca, sa, lo_a, hi_a), (cb, sb, lo_b, hi_b) = a["m"][name], b["m"][name]
+        (ca, sa, lo_a, hi_a), (cb, sb, lo_b, hi_b) = a["m"].get(name, _EMPTY), b["m"].get(name, _EMPTY)
         los = [v for v in (lo_a, lo_b) if v is not None]
         his = [v for v in (hi_a, hi_b) if v is not None]
         series[name] = [ca + cb, sa + sb, min(los) if los else None, max(his) if his else None]
-    return {"n": a["n"] + b["n"], "s0": a["s0"], "s1": b["s1"], "t1": b["t1"], "m": series}
+    return {"n": a["n"] + b["n"], "s0": a["s0"], "s1": b["s1"], "t1": b["t1"], "m": series,
+            "losses": sorted(set(a.get("losses", ())) | set(b.get("losses", ())))}
 
 
 def downsample(buckets: list[dict[str, Any]], points: int) -> list[dict[str, Any]]:
@@ -102,12 +101,13 @@ def curves_json(run_id: str, steps: int, stride: int, buckets: list[dict[str, An
     """Columns the console draws: per point its step range and, per series, mean / min / max."""
     series = {}
     for name in SERIES:
-        cols = [b["m"][name] for b in buckets]
+        cols = [b["m"].get(name, _EMPTY) for b in buckets]
         series[name] = {"mean": [s / c if c else None for c, s, _, _ in cols],
                         "min": [lo for _, _, lo, _ in cols], "max": [hi for _, _, _, hi in cols]}
     return {"run_id": run_id, "steps": steps, "stride": stride, "points": len(buckets),
             "step": [b["s1"] for b in buckets], "step_first": [b["s0"] for b in buckets],
-            "n": [b["n"] for b in buckets], "time": [b["t1"] for b in buckets], "series": series}
+            "n": [b["n"] for b in buckets], "time": [b["t1"] for b in buckets], "series": series,
+            "losses": sorted({name for b in buckets for name in b.get("losses", ())})}
 
 
 class History:
@@ -151,33 +151,34 @@ class History:
         self._writer.start()
 
     # ---- recording (model worker threads) -------------------------------------------------
-    def forward_backward(self, run_id: str, metrics: Mapping[str, Any], started: float, data: Sequence) -> None:
-        """A ``forward_backward`` of ``run_id`` on ``data`` (its Datums) finished; ``started``: its
-        ``time.time()`` when it started."""
-        weights = call_normalizers(data)[0]
+    def forward_backward(self, run_id: str, metrics: Mapping[str, Any], started: float, data: Sequence,
+                         loss_fn: str | None = None) -> None:
+        """A ``forward_backward`` of ``run_id`` on ``data`` (its Datums) with ``loss_fn`` finished;
+        ``started``: its ``time.time()`` when it started."""
+        sums = call_sums(metrics, data)  # off the lock: it reads the data
         with self._pending_lock:
             acc = self._open.setdefault(run_id, {"since": None})
             if acc.get("since") is None:
                 acc["since"] = started
-            acc["weights"] = acc.get("weights", 0.0) + weights
-            for key in ("loss:sum", "num_tokens:sum"):
-                if (v := _finite(metrics.get(key))) is not None:
-                    acc[key] = acc.get(key, 0.0) + v
+            if loss_fn:
+                acc["loss_fn"] = loss_fn
+            acc["sums"] = merge_sums(acc.get("sums", {}), sums)
 
     def optim_step(self, run_id: str, metrics: Mapping[str, Any]) -> None:
         """An ``optim_step`` of ``run_id`` finished: one step, queued for the writer."""
         now = time.time()
         with self._pending_lock:
             acc = self._open.pop(run_id, None) or {"since": None}
-            self._open[run_id] = {"since": now}
-            loss, tokens, weights = acc.get("loss:sum"), acc.get("num_tokens:sum"), acc.get("weights")
-            step = _finite(metrics.get("step"))
-            point = {"step": int(step) if step is not None else None, "time": now, "loss_sum": loss, "tokens": tokens,
-                     "loss_per_token": loss / weights if loss is not None and weights else None,
-                     "grad_norm": _finite(metrics.get("grad_norm")),
-                     "learning_rate": _finite(metrics.get("learning_rate")),
-                     "skipped": _finite(metrics.get("skipped")),
-                     "seconds": now - acc["since"] if acc.get("since") is not None else None}
+            # what the run trains with carries over steps without a forward_backward (an RL batch
+            # whose groups all scored alike has nothing to train on)
+            kind = {"loss_fn": acc.get("loss_fn"), "rl_run": bool(acc.get("rl_run") or acc.get("sums", {}).get("rl"))}
+            self._open[run_id] = {"since": now, **kind}
+            step = finite(metrics.get("step"))
+            point = {"step": int(step) if step is not None else None, "time": now, **step_values(acc.get("sums", {})),
+                     "grad_norm": finite(metrics.get("grad_norm")),
+                     "learning_rate": finite(metrics.get("learning_rate")),
+                     "skipped": finite(metrics.get("skipped")),
+                     "seconds": now - acc["since"] if acc.get("since") is not None else None, **kind}
             if len(self._pending) >= self.max_pending:  # the writer is stuck: keep memory bounded
                 self._pending.pop(0)
                 self.dropped += 1

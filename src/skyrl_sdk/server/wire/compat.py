@@ -16,6 +16,8 @@ import ast
 import importlib.util
 from pathlib import Path
 
+from ...errors import install_hint
+
 #: the start of every "this server does not serve it" 404 detail
 NOT_SERVED_PREFIX = "skyrl-sdk serve does not serve"
 _METHODS = {"get": "GET", "post": "POST", "put": "PUT", "delete": "DELETE", "patch": "PATCH"}
@@ -76,7 +78,7 @@ ROWS: dict[tuple[str, str], tuple[bool, str, str]] = {
 def _tinker_root() -> Path:
     spec = importlib.util.find_spec("tinker")
     if spec is None or spec.origin is None:
-        raise RuntimeError("the tinker client is not installed (pip install 'skyrl-sdk[server]')")
+        raise RuntimeError(f"the tinker client is not installed: {install_hint('server')}")
     return Path(spec.origin).parent
 
 

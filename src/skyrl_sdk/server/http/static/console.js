@@ -1,6 +1,8 @@
 // skyrl-sdk console: reads /console/api/* with the key kept in this tab's sessionStorage and
-// draws runs, curves (plain SVG) and checkpoints. Every value from the server is put in the
-// page as text (textContent / attributes), never parsed as HTML.
+// draws runs, curves (charts.js: plain SVG) and checkpoints. Every value from the server is put
+// in the page as text (textContent / attributes), never parsed as HTML. An RL run (its datums
+// carry advantages) leads with the curves that say whether RL is healthy; a second run can be
+// drawn on the same axes.
 "use strict";
 
 const KEY_ITEM = "skyrl-console-key";
@@ -8,14 +10,22 @@ const RUN_ITEM = "skyrl-console-run";
 const POLL_MS = 2000;
 const PAGE = 50;
 const CHECKPOINTS_SHOWN = 10;  // the newest; a button shows the rest
-const SVG = "http://www.w3.org/2000/svg";
-const CHARTS = [
-  ["loss_per_token", "loss per token"], ["loss_sum", "loss:sum"], ["grad_norm", "grad_norm"],
-  ["learning_rate", "learning rate"], ["skipped", "skipped steps"], ["tokens", "tokens per step"],
-  ["seconds", "seconds per step"],
+// [series, title, note] per group; a chart with no value in the runs shown is left out (named below them)
+const RL_CHARTS = [
+  ["advantage_mean", "advantage mean", null], ["advantage_std", "advantage std", "0: the groups carried no signal"],
+  ["kl_sample_train", "sampler − trainer logprob", "k1 estimate of KL(sampler ‖ trainer): 0 on policy"],
+  ["ratio_max", "importance ratio max", null], ["clip_fraction", "clipped fraction", null],
+  ["sampled_tokens", "sampled tokens per step", null],
 ];
+const TRAINING_CHARTS = [
+  ["loss_per_token", "loss per token", null], ["loss_sum", "loss:sum", null], ["grad_norm", "grad_norm", null],
+  ["entropy", "entropy per token", null], ["learning_rate", "learning rate", null],
+  ["tokens", "tokens per step", null], ["seconds", "seconds per step", null], ["skipped", "skipped steps", null],
+];
+const ZERO_SUM_NOTE = "about 0 for an RL loss on group-normalized advantages: not a measure of progress";
 
-const state = { me: null, offset: 0, selected: null, curvesSig: null, busy: false, timer: null, allCheckpoints: false };
+const state = { me: null, offset: 0, selected: null, compare: null, runs: [], curvesSig: null, busy: false,
+                timer: null, allCheckpoints: false };
 
 class AuthError extends Error {}
 
@@ -30,17 +40,12 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
-function svgEl(tag, attrs) {
-  const node = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
-  return node;
-}
-
 // ---- the key --------------------------------------------------------------------------------
-function takeFragment() {
+function takeFragment() {  // #key=...&run=...&compare=... (docs/server.md, Console)
   const params = new URLSearchParams(location.hash.slice(1));
   if (params.get("key")) sessionStorage.setItem(KEY_ITEM, params.get("key"));
   if (params.get("run")) sessionStorage.setItem(RUN_ITEM, params.get("run"));
+  if (params.get("compare")) state.compare = params.get("compare");
   if (location.hash) history.replaceState(null, "", location.pathname + location.search);
 }
 
@@ -86,6 +91,7 @@ async function start() {
   $("app").hidden = false;
   $("forget").hidden = !state.me.key_required;
   $("who").textContent = `owner ${state.me.owner}${state.me.operator ? " (operator)" : ""} · skyrl-sdk ${state.me.version}`;
+  $("runs-owner").textContent = `of owner ${state.me.owner}`;
   $("server-panel").hidden = !state.me.operator;
   state.selected = sessionStorage.getItem(RUN_ITEM);
   await tick();
@@ -112,11 +118,24 @@ function fmtBytes(n) {
   return `${i ? n.toFixed(1) : n} ${units[i]}`;
 }
 
-function fmtNum(v) {
-  if (v === null || v === undefined) return "";
-  const a = Math.abs(v);
-  if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(3);
-  return String(Number(v.toPrecision(4)));
+const fmtNum = Charts.fmtNum;
+
+// the last step in a few words: an RL run's health, a supervised run's loss per token
+function headline(last) {
+  if (!last) return "";
+  if (last.rl_run) {
+    const parts = [];
+    if (last.kl_sample_train !== null && last.kl_sample_train !== undefined) parts.push(`KL s−t ${fmtNum(last.kl_sample_train)}`);
+    if (last.advantage_std !== null && last.advantage_std !== undefined) parts.push(`adv std ${fmtNum(last.advantage_std)}`);
+    return `RL: ${parts.join(" · ") || "nothing to train on in the last step"}`;
+  }
+  return last.loss_per_token === null || last.loss_per_token === undefined ? "" : `loss/token ${fmtNum(last.loss_per_token)}`;
+}
+
+function statusTitle(r) {
+  if (r.status !== "gone") return null;
+  return `no sign of life from its client for ${Math.round(r.client_silent_s)} s (its script ended without close()?); ` +
+    `its models are freed after --session-timeout (${state.me ? state.me.session_timeout_s : "?"} s)`;
 }
 
 // ---- polling --------------------------------------------------------------------------------
@@ -145,14 +164,17 @@ async function refreshRuns() {
   $("prev").disabled = page.offset === 0;
   $("next").disabled = page.offset + page.runs.length >= page.total;
   if (!state.selected && page.runs.length) state.selected = page.runs[0].model_id;
+  state.runs = page.runs;
   const body = $("runs").tBodies[0];
   body.replaceChildren(...page.runs.map((r) => {
     const row = el("tr", { "data-run-id": r.model_id, class: r.model_id === state.selected ? "selected" : null },
       el("td", { class: "id" }, r.model_id), el("td", {}, r.base_model),
-      el("td", {}, r.lora_rank === null ? "full" : `rank ${r.lora_rank}`), el("td", {}, fmtTime(r.created)),
+      el("td", {}, r.lora_rank === null ? "full" : `rank ${r.lora_rank}`), el("td", {}, (r.last && r.last.loss_fn) || ""),
+      el("td", {}, fmtTime(r.created)),
       el("td", { title: fmtTime(r.last_request) }, fmtAgo(r.last_request)), el("td", { class: "num" }, r.steps),
-      el("td", { class: "num" }, r.last ? fmtNum(r.last.loss_per_token) : ""),
-      el("td", {}, el("span", { class: `status ${r.status}` }, r.status)),
+      el("td", { class: "headline" }, headline(r.last)),
+      el("td", {}, el("span", { class: `status ${r.status}`, title: statusTitle(r) },
+                     r.status === "gone" ? "client gone" : r.status)),
       el("td", { class: "num" }, r.sampling_sessions));
     row.addEventListener("click", () => select(r.model_id));
     return row;
@@ -161,6 +183,7 @@ async function refreshRuns() {
 
 async function select(runId) {
   state.selected = runId;
+  if (state.compare === runId) state.compare = null;
   state.curvesSig = null;
   state.allCheckpoints = false;
   sessionStorage.setItem(RUN_ITEM, runId);
@@ -180,12 +203,33 @@ async function refreshRun() {
     return;
   }
   renderRun(run);
-  const sig = `${run.model_id}|${run.steps}`;
+  const other = state.compare ? state.runs.find((r) => r.model_id === state.compare) : null;
+  const sig = `${run.model_id}|${run.steps}|${state.compare}|${other ? other.steps : ""}`;
   if (sig !== state.curvesSig) {
     const curves = await api(`/console/api/runs/${encodeURIComponent(run.model_id)}/curves?points=1000`);
-    renderCurves(curves);
+    let compared = null;
+    if (state.compare) {
+      try {
+        compared = await api(`/console/api/runs/${encodeURIComponent(state.compare)}/curves?points=1000`);
+      } catch (e) {
+        if (e instanceof AuthError) throw e;
+        state.compare = null;  // gone from this owner's runs
+      }
+    }
+    renderCurves(curves, compared);
     state.curvesSig = sig;
   }
+}
+
+function renderCompare(runId) {
+  const select = $("compare");
+  const options = [el("option", { value: "" }, "none")].concat(
+    state.runs.filter((r) => r.model_id !== runId).map((r) =>
+      el("option", { value: r.model_id, selected: r.model_id === state.compare ? "" : null },
+         `${r.model_id} (${r.steps} steps${r.last && r.last.loss_fn ? `, ${r.last.loss_fn}` : ""})`)));
+  select.replaceChildren(...options);
+  select.value = state.compare || "";
+  select.disabled = options.length === 1;
 }
 
 // ---- one run ----------------------------------------------------------------------------------
@@ -193,8 +237,10 @@ function renderRun(run) {
   $("run-panel").hidden = false;
   $("run-panel").dataset.runId = run.model_id;
   $("run-title").textContent = run.model_id;
+  renderCompare(run.model_id);
+  const status = run.status === "gone" ? `client gone: ${statusTitle(run)}` : run.status;
   const info = [["base model", run.base_model], ["LoRA", run.lora_rank === null ? "full fine-tuning" : `rank ${run.lora_rank}`],
-    ["status", run.status], ["steps", run.steps], ["created", fmtTime(run.created)],
+    ["loss", (run.last && run.last.loss_fn) || ""], ["status", status], ["steps", run.steps], ["created", fmtTime(run.created)],
     ["last request", `${fmtTime(run.last_request)} (${fmtAgo(run.last_request)})`], ["session", run.session_id],
     ["sampling sessions", run.sampling_sessions]];
   $("run-info").replaceChildren(...info.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
@@ -230,97 +276,36 @@ function fallbackCopy(text, done) {  // plain http to another host: no clipboard
   try { if (document.execCommand("copy")) done(); } finally { area.remove(); }
 }
 
-function renderCurves(curves) {
+function isRl(curves) {
+  return !!curves && curves.series.rl && curves.series.rl.max.some((v) => v);
+}
+
+function renderCurves(curves, compared) {
   const wide = curves.points && curves.n.some((n) => n > 1);
   $("curves-note").textContent = !curves.steps ? "No steps yet: curves appear after the first optim_step." :
     `${curves.steps} steps` + (wide ? `, shown as ${curves.points} points (each the mean of its steps; the band is their min..max)` : "");
-  $("charts").replaceChildren(...CHARTS.map(([key, title]) => chart(curves, key, title)));
-}
-
-// ---- a chart: plain SVG, the mean as a line, min..max as a band, hover for exact values ---------
-const W = 440, H = 190, M = { left: 58, right: 10, top: 10, bottom: 24 };
-
-function niceTicks(lo, hi, count) {
-  const step0 = (hi - lo) / count;
-  const mag = Math.pow(10, Math.floor(Math.log10(step0)));
-  const step = [1, 2, 5, 10].map((f) => f * mag).find((s) => s >= step0) || step0;
-  const ticks = [];
-  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) ticks.push(Number(v.toPrecision(12)));
-  return ticks;
-}
-
-function chart(curves, key, title) {
-  const s = curves.series[key];
-  const xs = curves.step;
-  const idx = xs.map((_, i) => i).filter((i) => s.mean[i] !== null && xs[i] !== null);
-  const last = idx.length ? s.mean[idx[idx.length - 1]] : null;
-  const box = el("figure", { class: "chart", "data-series": key },
-    el("figcaption", {}, title, el("span", { class: "latest" }, last === null ? "" : fmtNum(last))));
-  const svg = svgEl("svg", { viewBox: `0 0 ${W} ${H}`, "data-series": key, role: "img", "aria-label": title });
-  box.append(svg);
-  if (!idx.length) {
-    const t = svgEl("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" });
-    t.textContent = "no values";
-    svg.append(t);
-    return box;
+  const runs = [{ curves, label: curves.run_id, cls: "run-a" }];
+  if (compared) runs.push({ curves: compared, label: compared.run_id, cls: "run-b" });
+  $("legend").hidden = runs.length === 1;
+  $("legend").replaceChildren(...runs.map((r) => el("span", { class: `swatch ${r.cls}` }, r.label)));
+  const rl = isRl(curves) || isRl(compared);
+  const hover = (lines, ev) => { if (lines) showTooltip(ev, lines); else $("tooltip").hidden = true; };
+  const groups = rl ? [["RL (what the server sees; the rewards stay with the client)", RL_CHARTS],
+                       ["Training", TRAINING_CHARTS]] : [["Training", TRAINING_CHARTS]];
+  const parts = [];
+  const empty = [];
+  for (const [heading, charts] of groups) {
+    const shown = charts.filter(([key]) => runs.some((r) => Charts.hasValues(r.curves, key)));
+    empty.push(...charts.filter((c) => !shown.includes(c)).map(([, title]) => title));
+    if (!shown.length) continue;
+    parts.push(el("h3", { class: "chart-group" }, heading));
+    const grid = el("div", { class: "chart-grid" });
+    grid.replaceChildren(...shown.map(([key, title, note]) =>
+      Charts.chart(runs, key, title, key === "loss_per_token" && rl ? ZERO_SUM_NOTE : note, hover)));
+    parts.push(grid);
   }
-  let x0 = Math.min(...idx.map((i) => xs[i])), x1 = Math.max(...idx.map((i) => xs[i]));
-  let y0 = Math.min(...idx.map((i) => (s.min[i] ?? s.mean[i]))), y1 = Math.max(...idx.map((i) => (s.max[i] ?? s.mean[i])));
-  if (x0 === x1) { x0 -= 1; x1 += 1; }
-  if (key === "skipped") { y0 = 0; y1 = 1; }  // a fraction of the steps
-  if (y0 === y1) { const d = Math.abs(y0) * 0.05 || 1; y0 -= d; y1 += d; }
-  const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
-  const px = (x) => M.left + (x - x0) / (x1 - x0) * (W - M.left - M.right);
-  const py = (y) => H - M.bottom - (y - y0) / (y1 - y0) * (H - M.top - M.bottom);
-  const axes = svgEl("g", { class: "axes" });
-  for (const t of niceTicks(y0, y1, 4)) {
-    axes.append(svgEl("line", { x1: M.left, x2: W - M.right, y1: py(t), y2: py(t), class: "grid" }));
-    const label = svgEl("text", { x: M.left - 6, y: py(t) + 4, "text-anchor": "end" });
-    label.textContent = fmtNum(t);
-    axes.append(label);
-  }
-  for (const t of niceTicks(x0, x1, 6).filter((t) => Number.isInteger(t))) {
-    const label = svgEl("text", { x: px(t), y: H - 6, "text-anchor": "middle" });
-    label.textContent = String(t);
-    axes.append(label);
-  }
-  svg.append(axes);
-  if (idx.some((i) => curves.n[i] > 1 && s.min[i] !== null)) {
-    const band = idx.filter((i) => s.min[i] !== null);
-    const upper = band.map((i) => `${px(xs[i]).toFixed(1)},${py(s.max[i]).toFixed(1)}`);
-    const lower = band.slice().reverse().map((i) => `${px(xs[i]).toFixed(1)},${py(s.min[i]).toFixed(1)}`);
-    svg.append(svgEl("polygon", { points: upper.concat(lower).join(" "), class: "band" }));
-  }
-  let d = "", prev = -2;
-  for (const i of idx) {
-    d += `${i === prev + 1 ? "L" : "M"}${px(xs[i]).toFixed(1)},${py(s.mean[i]).toFixed(1)}`;
-    prev = i;
-  }
-  svg.append(svgEl("path", { d, class: "line", "data-series": key, "data-points": idx.length }));
-  if (idx.length <= 60) {
-    for (const i of idx) svg.append(svgEl("circle", { cx: px(xs[i]).toFixed(1), cy: py(s.mean[i]).toFixed(1), r: 2.2, class: "dot" }));
-  }
-  const marker = svgEl("line", { y1: M.top, y2: H - M.bottom, class: "marker", visibility: "hidden" });
-  svg.append(marker);
-  svg.addEventListener("mousemove", (ev) => {
-    const rect = svg.getBoundingClientRect();
-    const x = (ev.clientX - rect.left) / rect.width * W;
-    let best = idx[0];
-    for (const i of idx) if (Math.abs(px(xs[i]) - x) < Math.abs(px(xs[best]) - x)) best = i;
-    marker.setAttribute("x1", px(xs[best])); marker.setAttribute("x2", px(xs[best]));
-    marker.setAttribute("visibility", "visible");
-    showTooltip(ev, hoverText(curves, key, title, best));
-  });
-  svg.addEventListener("mouseleave", () => { marker.setAttribute("visibility", "hidden"); $("tooltip").hidden = true; });
-  return box;
-}
-
-function hoverText(curves, key, title, i) {
-  const s = curves.series[key], n = curves.n[i];
-  const steps = n > 1 ? `steps ${curves.step_first[i]}-${curves.step[i]} (${n})` : `step ${curves.step[i]}`;
-  if (key === "skipped") return [steps, `${title}: ${Math.round(s.mean[i] * n)} of ${n}`];
-  if (n === 1) return [steps, `${title}: ${s.mean[i]}`];  // the exact value, every digit
-  return [steps, `${title}: mean ${s.mean[i]}`, `min ${s.min[i]}`, `max ${s.max[i]}`];
+  if (curves.steps && empty.length) parts.push(el("p", { class: "muted" }, `No values yet: ${empty.join(", ")}.`));
+  $("charts").replaceChildren(...parts);
 }
 
 function showTooltip(ev, lines) {
@@ -393,6 +378,11 @@ document.addEventListener("DOMContentLoaded", () => {
     showLogin("");
   });
   $("checkpoints-more").addEventListener("click", () => { state.allCheckpoints = true; tick(); });
+  $("compare").addEventListener("change", (ev) => {
+    state.compare = ev.target.value || null;
+    state.curvesSig = null;
+    refreshRun().catch((e) => { $("error").textContent = String(e.message || e); });
+  });
   $("prev").addEventListener("click", () => { state.offset = Math.max(0, state.offset - PAGE); tick(); });
   $("next").addEventListener("click", () => { state.offset += PAGE; tick(); });
   takeFragment();
