@@ -248,7 +248,7 @@ def serve(args: Any) -> int:
     """The ``serve`` subcommand: validate, bind, announce, run until Ctrl-C / SIGTERM."""
     started = time.monotonic()
     host, port = args.host, args.port
-    say(f"starting on {host}:{port} (models: {', '.join(args.model or ['tiny'])}; engine: {args.engine}; "
+    say(f"starting on {host}:{port} (models: {', '.join(args.models or ['tiny'])}; engine: {args.engine}; "
         f"sampler: {args.sampler}): checking the port, then loading each model once ...")
     try:
         check_port(host, port)

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import DatumError, InputError
 from ..types import Datum, SampledProvenanceSpan, SampledSequence, SampleOutput, TensorData
-from .validation import check_finite_inputs
+from .base import check_finite_inputs
 
 #: how long a recorded sequence stays usable after sampling or its last use (Tinker: one day)
 RECORD_TTL_S = 24 * 3600.0

@@ -17,7 +17,7 @@ from ..errors import DatumError, InputError, LossConfigError, did_you_mean
 from ..inputs.limits import prompt_length_problem, sequence_length_problem
 from ..types import Datum
 from ..types.numbers import check_representable
-from .base import LossSpec
+from .base import LossSpec, check_finite_inputs
 from .contract import caller_inputs
 from .reduction import PER_TOKEN_REDUCTIONS
 from .resolve import ResolvedLoss
@@ -118,18 +118,6 @@ def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None,
                     check_token_range(tensor.array, vocab_size, i, key)
             elif key in _RATIO_BOUNDS:
                 _check_ratio_bound(tensor.array, key, i)
-
-
-def check_finite_inputs(datum: Datum, index: int) -> None:
-    """Every loss input of ``datum`` but its token ids holds finite values, else a DatumError
-    naming the first offender. Every loss is held to it, before anything reads the values (a
-    loss whose inputs are replaced from records, as ``stable_reinforce``'s logprobs, too)."""
-    for key, tensor in datum.loss_fn_inputs.items():
-        array = tensor.array
-        if key != "target_tokens" and array.size and not np.isfinite(array).all():
-            bad = int(np.flatnonzero(~np.isfinite(array.reshape(-1)))[0])
-            raise DatumError(f"expected finite values, got {array.reshape(-1)[bad]} at flat position {bad}",
-                             index=index, key=key)
 
 
 def token_range_problem(tokens: np.ndarray, vocab_size: int) -> str | None:
