@@ -134,9 +134,10 @@ class AdapterEngine(_OnSharedBase):
         self.runner = adapter.runner
 
     # ---- compute ----------------------------------------------------------------------------------
-    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
+    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool,
+            keep_grads_on_error: bool | None = None) -> EngineResult:
         with self.shared.using(self.adapter):
-            return super().run(data, loss, backward=backward)
+            return super().run(data, loss, backward=backward, keep_grads_on_error=keep_grads_on_error)
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         with self.shared.using(self.adapter):

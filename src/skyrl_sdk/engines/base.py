@@ -99,7 +99,10 @@ class Engine(abc.ABC):
 
         A backward call that raises leaves the pending gradients as they were (``ModelRunner``
         keeps them with :mod:`.call_grads`) or says it dropped them (``call_grads.DROPPED`` on the
-        exception, so the Backend resets its call count)."""
+        exception, so the Backend resets its call count). An engine whose ``run`` also takes a
+        ``keep_grads_on_error`` keyword (bool) lets a caller choose that for one call
+        (``Backend.forward_backward(..., keep_grads_on_error=False)``); the Backend passes it
+        only when the caller set it."""
 
     @abc.abstractmethod
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
@@ -126,6 +129,22 @@ class Engine(abc.ABC):
         once per Backend, on its first ``sample``. In-process engines return
         :class:`~.weights.EngineWeights`."""
         raise self.unsupported("sample")
+
+    def peak_flops(self) -> float | None:
+        """FLOP/s of the devices this engine computes on at their peak, in its compute dtype: the
+        denominator of the ``mfu`` metric (``engines.throughput.peak_flops``). None: unknown (no
+        MFU is reported)."""
+        return None
+
+    def offload_to_host(self) -> bool:
+        """Before a sampler with its own copy of the weights samples: move the trainer's
+        parameters, gradients and optimizer state to host memory, if this engine was asked to
+        (``engine_config["offload_while_sampling"]``). True when they moved. Default: never."""
+        return False
+
+    def reload_to_device(self) -> None:  # noqa: B027 (optional: nothing was offloaded by default)
+        """Bring back what :meth:`offload_to_host` moved (a no-op when nothing did); the Backend
+        calls it before every call that computes or reads the trainer's state."""
 
     def close(self) -> None:  # noqa: B027 (optional: nothing to free by default)
         """Free memory and processes; called once or more (must be idempotent)."""
@@ -161,7 +180,8 @@ def runner_options(config: EngineConfig, loaded: LoadedModel, device: torch.devi
     padding id, prefix sharing, and autocast to the compute dtype under mixed precision."""
     return dict(device=device, micro_batch_tokens=config.micro_batch_tokens, batching=config.batching,
                 pad_id=loaded.pad_token_id,
-                prefix_min_tokens=config.prefix_sharing_min_tokens if config.prefix_sharing else None,
+                # None: on where the attention kernel takes it (the runner's status says why not)
+                prefix_min_tokens=None if config.prefix_sharing is False else config.prefix_sharing_min_tokens,
                 compute_float32=config.dtype == "float32",
                 autocast_dtype=config.torch_dtype if config.mixed_precision else None,
                 keep_grads_on_error=config.keep_grads_on_error)

@@ -76,3 +76,21 @@ def _add(params: Sequence[torch.nn.Parameter], pending: Sequence[torch.Tensor | 
     if olds:
         with torch.no_grad():
             torch._foreach_add_(olds, news)
+
+
+def note_failure(exc: BaseException, earlier: int) -> int | None:
+    """After a ``forward_backward`` that raised ``exc`` with ``earlier`` calls since the last step:
+    say in the error what became of the pending gradients, and return the count of calls that
+    still stands (0 when they were dropped), or None when the engine did not say."""
+    kept = outcome(exc)
+    if kept is None:
+        return None
+    what = f"the pending gradients of the {earlier} earlier forward_backward call(s) since the last step"
+    if kept == DROPPED:
+        note, earlier = f"{what} were dropped too (keep_grads_on_error=False)", 0
+    else:
+        note = f"{what} were kept as they were" if earlier else "no gradients were pending"
+    notes = getattr(exc, "__notes__", None)
+    exc.__notes__ = [*(notes if isinstance(notes, list) else []),
+                     f"forward_backward failed mid-call: this call's partial gradients were dropped; {note}"]
+    return earlier

