@@ -44,7 +44,10 @@ def test_eager_equals_sdpa_within_1e_5(batching):
 
 
 def test_the_default_kernel_is_sdpa():
-    assert skyrl_sdk.engines.EngineConfig().attn_implementation == "sdpa"
+    """Unset, transformers picks: sdpa for every family that has it (eager for Gemma2)."""
+    assert EngineConfig().attn_implementation is None
+    with skyrl_sdk.Backend(model="tiny") as b:
+        assert b.engine.loaded.module.config._attn_implementation.endswith("sdpa")  # (prefix sharing's own sdpa)
 
 
 def test_flash_attention_is_refused_by_name_on_cpu():

@@ -11,7 +11,10 @@ token** is ``loss:sum`` over the summed weights: the weighted mean loss per toke
 ``cross_entropy`` is the NLL per token that tinker-cookbook prints as its train NLL (its weights
 need not be 0/1: the cookbook's sum to 1 per sequence). Its **seconds** are the wall time from
 the end of the previous step (for the first, from the start of its first ``forward_backward``)
-to its end: what a step costs the client, waiting and other clients' turns included.
+to its end: what a step costs the client, waiting and other clients' turns included. Its
+**tokens per second** are its tokens over its ``forward_backward`` calls' own compute time
+(their ``seconds:sum``), and its **MFU** their ``mfu:mean`` weighted by that time (none when the
+device's peak is unknown).
 
 **Bounded.** A run's steps are stored in buckets of ``stride`` consecutive steps (at first 1:
 every step exactly). Each bucket keeps, per series, the count, sum, min and max of its steps'
@@ -41,7 +44,10 @@ from ..losses.reduction import call_normalizers
 logger = logging.getLogger(__name__)
 
 #: the curves, in the console's order
-SERIES = ("loss_per_token", "loss_sum", "grad_norm", "learning_rate", "skipped", "tokens", "seconds")
+SERIES = ("loss_per_token", "loss_sum", "grad_norm", "learning_rate", "skipped", "tokens", "seconds",
+          "tokens_per_second", "mfu")
+#: a series a bucket written before it existed lacks
+_EMPTY = [0, 0.0, None, None]
 MAX_ROWS = 2048
 #: most points one curves answer holds
 MAX_POINTS = 2000
@@ -79,7 +85,7 @@ def merge(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
         return b
     series = {}
     for name in SERIES:
-        (ca, sa, lo_a, hi_a), (cb, sb, lo_b, hi_b) = a["m"][name], b["m"][name]
+        (ca, sa, lo_a, hi_a), (cb, sb, lo_b, hi_b) = a["m"].get(name, _EMPTY), b["m"].get(name, _EMPTY)
         los = [v for v in (lo_a, lo_b) if v is not None]
         his = [v for v in (hi_a, hi_b) if v is not None]
         series[name] = [ca + cb, sa + sb, min(los) if los else None, max(his) if his else None]
@@ -102,7 +108,7 @@ def curves_json(run_id: str, steps: int, stride: int, buckets: list[dict[str, An
     """Columns the console draws: per point its step range and, per series, mean / min / max."""
     series = {}
     for name in SERIES:
-        cols = [b["m"][name] for b in buckets]
+        cols = [b["m"].get(name, _EMPTY) for b in buckets]
         series[name] = {"mean": [s / c if c else None for c, s, _, _ in cols],
                         "min": [lo for _, _, lo, _ in cols], "max": [hi for _, _, _, hi in cols]}
     return {"run_id": run_id, "steps": steps, "stride": stride, "points": len(buckets),
@@ -160,9 +166,13 @@ class History:
             if acc.get("since") is None:
                 acc["since"] = started
             acc["weights"] = acc.get("weights", 0.0) + weights
-            for key in ("loss:sum", "num_tokens:sum"):
+            for key in ("loss:sum", "num_tokens:sum", "seconds:sum"):
                 if (v := _finite(metrics.get(key))) is not None:
                     acc[key] = acc.get(key, 0.0) + v
+            # MFU weighted by each call's seconds: the step's model FLOPs over its compute time
+            if (mfu := _finite(metrics.get("mfu:mean"))) is not None and (s := _finite(metrics.get("seconds:sum"))):
+                acc["mfu_seconds"] = acc.get("mfu_seconds", 0.0) + mfu * s
+                acc["mfu_weight"] = acc.get("mfu_weight", 0.0) + s
 
     def optim_step(self, run_id: str, metrics: Mapping[str, Any]) -> None:
         """An ``optim_step`` of ``run_id`` finished: one step, queued for the writer."""
@@ -177,7 +187,10 @@ class History:
                      "grad_norm": _finite(metrics.get("grad_norm")),
                      "learning_rate": _finite(metrics.get("learning_rate")),
                      "skipped": _finite(metrics.get("skipped")),
-                     "seconds": now - acc["since"] if acc.get("since") is not None else None}
+                     "seconds": now - acc["since"] if acc.get("since") is not None else None,
+                     # the forward_backward calls' own throughput (their compute time, not the client's waits)
+                     "tokens_per_second": tokens / acc["seconds:sum"] if tokens and acc.get("seconds:sum") else None,
+                     "mfu": acc["mfu_seconds"] / acc["mfu_weight"] if acc.get("mfu_weight") else None}
             if len(self._pending) >= self.max_pending:  # the writer is stuck: keep memory bounded
                 self._pending.pop(0)
                 self.dropped += 1

@@ -12,7 +12,7 @@ const SVG = "http://www.w3.org/2000/svg";
 const CHARTS = [
   ["loss_per_token", "loss per token"], ["loss_sum", "loss:sum"], ["grad_norm", "grad_norm"],
   ["learning_rate", "learning rate"], ["skipped", "skipped steps"], ["tokens", "tokens per step"],
-  ["seconds", "seconds per step"],
+  ["seconds", "seconds per step"], ["tokens_per_second", "tokens / s (forward_backward)"], ["mfu", "MFU"],
 ];
 
 const state = { me: null, offset: 0, selected: null, curvesSig: null, busy: false, timer: null, allCheckpoints: false };
