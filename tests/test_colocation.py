@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import skyrl_sdk
 from skyrl_sdk import errors, types
@@ -79,7 +80,7 @@ def test_the_device_changes_hands_once_per_turn_and_offloading_changes_nothing(o
             assert_tensors_close(got, want, atol=0.0, what="the weights the sampler read")
 
 
-def test_while_sampling_every_trainer_tensor_is_in_fresh_host_storage(own_copy):
+def test_while_sampling_every_trainer_tensor_is_in_fresh_host_storage(own_copy, tmp_path):
     data = make_rl_data([6, 9], seed=0)
     with skyrl_sdk.Backend(model="tiny", sampler="own_copy", engine_config={"offload_while_sampling": True}) as b:
         b.forward_backward(data, "ppo")
@@ -101,8 +102,18 @@ def test_while_sampling_every_trainer_tensor_is_in_fresh_host_storage(own_copy):
             assert before[n][1] is None or p.grad.data_ptr() != before[n][1], n
         for k, t in b.engine.runner.optimizer.state_items():
             assert k not in moments or t.data_ptr() != moments[k], k
+        # a save or an export reads the tensors where they are: no trip back, the same files
+        b.save_state(tmp_path / "offloaded")
+        b.save_weights_for_sampler(tmp_path / "export")
+        assert offload.offloaded and offload.reloads == 0 and EVENTS == ["sample"]
         b.forward_backward(data, "ppo")
-        assert not offload.offloaded and offload.reloads == 1
+        assert not offload.offloaded and offload.reloads == 1 and EVENTS == ["sample", "before_training"]
+        b.zero_grad()
+        b.save_state(tmp_path / "on_device")
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        saved, reference = load_file(str(tmp_path / "offloaded" / name)), load_file(str(tmp_path / "on_device" / name))
+        assert saved.keys() == reference.keys()
+        assert all(torch.equal(saved[k], reference[k]) for k in saved), name
 
 
 def test_a_sampler_that_decodes_on_the_trainer_never_offloads_it():

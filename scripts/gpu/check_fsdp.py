@@ -69,6 +69,8 @@ def main() -> int:
             losses = train(b, data)
             free = free_gib() if checks.cuda else None
             b.save_state(tmp / "offloaded")  # shards in host memory go through the gather too
+            b.load_state(tmp / "offloaded")  # and back into host-memory shards (the moments too)
+            d["loss_after_load"] = train(b, data, steps=1)[0]
         d.update(losses=losses, without=sharded["losses"], free_gib=free, free_gib_without=sharded["free_gib"])
         np.testing.assert_allclose(losses, sharded["losses"], rtol=1e-4)
         if checks.cuda:

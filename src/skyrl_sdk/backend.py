@@ -280,7 +280,6 @@ class Backend:
         """Drop the gradients accumulated since the last optim_step."""
         with self._lock:
             self._check_open()
-            self._training_turn()
             self.engine.zero_grad()
             self._calls_since_step = 0
 
@@ -382,7 +381,6 @@ class Backend:
         (backbone and value head, with a README.md saying so) and a warning says how to load it."""
         with self._lock:
             self._check_open()
-            self._training_turn()
             with atomic_directory(path, overwrite=overwrite) as tmp:
                 self.engine.export_weights(tmp, merge_lora=merge_lora)
                 if self.role == "critic":
@@ -405,7 +403,6 @@ class Backend:
         """Weights, optimizer moments and step counts, LoRA config and metadata; atomic, no pickle."""
         with self._lock:
             self._check_open()
-            self._training_turn()
             with atomic_directory(path, overwrite=overwrite) as tmp:
                 engine_meta = self.engine.save_state(tmp)
                 write_json(tmp / METADATA_FILE, {

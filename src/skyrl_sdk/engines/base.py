@@ -144,7 +144,8 @@ class Engine(abc.ABC):
 
     def reload_to_device(self) -> None:  # noqa: B027 (optional: nothing was offloaded by default)
         """Bring back what :meth:`offload_to_host` moved (a no-op when nothing did); the Backend
-        calls it before every call that computes or reads the trainer's state."""
+        calls it before every call that computes (``forward``, ``forward_backward``,
+        ``optim_step``) or loads a state. Saves and exports read the tensors where they are."""
 
     def close(self) -> None:  # noqa: B027 (optional: nothing to free by default)
         """Free memory and processes; called once or more (must be idempotent)."""

@@ -184,7 +184,7 @@ class Sampler(ABC):
 
     def before_training(self) -> None:  # noqa: B027  (optional: most samplers hold no device memory)
         """The trainer is about to compute (``forward`` / ``forward_backward`` / ``optim_step``, or
-        a call that reads its state) after this sampler sampled: a sampler holding device memory of
+        ``load_state``) after this sampler sampled: a sampler holding device memory of
         its own may free it now (the ``vllm`` sampler sleeps) and take it back at its next
         :meth:`sample`. The Backend calls it once per turn, not before every training call."""
 
