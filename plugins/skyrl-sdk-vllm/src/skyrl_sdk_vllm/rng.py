@@ -9,6 +9,11 @@ saved, vLLM's own are put in place (its seeded start the first time), and on the
 are kept for its next call and the caller's restored, bit for bit. The trainer's draws are then
 what they would be without vLLM, and vLLM's unseeded samples still continue one stream (two
 calls do not repeat each other's draws).
+
+The generators are the process's: two engines swapping at once from two threads (a server's
+models) would save each other's states as the caller's. So a swap holds one process-wide lock
+(:data:`SWAP_LOCK`, taken after the engine's own lock, never the other way round); a thread that
+draws from the global generators *while* another thread is inside vLLM still draws from vLLM's.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ def capture() -> dict[str, Any]:
     return states
 
 
+#: held for the whole of one engine's swap (see the module docstring)
+SWAP_LOCK = threading.RLock()
 #: the seed a CUDA generator starts from when nothing seeded it (torch's ``default_rng_seed_val``)
 CUDA_DEFAULT_SEED = 67280421310721
 
@@ -71,14 +78,15 @@ class RngStreams:
             finally:
                 self._depth.n = depth
             return
-        caller = capture()
-        if self._engine is not None:
-            restore(self._engine)
-        self._depth.n = 1
-        try:
-            yield
-        finally:
-            self._depth.n = 0
-            self._engine = capture()
-            restore(caller)
-            self.swaps += 1
+        with SWAP_LOCK:
+            caller = capture()
+            if self._engine is not None:
+                restore(self._engine)
+            self._depth.n = 1
+            try:
+                yield
+            finally:
+                self._depth.n = 0
+                self._engine = capture()
+                restore(caller)
+                self.swaps += 1
