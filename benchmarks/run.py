@@ -236,6 +236,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="toy sizes, 1 repetition: checks that everything runs")
     p.add_argument("--only", default=None, help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument("--out", default=None, help="also write the JSON document to this file")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per comparison (default: per benchmark)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: min(2, cores))")
     p.add_argument("--engine-config", default=None, help="JSON engine_config for the SDK side (default: defaults)")
@@ -279,6 +280,8 @@ def main(argv=None) -> int:
             doc["plot"] = scaling.plot(doc["benchmarks"][scaling.NAME], args.plot)
         doc["targets"] = targets(doc["benchmarks"])
         doc["total_seconds"] = time.perf_counter() - t_start
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=2))
     if args.json:
         print(json.dumps(doc, indent=2))
     else:

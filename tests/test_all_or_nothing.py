@@ -227,7 +227,7 @@ def test_keep_grads_on_error_off_drops_everything_and_says_so(fragile_losses):
         with pytest.raises(_fragile.Boom) as info:
             b.forward_backward(FAILING, "fragile_ce")
         assert "the pending gradients of the 1 earlier forward_backward call(s) since the last step were dropped " \
-               "too (engine_config keep_grads_on_error=False)" in info.value.__notes__[0]
+               "too (keep_grads_on_error=False)" in info.value.__notes__[0]
         assert grads_of(b) == {} and b._calls_since_step == 0
         assert b.optim_step(ADAM).metrics["no_gradient"] == 1.0
 
@@ -245,3 +245,46 @@ def test_shared_base_adapters_keep_their_pending_gradients(fragile_losses):
         _same(grads_of(alice), mine)
         _same(grads_of(bob), theirs)
         assert alice.optim_step(ADAM).metrics["no_gradient"] == 0.0
+
+
+def test_keep_grads_on_error_is_switchable_per_call(fragile_losses):
+    """The engine's default either way, and one call asking for the other: the pending gradients are
+    kept (one more gradient buffer during that call) or dropped (none) as that call says."""
+    with skyrl_sdk.Backend(seed=0, engine_config={**MICRO, "keep_grads_on_error": False}) as b:
+        b.forward_backward(SFT)
+        before = grads_of(b)
+        with pytest.raises(_fragile.Boom) as info:
+            b.forward_backward(FAILING, "fragile_ce", keep_grads_on_error=True)
+        assert "were kept as they were" in info.value.__notes__[0]
+        _same(grads_of(b), before)
+        assert b._calls_since_step == 1
+    with skyrl_sdk.Backend(seed=0, engine_config=MICRO) as b:  # default: kept
+        b.forward_backward(SFT)
+        with pytest.raises(_fragile.Boom) as info:
+            b.forward_backward(FAILING, "fragile_ce", keep_grads_on_error=False)
+        assert "were dropped too (keep_grads_on_error=False)" in info.value.__notes__[0]
+        assert grads_of(b) == {} and b._calls_since_step == 0
+        # the engine's default is unchanged for the next call
+        b.forward_backward(SFT)
+        before = grads_of(b)
+        with pytest.raises(_fragile.Boom):
+            b.forward_backward(FAILING, "fragile_ce")
+        _same(grads_of(b), before)
+
+
+def test_a_per_call_keep_grads_on_error_is_checked_before_compute(backend):
+    _refused_without_a_trace(backend, lambda: backend.forward_backward(SFT, keep_grads_on_error="yes"),
+                             errors.InputError, r"keep_grads_on_error: expected true, false or None, got 'yes'")
+
+    class NoSwitch(type(backend.engine)):
+        def run(self, data, loss, *, backward):  # a custom engine without the keyword
+            return super().run(data, loss, backward=backward)
+
+    engine = backend.engine
+    try:
+        backend.engine = object.__new__(NoSwitch)
+        backend.engine.__dict__.update(engine.__dict__)
+        _refused_without_a_trace(backend, lambda: backend.forward_backward(SFT, keep_grads_on_error=False),
+                                 errors.InputError, r"keep_grads_on_error: engine 'local' cannot choose it per call")
+    finally:
+        backend.engine = engine

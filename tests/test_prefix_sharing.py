@@ -227,8 +227,9 @@ def _kept_bytes_per_micro_batch(backend, data, monkeypatch) -> list[int]:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            original(*args, **kwargs)
+            per_token = original(*args, **kwargs)
         kept.append(sum(seen.values()))
+        return per_token
 
     monkeypatch.setattr(runner, "_run_micro_batch", counting)
     backend.forward_backward(data, "cross_entropy")
@@ -378,7 +379,7 @@ def test_a_plan_on_a_model_that_would_ignore_it_is_refused(pair):
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"prefix_sharing": "yes"}, "engine_config\\['prefix_sharing'\\]: expected true or false"),
+    ({"prefix_sharing": "yes"}, "engine_config\\['prefix_sharing'\\]: expected true, false or null"),
     ({"prefix_sharing_min_tokens": 0}, "prefix_sharing_min_tokens"),
     ({"prefix_sharing_min_tokens": 2.5}, "prefix_sharing_min_tokens"),
 ])

@@ -68,6 +68,22 @@ def test_a_step_sums_the_forward_backward_calls_since_the_last_one(tmp_path):
     h.close()
 
 
+def test_a_steps_throughput_is_its_calls_tokens_over_their_compute_time(tmp_path):
+    h = History(tmp_path / "db", flush_s=3600, write_through=False)
+    t0 = time.time() - 100.0
+    h.forward_backward("r", {"loss:sum": 6.0, "num_tokens:sum": 10.0, "seconds:sum": 2.0, "mfu:mean": 0.3},
+                       t0, _data([1.0], [1.0]))
+    h.forward_backward("r", {"loss:sum": 3.0, "num_tokens:sum": 30.0, "seconds:sum": 6.0, "mfu:mean": 0.5},
+                       t0 + 1, _data([1.0]))
+    h.optim_step("r", {"grad_norm": 1.0, "learning_rate": 1e-3, "skipped": 0.0, "step": 1.0})
+    h.forward_backward("r", {"loss:sum": 1.0, "num_tokens:sum": 4.0, "seconds:sum": 1.0}, t0 + 2, _data([1.0]))
+    h.optim_step("r", {"grad_norm": 1.0, "learning_rate": 1e-3, "skipped": 0.0, "step": 2.0})  # no peak known
+    s = h.curves("r")["series"]
+    assert s["tokens_per_second"]["mean"] == [40.0 / 8.0, 4.0]
+    assert s["mfu"]["mean"] == [pytest.approx((0.3 * 2.0 + 0.5 * 6.0) / 8.0), None]
+    h.close()
+
+
 def test_a_run_is_bounded_and_its_buckets_equal_numpy_over_the_raw_steps(tmp_path):
     values = np.random.default_rng(0).normal(size=100)
     h = History(tmp_path / "db", flush_s=3600, max_rows=8)
@@ -100,7 +116,7 @@ def test_how_steps_are_batched_into_writes_changes_nothing(tmp_path):
     once.flush()
     a, b = every.curves("r"), once.curves("r")
     assert a["stride"] == b["stride"] == 16 and (a["n"], a["step"]) == (b["n"], b["step"])
-    for name in set(SERIES) - {"seconds"}:  # (wall time differs)
+    for name in set(SERIES) - {"seconds", "tokens_per_second", "mfu"}:  # (wall time differs; none recorded)
         for stat in ("mean", "min", "max"):
             x, y = a["series"][name][stat], b["series"][name][stat]
             assert [v is None for v in x] == [v is None for v in y], (name, stat)

@@ -229,8 +229,10 @@ def test_an_owner_sees_their_run_curve_and_checkpoint_and_nothing_of_another(wor
     assert [a["data-run-id"] for t, a, _ in dom.found if t == "tr" and "data-run-id" in a] == [world["run"]]
     assert dom.by(id="run-title")[0][2] == world["run"]
     lines = {a["data-series"]: a for t, a, _ in dom.found if t == "path" and "line" in a.get("class", "").split()}
+    # every curve with values drawn: a supervised run has no RL curves, and MFU has no point on CPU (no peak known)
     assert set(lines) == {"loss_per_token", "loss_sum", "grad_norm", "entropy", "learning_rate", "tokens", "seconds",
-                          "skipped"}  # every curve with values drawn; a supervised run has no RL curves
+                          "skipped", "tokens_per_second"}
+    assert lines["tokens_per_second"]["data-points"] == str(STEPS)
     loss = lines["loss_per_token"]
     assert loss["data-points"] == str(STEPS) and loss["d"].count("L") == STEPS - 1  # a point per step, joined
     assert [a["data-path"] for _, a, _ in dom.by() if "data-path" in a] == [world["checkpoint"]]

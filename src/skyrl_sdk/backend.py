@@ -21,8 +21,10 @@ import numpy as np
 
 from .builtin_plugins import get_registry
 from .engines import call_grads
-from .engines.turns import Steps, run_to_end
-from .errors import CheckpointError, CriticExportWarning, InputError
+from .engines.state import read_state_metadata
+from .engines.throughput import CallClock
+from .engines.turns import Steps, run_to_end, timed
+from .errors import CriticExportWarning, InputError
 from .inputs.coerce import adam_params_from_any, lora_config_from_any
 from .inputs.sample import sample_request_from_any
 from .losses.calls import CallModel, prepare_call, prepare_sample
@@ -30,7 +32,7 @@ from .losses.metrics import MetricAccumulator
 from .losses.resolve import ResolvedLoss
 from .losses.run import add_prepared_inputs
 from .losses.stability import SequenceRecords
-from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
+from .models.checkpoint import atomic_directory, write_json
 from .models.value_head import critic_export_note, write_critic_card
 from .plugins.samplers import Sampler, check_sampler
 from .types import (
@@ -95,6 +97,7 @@ class Backend:
         self.sampler_name = sampler
         self._sampler_config = dict(sampler_config or {})
         self._sampler = None  # built on the first sample(): a sampler may hold a second model
+        self._sampled = False  # the sampler sampled since the trainer last computed (it holds the device)
         self.model_name = str(model)
         self.role = role
         self.dialect = dialect
@@ -112,6 +115,8 @@ class Backend:
         self.engine = (factory or registry.engines[engine].factory)(
             model=self.model_name, role=role, lora=self.lora, seed=seed, engine_config=dict(engine_config or {})
         )
+        #: times each call: the throughput metrics of its output (engines/throughput.py)
+        self.clock = CallClock(self.engine, lora=self.lora is not None)
         logger.info("Backend ready: model=%s engine=%s role=%s lora=%s (%.1fs)",
                     self.model_name, self.engine_name, role, self.lora, time.perf_counter() - t0)
 
@@ -172,54 +177,59 @@ class Backend:
         return CallModel(name=self.model_name, vocab_size=info.vocab_size, max_positions=info.max_positions,
                          images=self.engine.images, sequences=self.sequences)
 
-    @staticmethod
-    def _outputs(result) -> ForwardBackwardOutput:
+    def _run_steps(self, datums: list[Datum], resolved: ResolvedLoss, *, backward: bool,
+                   **options: Any) -> Steps[ForwardBackwardOutput]:
+        """(holding the lock) The engine's stepped call as a ``ForwardBackwardOutput``, timed over
+        its own steps (not the pauses in which a scheduler ran other calls)."""
+        self._training_turn()
+        seconds = [0.0]
+        result = yield from timed(self.engine.run_steps(datums, resolved, backward=backward, **options), seconds)
         outputs = [{k: TensorData(np.ascontiguousarray(v)) for k, v in o.items()} for o in result.outputs]
         acc = MetricAccumulator()
         acc.merge([result.metric_state])
-        return ForwardBackwardOutput(loss_fn_output_type=LOSS_FN_OUTPUT_TYPE, loss_fn_outputs=outputs,
-                                     metrics=acc.result())
+        metrics = {**acc.result(), **self.clock.training(datums, seconds[0], backward=backward)}
+        return ForwardBackwardOutput(loss_fn_output_type=LOSS_FN_OUTPUT_TYPE, loss_fn_outputs=outputs, metrics=metrics)
 
     def forward_backward(
-        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
+        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None, *,
+        keep_grads_on_error: bool | None = None,
     ) -> ForwardBackwardOutput:
-        """Score ``data`` with ``loss_fn`` and add the gradient of the summed loss."""
-        return run_to_end(self.forward_backward_steps(data, loss_fn, loss_fn_config))
+        """Score ``data`` with ``loss_fn`` and add the gradient of the summed loss.
+
+        ``keep_grads_on_error`` chooses for this call whether a failure mid-call keeps the pending
+        gradients of earlier calls (at the cost of one more gradient buffer while it runs) or drops
+        them all (no extra buffer); None: ``engine_config["keep_grads_on_error"]`` (docs/engines.md)."""
+        return run_to_end(self.forward_backward_steps(data, loss_fn, loss_fn_config,
+                                                      keep_grads_on_error=keep_grads_on_error))
 
     def forward_backward_steps(
-        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
+        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None, *,
+        keep_grads_on_error: bool | None = None,
     ) -> Steps[ForwardBackwardOutput]:
         """:meth:`forward_backward` as a stepped call (``engines.turns``), yielding at micro-batch
         boundaries; it holds the Backend throughout: drive it to its end on the thread that started it."""
+        options = call_grads.keep_option(self.engine.run, self.engine_name, keep_grads_on_error)
         with self._lock:
             self._check_open()
             datums, resolved = yield from self._prepare(data, loss_fn, loss_fn_config)
-            t0 = time.perf_counter()
             try:
-                result = yield from self.engine.run_steps(datums, resolved, backward=True)
+                out = yield from self._run_steps(datums, resolved, backward=True, **options)
             except BaseException as exc:
-                self._after_failed_call(exc)
+                kept = call_grads.note_failure(exc, self._calls_since_step)
+                self._calls_since_step = self._calls_since_step if kept is None else kept
                 raise
             self._calls_since_step += 1
-            logger.info("forward_backward(%s): %d datums, %.3fs", resolved.name, len(datums), time.perf_counter() - t0)
-            return self._outputs(result)
+            logger.info("forward_backward(%s): %d datums, %.3fs", resolved.name, len(datums),
+                        out.metrics["seconds:sum"])
+            return out
 
-    def _after_failed_call(self, exc: BaseException) -> None:
-        """Keep the count of calls since the last step right after a failed forward_backward, and
-        say in the error what became of the pending gradients (the engine records it)."""
-        kept = call_grads.outcome(exc)
-        if kept is None:
-            return
-        earlier = self._calls_since_step
-        what = f"the pending gradients of the {earlier} earlier forward_backward call(s) since the last step"
-        if kept == call_grads.DROPPED:
-            self._calls_since_step = 0
-            note = f"{what} were dropped too (engine_config keep_grads_on_error=False)"
-        else:
-            note = f"{what} were kept as they were" if earlier else "no gradients were pending"
-        notes = getattr(exc, "__notes__", None)
-        exc.__notes__ = [*(notes if isinstance(notes, list) else []),
-                         f"forward_backward failed mid-call: this call's partial gradients were dropped; {note}"]
+    def _training_turn(self) -> None:
+        """(holding the lock) Before the trainer computes: a sampler that sampled since gives the
+        device back once (vLLM sleeps), then the trainer's offloaded tensors come back."""
+        if self._sampled:
+            self._sampled = False
+            self._sampler.before_training()
+        self.engine.reload_to_device()
 
     def forward(
         self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
@@ -238,13 +248,14 @@ class Backend:
         with self._lock:
             self._check_open()
             datums, resolved = yield from self._prepare(data, loss_fn, loss_fn_config, backward=False)
-            return self._outputs((yield from self.engine.run_steps(datums, resolved, backward=False)))
+            return (yield from self._run_steps(datums, resolved, backward=False))
 
     def optim_step(self, adam_params: Any = None) -> OptimStepOutput:
         """Apply AdamW with exactly ``adam_params`` to the accumulated gradients, then clear them."""
         params = AdamParams() if adam_params is None else adam_params_from_any(adam_params)
         with self._lock:
             self._check_open()
+            self._training_turn()
             scale = 1.0
             if self.grad_accumulation == "mean" and self._calls_since_step > 1:
                 scale = 1.0 / self._calls_since_step
@@ -304,7 +315,14 @@ class Backend:
         request = prepare_sample(request, self._call_model())  # images decoded in the caller's thread
         with self._lock:
             self._check_open()
-            outs = self._built_sampler().sample(request)
+            sampler = self._built_sampler()
+            if sampler.own_weights:  # engine_config offload_while_sampling: the trainer waits in host memory
+                self.engine.offload_to_host()
+            self._sampled = True
+            t0 = time.perf_counter()
+            outs = sampler.sample(request)
+            metrics = self.clock.sampling(request.prompts, outs, time.perf_counter() - t0)
+        outs = [attrs.evolve(o, metrics=metrics) for o in outs]
         if not request.record_stability_info:
             return outs
         return self.sequences.record_outputs(request.prompts, outs)
@@ -319,6 +337,8 @@ class Backend:
         """(holding the lock) The sampler, built on first use with the engine's weights source."""
         if self._sampler is None:
             factory = get_registry().sampler_spec(self.sampler_name).factory
+            if getattr(factory, "own_weights", False):  # its engine starts with the trainer in host memory
+                self.engine.offload_to_host()
             source = self.engine.weights_source()
             sampler = check_sampler(factory(source=source, config=dict(self._sampler_config)), self.sampler_name)
             self._sampler = sampler
@@ -386,25 +406,8 @@ class Backend:
         directory = Path(path).expanduser()
         with self._lock:
             self._check_open()
-            if not directory.is_dir():
-                raise CheckpointError(f"no checkpoint directory at {directory}")
-            reject_symlinks(directory)
-            meta = read_json(directory / METADATA_FILE)
-            where = str(directory / METADATA_FILE)
-            if not isinstance(meta, dict):
-                raise CheckpointError(f"{where}: expected a JSON object, got {type(meta).__name__}")
-            if meta.get("format") != STATE_FORMAT:
-                raise CheckpointError(f"{where}: unsupported state format {meta.get('format')!r}")
-            for key in ("identity", "engine_state"):
-                if not isinstance(meta.get(key), dict):
-                    raise CheckpointError(f"{where}: {key}: expected an object, got {meta.get(key)!r}")
-            mine, theirs = self._identity(), meta["identity"]
-            for key in ("architecture", "vocab_size", "num_parameters", "role", "lora"):
-                if mine.get(key) != theirs.get(key):
-                    raise CheckpointError(
-                        f"{directory} holds a state of another model: {key} is {theirs.get(key)!r} there, "
-                        f"{mine.get(key)!r} here"
-                    )
+            meta = read_state_metadata(directory, METADATA_FILE, STATE_FORMAT, self._identity())
+            self._training_turn()
             self.engine.load_state(directory, meta["engine_state"], optimizer)
             self.engine.weights_changed()
             self._calls_since_step = 0

@@ -22,6 +22,10 @@ def test_full_fine_tuning_under_fsdp_samples_its_current_weights():
             s = b.sample([PROMPT], {"max_tokens": 8, "seed": 1})[0].sequences[0]
             np.testing.assert_allclose(s.logprobs, forward_logprobs(b, PROMPT, s.tokens), atol=1e-3)
             assert (b.sampler.last_sync is None) == (step == 0)
+            if step:  # the whole wait: the ranks' export (most of it) as well as vLLM's load
+                sync = b.sampler.last_sync
+                assert sync["fetch_seconds"] > 0 and sync["load_seconds"] > 0
+                assert sync["seconds"] >= sync["fetch_seconds"] + sync["wake_seconds"] + sync["load_seconds"]
             train(b)
     with skyrl_sdk.Backend(model="tiny", engine="fsdp", engine_config={"world_size": 2}, lora={"rank": 4},
                            sampler="vllm", sampler_config=SMALL) as lora:

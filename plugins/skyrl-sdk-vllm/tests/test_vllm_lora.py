@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from vllm_testutil import SMALL, forward_logprobs, mirror, train
+from vllm_testutil import SMALL, forward_logprobs, logprob_atol, mirror, train
 
 import skyrl_sdk
 from skyrl_sdk_vllm import engines
@@ -17,7 +17,7 @@ PROMPT = list(range(5, 40))
 def _check(backend, seed=1, num_samples=2):
     """Every sample's logprobs are the Backend's ``forward`` (the adapter in use is the current one)."""
     for s in backend.sample([PROMPT], {"max_tokens": 8, "seed": seed}, num_samples=num_samples)[0].sequences:
-        np.testing.assert_allclose(s.logprobs, forward_logprobs(backend, PROMPT, s.tokens), atol=1e-3)
+        np.testing.assert_allclose(s.logprobs, forward_logprobs(backend, PROMPT, s.tokens), atol=logprob_atol(backend))
 
 
 def test_a_lora_model_samples_its_current_adapter(tmp_path):

@@ -20,7 +20,8 @@ GREEDY = {"max_tokens": 12, "temperature": 0.0}
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(the vLLM-sampled Backend, a built-in-sampled Backend with the same initial weights)."""
-    config = {**SMALL, "engine_args": {"disable_log_stats": False}}  # the prefix-cache test reads vLLM's counters
+    # float32 on a GPU too (its default there is bfloat16): these tests hold logprobs to forward's within 1e-3
+    config = {**SMALL, "dtype": "float32", "engine_args": {"disable_log_stats": False}}  # prefix-cache test: counters
     with skyrl_sdk.Backend(model="tiny", sampler="vllm", sampler_config=config) as b, \
             skyrl_sdk.Backend(model="tiny") as ref:
         yield b, ref
@@ -152,19 +153,21 @@ def test_refusals_name_the_option(pair):
 
 
 def test_sleep_gives_the_memory_back_between_calls_on_a_gpu_and_is_refused_on_cpu():
-    """sleep_level 1: vLLM drops its KV cache and moves its weights to CPU memory after each call,
-    and samples the current weights again after waking. vLLM's CPU backend has no sleep mode."""
+    """sleep_level 1: vLLM drops its KV cache and moves its weights to CPU memory when the trainer
+    computes, and samples the current weights again after waking at the next sample. vLLM's CPU
+    backend has no sleep mode (the policy itself is tested on CPU in test_vllm_colocation.py)."""
     from skyrl_sdk_vllm.loading import on_cpu
 
-    with skyrl_sdk.Backend(model="tiny", sampler="vllm", sampler_config={**SMALL, "sleep_level": 1}) as b:
+    with skyrl_sdk.Backend(model="tiny", sampler="vllm", sampler_config={**SMALL, "sleep_level": 1, "dtype": "float32"}) as b:
         if on_cpu():
             with pytest.raises(errors.InputError, match=r"sleep_level'\]: vLLM's CPU backend has no sleep mode"):
                 b.sample([PROMPT], {"max_tokens": 2})
             return
         for _ in range(2):
             s = b.sample([PROMPT], {"max_tokens": 8, "seed": 1})[0].sequences[0]
-            assert b.sampler.engine.asleep == 1
+            assert b.sampler.engine.sleep_mode.asleep == 0  # awake until the trainer computes
             np.testing.assert_allclose(s.logprobs, forward_logprobs(b, PROMPT, s.tokens), atol=1e-3)
+            assert b.sampler.engine.sleep_mode.asleep == 1  # forward slept it
             train(b, steps=1)
 
 

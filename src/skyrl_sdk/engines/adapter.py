@@ -151,12 +151,14 @@ class AdapterEngine(_OnSharedBase):
         self.runner = adapter.runner
 
     # ---- compute ----------------------------------------------------------------------------------
-    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool,
+                  keep_grads_on_error: bool | None = None) -> Steps[EngineResult]:
         """One turn on the base per step: between its micro-batches the call holds no turn, and its
         adapter stays in memory (:meth:`~.pool.AdapterPool.calling`)."""
         with self.shared.calling(self.adapter):
             return (yield from each_step(lambda: self.shared.using(self.adapter),
-                                         self.runner.steps(data, loss, backward=backward)))
+                                         self.runner.steps(data, loss, backward=backward,
+                                                           keep_grads_on_error=keep_grads_on_error)))
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         with self.shared.using(self.adapter):

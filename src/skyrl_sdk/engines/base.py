@@ -121,15 +121,20 @@ class Engine(abc.ABC):
 
         A backward call that raises leaves the pending gradients as they were (``ModelRunner``
         keeps them with :mod:`.call_grads`) or says it dropped them (``call_grads.DROPPED`` on the
-        exception, so the Backend resets its call count)."""
+        exception, so the Backend resets its call count). An engine whose ``run`` also takes a
+        ``keep_grads_on_error`` keyword (bool) lets a caller choose that for one call
+        (``Backend.forward_backward(..., keep_grads_on_error=False)``); the Backend passes it
+        only when the caller set it."""
 
-    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool,
+                  **options: Any) -> Steps[EngineResult]:
         """:meth:`run` as a stepped call (:mod:`.turns`): a generator that yields at each micro-batch
         boundary and returns :meth:`run`'s result, so a scheduler (the server's executor) gives
         other calls the device between micro-batches without running them inside this one. The
         default is one step (an engine that computes in other processes cannot pause); an
-        in-process engine returns its runner's :meth:`~.runner.ModelRunner.steps`."""
-        return (yield from one_step(self.run, data, loss, backward=backward))
+        in-process engine returns its runner's :meth:`~.runner.ModelRunner.steps`. ``options``
+        are :meth:`run`'s own keywords (``keep_grads_on_error``), passed on."""
+        return (yield from one_step(self.run, data, loss, backward=backward, **options))
 
     @abc.abstractmethod
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
@@ -170,6 +175,23 @@ class Engine(abc.ABC):
         :class:`~.weights.EngineWeights`."""
         raise self.unsupported("sample")
 
+    def peak_flops(self) -> float | None:
+        """FLOP/s of the devices this engine computes on at their peak, in its compute dtype: the
+        denominator of the ``mfu`` metric (``engines.throughput.peak_flops``). None: unknown (no
+        MFU is reported)."""
+        return None
+
+    def offload_to_host(self) -> bool:
+        """Before a sampler with its own copy of the weights samples: move the trainer's
+        parameters, gradients and optimizer state to host memory, if this engine was asked to
+        (``engine_config["offload_while_sampling"]``). True when they moved. Default: never."""
+        return False
+
+    def reload_to_device(self) -> None:  # noqa: B027 (optional: nothing was offloaded by default)
+        """Bring back what :meth:`offload_to_host` moved (a no-op when nothing did); the Backend
+        calls it before every call that computes (``forward``, ``forward_backward``,
+        ``optim_step``) or loads a state. Saves and exports read the tensors where they are."""
+
     def close(self) -> None:  # noqa: B027 (optional: nothing to free by default)
         """Free memory and processes; called once or more (must be idempotent)."""
 
@@ -206,7 +228,8 @@ def runner_options(config: EngineConfig, loaded: LoadedModel, device: torch.devi
     padding id, prefix sharing, and autocast to the compute dtype under mixed precision."""
     return dict(device=device, micro_batch_tokens=config.micro_batch_tokens, batching=config.batching,
                 pad_id=loaded.pad_token_id,
-                prefix_min_tokens=config.prefix_sharing_min_tokens if config.prefix_sharing else None,
+                # None: on where the attention kernel takes it (the runner's status says why not)
+                prefix_min_tokens=None if config.prefix_sharing is False else config.prefix_sharing_min_tokens,
                 compute_float32=config.dtype == "float32",
                 autocast_dtype=config.torch_dtype if config.mixed_precision else None,
                 keep_grads_on_error=config.keep_grads_on_error)

@@ -19,10 +19,14 @@ and a failure drops all pending gradients. Either way the exception records what
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
+
+from ..errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +80,33 @@ def _add(params: Sequence[torch.nn.Parameter], pending: Sequence[torch.Tensor | 
     if olds:
         with torch.no_grad():
             torch._foreach_add_(olds, news)
+
+
+def note_failure(exc: BaseException, earlier: int) -> int | None:
+    """After a ``forward_backward`` that raised ``exc`` with ``earlier`` calls since the last step:
+    say in the error what became of the pending gradients, and return the count of calls that
+    still stands (0 when they were dropped), or None when the engine did not say."""
+    kept = outcome(exc)
+    if kept is None:
+        return None
+    what = f"the pending gradients of the {earlier} earlier forward_backward call(s) since the last step"
+    if kept == DROPPED:
+        note, earlier = f"{what} were dropped too (keep_grads_on_error=False)", 0
+    else:
+        note = f"{what} were kept as they were" if earlier else "no gradients were pending"
+    notes = getattr(exc, "__notes__", None)
+    exc.__notes__ = [*(notes if isinstance(notes, list) else []),
+                     f"forward_backward failed mid-call: this call's partial gradients were dropped; {note}"]
+    return earlier
+
+
+def keep_option(run: Callable[..., Any], engine_name: str, keep: bool | None) -> dict[str, bool]:
+    """The engine keyword for a per-call ``keep_grads_on_error`` (``run``: the engine's ``run``),
+    refused by name when it is not a bool or the engine cannot take it."""
+    if keep is None:
+        return {}
+    if not isinstance(keep, bool):
+        raise InputError(f"keep_grads_on_error: expected true, false or None, got {keep!r}")
+    if "keep_grads_on_error" not in inspect.signature(run).parameters:
+        raise InputError(f"keep_grads_on_error: engine {engine_name!r} cannot choose it per call")
+    return {"keep_grads_on_error": keep}

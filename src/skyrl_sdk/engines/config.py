@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from ..errors import InputError, did_you_mean
+from ..models.attention import DEFAULT_ATTN_IMPLEMENTATION, PREFIX_SHARING_KERNELS, check_name
 from ..types.numbers import check_number, to_float
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,6 +31,16 @@ def _bool(instance, attribute, value):
         raise InputError(f"engine_config[{attribute.name!r}]: expected true or false, got {value!r}")
 
 
+def _bool_or_none(instance, attribute, value):
+    if value is not None and not isinstance(value, bool):
+        raise InputError(f"engine_config[{attribute.name!r}]: expected true, false or null, got {value!r}")
+
+
+def _peak(instance, attribute, value):
+    if value is not None:
+        check_number(f"engine_config[{attribute.name!r}] (TFLOP/s of one device)", value, low=0.0, low_open=True)
+
+
 @attrs.frozen
 class EngineConfig:
     """Options every built-in engine understands.
@@ -44,8 +55,14 @@ class EngineConfig:
       keeping its activations (less memory, ~one more forward of compute).
     - ``micro_batch_tokens``: token budget of one micro-batch (padded tokens for buckets).
     - ``batching``: "bucket" (length-sorted, padded) or "pack" (one packed row).
+    - ``attn_implementation``: the attention kernel (``models/attention.py``): "sdpa"
+      (the default: None leaves it to transformers, which picks "sdpa", or "eager" for the few
+      families without it), "eager", "flash_attention_2", "flash_attention_3" or
+      "flex_attention"; one that cannot run on the device is refused by name when the engine
+      is built.
     - ``prefix_sharing``: datums of one call that start with the same tokens (an RL group's
-      prompt) are computed with that head once (exact; docs/engines.md).
+      prompt) are computed with that head once (exact; docs/engines.md). Default (None): on
+      where the attention kernel takes it ("sdpa", "eager"); True with another kernel is refused.
     - ``prefix_sharing_min_tokens``: the shortest common head worth sharing.
     - ``logprob_chunk_elements``: tokens x vocab above which logprobs are chunked.
     - ``world_size``: ranks (FSDP engine only).
@@ -53,6 +70,11 @@ class EngineConfig:
     - ``keep_grads_on_error``: a ``forward_backward`` that fails mid-call leaves the pending
       gradients as they were (default), at the cost of one more gradient buffer while a call
       runs on top of pending gradients; False: no extra buffer, such a failure drops them all.
+    - ``offload_while_sampling``: while a sampler with its own copy of the weights (vllm)
+      samples, the trainer's parameters, gradients and AdamW state wait in host memory; they
+      come back before the next call that computes (docs/engines.md, Colocated memory).
+    - ``peak_tflops``: the device's peak TFLOP/s in the compute dtype, for the MFU metric
+      (default: the table in ``engines/throughput.py``, by GPU name; none on CPU).
     - ``train_vision_tower``: a vision-language model's vision tower trains too (LoRA adapters
       in it, or its weights under full fine-tuning); default frozen.
     - ``max_image_pixels``: the most pixels (width x height) of one image, read from its header
@@ -71,12 +93,16 @@ class EngineConfig:
     gradient_checkpointing: bool = attrs.field(default=False, validator=_bool)
     micro_batch_tokens: int = attrs.field(default=8192, validator=_positive)
     batching: str = "bucket"
-    prefix_sharing: bool = attrs.field(default=True, validator=_bool)
+    attn_implementation: str | None = attrs.field(default=DEFAULT_ATTN_IMPLEMENTATION,
+                                           validator=lambda i, a, v: check_name(v))
+    prefix_sharing: bool | None = attrs.field(default=None, validator=_bool_or_none)
     prefix_sharing_min_tokens: int = attrs.field(default=16, validator=_positive)
     logprob_chunk_elements: int = attrs.field(default=2**27, validator=_positive)
     world_size: int = attrs.field(default=1, validator=_positive)
     max_shard_bytes: int = attrs.field(default=5 * 1024**3, validator=_positive)
     keep_grads_on_error: bool = attrs.field(default=True, validator=_bool)
+    offload_while_sampling: bool = attrs.field(default=False, validator=_bool)
+    peak_tflops: float | None = attrs.field(default=None, validator=_peak)
     train_vision_tower: bool = attrs.field(default=False, validator=_bool)
     max_image_pixels: int = attrs.field(default=4096 * 4096, validator=_positive)
     max_image_tokens_per_datum: int = attrs.field(default=16384, validator=_positive)
@@ -105,6 +131,11 @@ class EngineConfig:
             )
         if self.batching not in ("bucket", "pack"):
             raise InputError(f"engine_config['batching']: expected 'bucket' or 'pack', got {self.batching!r}")
+        if self.prefix_sharing and self.attn_implementation not in (None, *PREFIX_SHARING_KERNELS):
+            raise InputError(
+                f"engine_config['prefix_sharing']: prefix sharing runs on the {list(PREFIX_SHARING_KERNELS)} attention "
+                f"kernels, not attn_implementation={self.attn_implementation!r}; drop prefix_sharing (it is then off) "
+                f"or choose one of those kernels")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -15,6 +15,7 @@ from ..errors import EngineError, InputError
 from ..hooks import hookimpl
 from ..losses.resolve import ResolvedLoss
 from ..models.activation_checkpointing import enable_activation_checkpointing
+from ..models.attention import check_available
 from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, dedupe_shared, save_tensors
 from ..models.loading import LoadedModel, hf_model, load_model
 from ..types import AdamParams, Datum, LoraConfig
@@ -30,6 +31,8 @@ from .export import (
 from .pool import SOLO_ADAPTER
 from .runner import ModelRunner
 from .state import StateLayout, check_engine_metadata, check_state_files
+from .throughput import cuda_name, peak_flops
+from .trainer_offload import TrainerOffload
 from .turns import Steps, run_to_end
 from .weights import EngineWeights
 
@@ -48,10 +51,11 @@ class LocalEngine(Engine):
         if self.config.world_size != 1:
             raise InputError("engine_config['world_size']: the local engine runs 1 rank; use engine='fsdp'")
         self.device = self.config.torch_device()
+        check_available(self.config.attn_implementation, self.device.type)
         # the parameters are the master weights (float32 unless master_dtype says otherwise)
         self.loaded: LoadedModel = load_model(
             model, role=role, lora=lora, seed=seed, dtype=self.config.master_torch_dtype, device=self.device,
-            train_vision_tower=self.config.train_vision_tower,
+            train_vision_tower=self.config.train_vision_tower, attn_implementation=self.config.attn_implementation,
         )
         if self.config.gradient_checkpointing:
             enable_activation_checkpointing(self.loaded.module)
@@ -60,17 +64,36 @@ class LocalEngine(Engine):
         self.info = EngineInfo.of(self.loaded)
         self.tokenizer = self.loaded.tokenizer
         self.images = image_inputs(model, self.config)
+        if self.config.offload_while_sampling:
+            self.trainer_offload = TrainerOffload(self.loaded.module, self.runner.optimizer, self.device)
 
     @property
     def prefix_sharing(self) -> str:
         return self.runner.prefix_status
 
     # ---- compute ----------------------------------------------------------------------
-    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
-        return run_to_end(self.run_steps(data, loss, backward=backward))
+    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool,
+            keep_grads_on_error: bool | None = None) -> EngineResult:
+        return run_to_end(self.run_steps(data, loss, backward=backward, keep_grads_on_error=keep_grads_on_error))
 
-    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
-        return (yield from self.runner.steps(data, loss, backward=backward))
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool,
+                  keep_grads_on_error: bool | None = None) -> Steps[EngineResult]:
+        return (yield from self.runner.steps(data, loss, backward=backward, keep_grads_on_error=keep_grads_on_error))
+
+    def peak_flops(self) -> float | None:
+        dev = self.device
+        return peak_flops(dev.type, cuda_name(dev.type, dev.index), self.config.dtype, self.config.peak_tflops)
+
+    # ---- colocated memory (engine_config offload_while_sampling) -----------------------
+    #: the trainer's tensors' move to host memory and back; None: the option is off
+    trainer_offload: TrainerOffload | None = None
+
+    def offload_to_host(self) -> bool:
+        return self.trainer_offload is not None and self.trainer_offload.to_host()
+
+    def reload_to_device(self) -> None:
+        if self.trainer_offload is not None:
+            self.trainer_offload.to_device()
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         return self.runner.optimizer.step(params, grad_scale)

@@ -39,6 +39,7 @@ import attrs
 import torch
 
 from ..errors import InputError, ModelLoadError
+from ..models.attention import check_available
 from ..models.loading import load_model, lora_targets, peft_model, quiet_peft_wrap
 from ..models.scoring import ScoringModel, count_parameters
 from ..types import LoraConfig
@@ -101,12 +102,17 @@ class AdapterPool:
         self.config = EngineConfig.from_mapping(engine_config)
         if self.config.world_size != 1:
             raise InputError("engine_config['world_size']: a shared base runs on one device (world_size 1)")
+        if self.config.offload_while_sampling:
+            raise InputError("engine_config['offload_while_sampling']: a shared base serves every client's calls; it "
+                             "cannot leave the device while one of them samples (use it with a Backend of its own)")
         self.device = self.config.torch_device()
+        check_available(self.config.attn_implementation, self.device.type)
         self.model_name, self.role, self.seed = str(model), role, seed
         self.max_adapters = max_adapters
         # fp32 masters under a narrower compute dtype, exactly as the local engine does
         self.loaded = load_model(model, role=role, lora=None, seed=seed, dtype=self.config.master_torch_dtype,
-                                 device=self.device, train_vision_tower=self.config.train_vision_tower)
+                                 device=self.device, train_vision_tower=self.config.train_vision_tower,
+                                 attn_implementation=self.config.attn_implementation)
         self.images = image_inputs(model, self.config)
         self._runner_options = runner_options(self.config, self.loaded, self.device)
         base = self.loaded.module

@@ -116,13 +116,17 @@ class ModelRunner:
         return batches
 
     def run(
-        self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None
+        self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None,
+        keep_grads_on_error: bool | None = None,
     ) -> EngineResult:
-        """Score ``data``; ``batches`` is a precomputed :meth:`plan` (sharded engines count it first)."""
-        return run_to_end(self.steps(data, loss, backward=backward, batches=batches))
+        """Score ``data``; ``batches`` is a precomputed :meth:`plan` (sharded engines count it first);
+        ``keep_grads_on_error`` overrides :attr:`keep_grads_on_error` for this call."""
+        return run_to_end(self.steps(data, loss, backward=backward, batches=batches,
+                                     keep_grads_on_error=keep_grads_on_error))
 
     def steps(
-        self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None
+        self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None,
+        keep_grads_on_error: bool | None = None,
     ) -> Steps[EngineResult]:
         """:meth:`run` as a stepped call (:mod:`.turns`): it yields after every micro-batch but the
         last, with no graph alive and the finished micro-batches' gradients accumulated (kept apart
@@ -138,38 +142,41 @@ class ModelRunner:
         )
         # a call that fails mid-way leaves no partial gradient, and the pending ones as they were
         params = [p for _, p in self.named_trainable()] if backward else []
-        with call_gradients(params, keep=self.keep_grads_on_error) if backward else contextlib.nullcontext():
+        keep = self.keep_grads_on_error if keep_grads_on_error is None else keep_grads_on_error
+        on_device: list[tuple] = []  # each micro-batch's per-token outputs, read after the last one
+        with call_gradients(params, keep=keep) if backward else contextlib.nullcontext():
             for i, mb in enumerate(progress):
-                self._run_micro_batch(data, mb, loss, backward, outputs, acc)
+                on_device.append((mb, self._run_micro_batch(data, mb, loss, backward, acc)))
                 if i + 1 < len(batches):
                     yield  # a boundary: the driver may run other calls now, or stop this one
+        _to_host(on_device, outputs)
         acc.add({"num_tokens:sum": Metric(float(sum(d.model_input.length for d in data)))})
         logger.debug("%s: %d datums in %d micro-batches", spec.name, len(data), len(batches))
         return EngineResult(outputs=outputs, metric_state=acc.state())  # type: ignore[arg-type]
 
-    def _run_micro_batch(self, data, mb, loss: ResolvedLoss, backward: bool, outputs, acc) -> None:
+    def _run_micro_batch(self, data, mb, loss: ResolvedLoss, backward: bool, acc) -> dict[str, torch.Tensor]:
+        """One micro-batch's forward (and backward); returns its per-token outputs, still on the
+        device: nothing here waits for the device (the metrics stay tensors too, read at the end)."""
         spec = loss.spec
         dev = self.device
         packed = pack_inputs(data, mb.datum_indices)
-        inputs = {
-            k: torch.from_numpy(v).to(dev, non_blocking=True) for k, v in packed.items()
-        }
+        inputs = {k: _to_device(torch.from_numpy(v), dev) for k, v in packed.items()}
         targets = inputs.get("target_tokens")
         grad_ctx = torch.enable_grad() if backward else torch.no_grad()
         with grad_ctx:
             with self.compute_precision():
                 scores, entropy = self.scoring(
-                    mb.input_ids.to(dev),
-                    None if mb.attention_mask is None else mb.attention_mask.to(dev),
-                    None if mb.position_ids is None else mb.position_ids.to(dev),
-                    mb.flat_index.to(dev),
+                    _to_device(mb.input_ids, dev),
+                    None if mb.attention_mask is None else _to_device(mb.attention_mask, dev),
+                    None if mb.position_ids is None else _to_device(mb.position_ids, dev),
+                    _to_device(mb.flat_index, dev),
                     targets,
                     prefix=None if mb.prefix is None else mb.prefix.to(dev),
-                    images=None if mb.images is None else tuple(t.to(dev) for t in mb.images),
+                    images=None if mb.images is None else tuple(_to_device(t, dev) for t in mb.images),
                 )
             kwargs = dict(
                 inputs=inputs,
-                segment_ids=mb.segment_ids.to(dev),
+                segment_ids=_to_device(mb.segment_ids, dev),
                 num_segments=len(mb.datum_indices),
                 entropy=entropy,
             )
@@ -184,10 +191,7 @@ class ModelRunner:
             per_token["elementwise_loss"] = out.elementwise_loss.detach()
         for key, value in out.extra_outputs.items():
             per_token[key] = value.detach()
-        host = {k: v.float().cpu().numpy() for k, v in per_token.items() if k in spec.outputs or k in out.extra_outputs}
-        for local, idx in enumerate(mb.datum_indices):
-            start, end = int(mb.offsets[local]), int(mb.offsets[local + 1])
-            outputs[idx] = {k: v[start:end] for k, v in host.items()}
+        return {k: v.float() for k, v in per_token.items() if k in spec.outputs or k in out.extra_outputs}
 
     # ---- optimizer ---------------------------------------------------------------------
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -197,3 +201,29 @@ class ModelRunner:
     def any_rank(self, flag: bool) -> bool:
         """OR a flag over ranks (overridden by sharded engines)."""
         return flag
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device (a blocking copy to CUDA
+    synchronizes the stream): from pinned memory, so the copy overlaps the compute queued before."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _to_host(on_device: list[tuple], outputs: list) -> None:
+    """Every micro-batch's per-token outputs in host memory, one transfer per output name, cut
+    into ``outputs`` per datum (the call's only wait for the device, with its metrics')."""
+    for mb, _ in on_device:
+        for idx in mb.datum_indices:
+            outputs[idx] = {}
+    keys = list(dict.fromkeys(k for _, per_token in on_device for k in per_token))
+    for key in keys:
+        parts = [(mb, per_token[key]) for mb, per_token in on_device if key in per_token]
+        host = torch.cat([t for _, t in parts]).cpu().numpy()
+        start = 0
+        for mb, t in parts:
+            rows = host[start:start + t.shape[0]]
+            start += t.shape[0]
+            for local, idx in enumerate(mb.datum_indices):
+                outputs[idx][key] = rows[int(mb.offsets[local]):int(mb.offsets[local + 1])]

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from ..errors import CheckpointError
-from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE
+from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, read_json, reject_symlinks
 from .optimizer import MOMENT_KINDS
 
 #: How many problems one error message lists.
@@ -227,3 +227,31 @@ def check_engine_metadata(metadata: Any, where: str) -> tuple[int, dict[str, str
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
         raise CheckpointError(f"{where}: engine_state.tied_aliases: expected an object of names, got {aliases!r}")
     return step, aliases
+
+
+#: what a Backend's state must agree on with the live model
+IDENTITY_KEYS = ("architecture", "vocab_size", "num_parameters", "role", "lora")
+
+
+def read_state_metadata(directory: Path, file: str, state_format: int, mine: Mapping[str, Any]) -> dict[str, Any]:
+    """The metadata ``file`` of a saved state in ``directory``, checked: a JSON object of format
+    ``state_format`` whose ``identity`` matches ``mine`` (the live model's), or
+    ``CheckpointError`` naming the directory and what differs."""
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {directory}")
+    reject_symlinks(directory)
+    meta = read_json(directory / file)
+    where = str(directory / file)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got {type(meta).__name__}")
+    if meta.get("format") != state_format:
+        raise CheckpointError(f"{where}: unsupported state format {meta.get('format')!r}")
+    for key in ("identity", "engine_state"):
+        if not isinstance(meta.get(key), dict):
+            raise CheckpointError(f"{where}: {key}: expected an object, got {meta.get(key)!r}")
+    theirs = meta["identity"]
+    for key in IDENTITY_KEYS:
+        if mine.get(key) != theirs.get(key):
+            raise CheckpointError(f"{directory} holds a state of another model: {key} is {theirs.get(key)!r} there, "
+                                  f"{mine.get(key)!r} here")
+    return meta

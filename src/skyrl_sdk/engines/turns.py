@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Generator, Hashable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -80,6 +81,21 @@ def each_step(turn: Callable[[], contextlib.AbstractContextManager[Any]], steps:
                 thrown = None
     finally:
         steps.close()  # a no-op once it ended; else (its turn could not be had) it cleans up now
+
+
+def timed(steps: Steps[T], seconds: list[float]) -> Steps[T]:
+    """``steps``, adding to ``seconds[0]`` the time its steps take (not the pauses between them,
+    where its driver may run other calls): a call's own compute time, for its throughput."""
+    return each_step(lambda: _stopwatch(seconds), steps)
+
+
+@contextlib.contextmanager
+def _stopwatch(seconds: list[float]) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[0] += time.perf_counter() - t0
 
 
 @contextlib.contextmanager

@@ -48,14 +48,14 @@ def run_loss(resolved: ResolvedLoss, loss_input: LossInput) -> tuple[LossOutput,
             raise _malformed(resolved, f"reported a bad metric: {exc}") from None
         if not isinstance(value, Metric):
             raise _malformed(resolved, f"reported metric {key!r} as {type(value).__name__}, expected Metric")
-    loss_value = float(out.loss.detach())
+    loss_value = out.loss.detach()  # read with the call's other metrics, after its last micro-batch
     metrics["loss:sum"] = Metric(loss_value)
     metrics["total_loss:sum"] = Metric(loss_value)
     if loss_input.entropy is not None:
         ent = loss_input.entropy.detach()
         if out.scored is not None:
             ent = ent * out.scored.to(ent.dtype)
-        metrics["entropy_loss:sum"] = Metric(float(ent.sum()))
+        metrics["entropy_loss:sum"] = Metric(ent.sum())
     return out, metrics
 
 

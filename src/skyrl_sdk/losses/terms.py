@@ -211,13 +211,13 @@ def apply_terms(name: str, terms: LossTerms, batch: LossInput, out: LossOutput) 
     if terms.loss_reduction != "sum":
         for key in PRIMARY_LOSS_METRICS:
             if key in metrics:
-                metrics[key] = Metric(float(base.detach()))
+                metrics[key] = Metric(base.detach())
     total = base
     mask = token_mask(batch) if terms.kl_coef > 0 or terms.entropy_coef != 0 else None
     if terms.kl_coef > 0:
         kl = kl_estimate(batch.target_logprobs, batch.inputs["ref_logprobs"], terms.kl_estimator) * mask
         kl_loss = reduce_tokens(kl, scale)
-        metrics["kl_loss:sum"] = Metric(float(kl_loss.detach()))
+        metrics["kl_loss:sum"] = Metric(kl_loss.detach())
         total = total + terms.kl_coef * kl_loss
     if terms.entropy_coef != 0:
         if batch.entropy is None:

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ModelLoadError, did_you_mean, install_hint
 from ..types import LoraConfig
+from .attention import DEFAULT_ATTN_IMPLEMENTATION
 from .value_head import CONFIG_FIELD, VALUE_HEAD, ValueHeadModel, initial_value_head
 from .vlm import (
     auto_class,
@@ -354,15 +355,15 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = original
 
 
-def _build(name: str, config, role: str, *, materialize: bool, dtype: torch.dtype):
+def _build(name: str, config, role: str, *, materialize: bool, dtype: torch.dtype, attn_implementation: str | None):
     """The causal LM (policy) or its backbone (critic): from the seed, the files, or on meta."""
     auto = auto_class(config, role)
     if not materialize:
         with parameters_on_meta():
-            return auto.from_config(config)
+            return auto.from_config(config, attn_implementation=attn_implementation)
     if name == TINY_NAME:
-        return auto.from_config(config)
-    return auto.from_pretrained(name, config=config, dtype=dtype)
+        return auto.from_config(config, attn_implementation=attn_implementation)
+    return auto.from_pretrained(name, config=config, dtype=dtype, attn_implementation=attn_implementation)
 
 
 def _value_head_weights(files: dict, config, seed: int, dtype: torch.dtype) -> tuple[dict, bool]:
@@ -383,6 +384,7 @@ def load_model(
     device: torch.device | str = "cpu",
     materialize: bool = True,
     train_vision_tower: bool = False,
+    attn_implementation: str | None = DEFAULT_ATTN_IMPLEMENTATION,
 ) -> LoadedModel:
     """Build or load the model for ``role``: "policy", the causal LM; "critic", its backbone
     with a value head (:class:`~skyrl_sdk.value_head.ValueHeadModel`).
@@ -391,7 +393,8 @@ def load_model(
     reads no weights: the caller shards the module and fills each shard from
     ``weights_dir``'s files and ``generated`` (LoRA adapters and a new value head, drawn
     from the seed exactly as a materialized load draws them). A vision-language model's vision
-    tower is frozen unless ``train_vision_tower`` (:mod:`.vlm`).
+    tower is frozen unless ``train_vision_tower`` (:mod:`.vlm`). ``attn_implementation`` is the
+    attention kernel (:mod:`.attention`; the engine checked it can run on its device).
     """
     if role not in ("policy", "critic"):
         raise ModelLoadError(f"role must be 'policy' or 'critic', got {role!r}")
@@ -407,7 +410,8 @@ def load_model(
     with torch.random.fork_rng(devices=[]), _quiet_progress(quiet):
         torch.manual_seed(seed)
         try:
-            model = _build(name, config, role, materialize=materialize, dtype=dtype)
+            model = _build(name, config, role, materialize=materialize, dtype=dtype,
+                           attn_implementation=attn_implementation)
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"model {name!r} could not be loaded: {exc}") from None
     if role == "critic":

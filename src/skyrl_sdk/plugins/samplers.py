@@ -119,6 +119,10 @@ class Sampler(ABC):
 
     #: the name the sampler is registered under (messages, ``get_info().sampler``)
     name: str = "custom"
+    #: True: the sampler samples from a copy of the weights of its own (an inference engine), so
+    #: the trainer's may wait in host memory while it samples (``engine_config
+    #: ["offload_while_sampling"]``); False: it decodes on the trainer's own module
+    own_weights: bool = False
 
     def __init__(self, *, source: WeightsSource, config: Mapping[str, Any]) -> None:
         self.source = source
@@ -133,6 +137,12 @@ class Sampler(ABC):
         """One line for ``get_info().sampler``, the server's log and the console: the name, and
         what a user should know of this instance (an engine version, a memory setting)."""
         return self.name
+
+    def before_training(self) -> None:  # noqa: B027  (optional: most samplers hold no device memory)
+        """The trainer is about to compute (``forward`` / ``forward_backward`` / ``optim_step``, or
+        ``load_state``) after this sampler sampled: a sampler holding device memory of
+        its own may free it now (the ``vllm`` sampler sleeps) and take it back at its next
+        :meth:`sample`. The Backend calls it once per turn, not before every training call."""
 
     def refuse(self, request: SampleRequest, supported: Sequence[str]) -> None:
         """``InputError`` naming every option ``request`` sets that is not in ``supported``

@@ -56,6 +56,10 @@ class SampleOutput:
     target_prompt_logprobs: np.ndarray | None = None
     #: The draws ``prompt_alt_tokens_k`` asked for.
     prompt_alt_tokens: PromptAltTokens | None = None
+    #: The call's throughput (the same dict on every output of one call): ``tokens_per_second:mean``
+    #: (sampled tokens), ``seconds:sum``, ``sampled_tokens:sum``, ``prompt_tokens:sum`` and, where the
+    #: device's peak is known, ``mfu:mean`` (docs/performance.md, Throughput metrics). None: not set.
+    metrics: dict[str, float] | None = None
 
 
 @attrs.frozen(eq=False)

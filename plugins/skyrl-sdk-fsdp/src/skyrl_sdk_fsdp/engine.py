@@ -21,9 +21,11 @@ import numpy as np
 from skyrl_sdk.engines import Engine, EngineConfig, EngineInfo, EngineResult, ResolvedLoss, image_inputs
 from skyrl_sdk.engines.plain import datums_to_plain, loss_to_plain
 from skyrl_sdk.engines.state import StateLayout, check_engine_metadata, check_state_files
+from skyrl_sdk.engines.throughput import cuda_name, peak_flops
 from skyrl_sdk.errors import CheckpointError, InputError
 from skyrl_sdk.losses.metrics import MetricAccumulator
 from skyrl_sdk.models import load_tokenizer
+from skyrl_sdk.models.attention import check_available
 from skyrl_sdk.models.prefix import find_groups
 from skyrl_sdk.types import AdamParams, Datum, LoraConfig, SampleOutput
 
@@ -60,6 +62,10 @@ class FSDPEngine(Engine):
                 f"pass 'cuda' or 'cpu', not {self.config.device!r}"
             )
         self.device_type = device.type
+        check_available(self.config.attn_implementation, self.device_type)  # before any rank starts
+        if self.config.offload_while_sampling:
+            raise InputError("engine_config['offload_while_sampling']: the fsdp engine's ranks keep the trainer in "
+                             "their own processes; keep their shards in host memory with engine_config['cpu_offload']")
         self.role = role
         self.lora = lora
         env = launcher_env()
@@ -193,6 +199,12 @@ class FSDPEngine(Engine):
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         self._all("export_weights", directory=str(directory), merge_lora=bool(merge_lora))
+
+    def peak_flops(self) -> float | None:
+        """All ranks' devices at their peak (one GPU per rank, rank 0's kind)."""
+        c = self.config
+        return peak_flops(self.device_type, cuda_name(self.device_type, 0), c.dtype, c.peak_tflops,
+                          devices=self.world_size)
 
     # ---- sampling ---------------------------------------------------------------------
     def weights_source(self) -> FSDPWeights:

@@ -1,18 +1,21 @@
 """Saves and exports of a sharded model that never hold the whole model on one rank.
 
-Each tensor is gathered (``full_tensor``: an all-gather every rank takes part in, in the
-same order), written by rank 0 into a safetensors file whose header was planned from the
-shapes up front, and dropped before the next one. LoRA layers are merged one layer at a time.
+Each tensor is gathered **to rank 0 only** (:func:`gathered`: every rank sends its shard, in
+the same order; the other ranks never hold the full tensor nor copy it to host memory), written
+by rank 0 into a safetensors file whose header was planned from the shapes up front, and dropped
+before the next one. LoRA layers are merged one layer at a time, on rank 0.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from skyrl_sdk.engines.export import (
     TensorPlan,
@@ -27,9 +30,31 @@ from skyrl_sdk.models import hf_model
 _BASE = ".base_layer."
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full = t.full_tensor() if isinstance(t, DTensor) else t
-    return full.detach().cpu()
+def gathered(t: torch.Tensor, rank: int) -> torch.Tensor | None:
+    """The full value of ``t`` in rank 0's host memory; None on the other ranks. Every rank must
+    call it for the same tensors in the same order (it is a collective for a sharded tensor).
+
+    FSDP2 shards dimension 0 in ``torch.chunk`` pieces (rank r holds rows from ``r * ceil(n /
+    world)``): each rank pads its piece to that size and ``dist.gather`` brings them to rank 0,
+    which cuts the padding off. A shard kept in host memory (``cpu_offload``) is sent from the
+    device the process group runs on. Other layouts fall back to ``full_tensor`` (an all-gather)."""
+    if not isinstance(t, DTensor):
+        return t.detach().cpu() if rank == 0 else None
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        full = t.full_tensor().detach()
+        return full.cpu() if rank == 0 else None
+    world, rows = mesh.size(), t.shape[0]
+    chunk = math.ceil(rows / world) if rows else 0
+    local = t.to_local().detach()
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    padded = torch.zeros((chunk, *t.shape[1:]), dtype=local.dtype, device=device)
+    padded[:local.shape[0]].copy_(local)
+    pieces = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
+    dist.gather(padded, pieces, group=mesh.get_group(), group_dst=0)
+    if rank != 0:
+        return None
+    return torch.cat(pieces)[:rows].cpu()
 
 
 def _plan(items) -> list[TensorPlan]:
@@ -53,7 +78,7 @@ class StreamingGather:
     # ---- training state ("full" format) -------------------------------------------------
     def save_weights(self, file: Path) -> None:
         items = [(n, t) for n, t in self.loaded.module.state_dict(keep_vars=True).items() if n not in self.aliases]
-        tensors = (_full(t) for _, t in items)
+        tensors = (gathered(t, self.rank) for _, t in items)
         if self.rank == 0:
             write_tensor_stream(file, _plan(items), tensors)
         else:
@@ -62,7 +87,7 @@ class StreamingGather:
     def save_optimizer(self, file: Path) -> None:
         """AdamW moments as ``<param>::exp_avg`` / ``::exp_avg_sq`` / ``::step`` (the local engine's names)."""
         items = self.runner.optimizer.state_items()
-        tensors = (_full(t) for _, t in items)
+        tensors = (gathered(t, self.rank) for _, t in items)
         if self.rank == 0:
             write_tensor_stream(file, _plan(items), tensors)
         else:
@@ -98,13 +123,14 @@ class StreamingGather:
         state = hf_model(self.loaded.module).state_dict(keep_vars=True)
         layers = self._lora_layers()
         for _, t, layer_name in items:
-            weight = _full(t)
+            weight = gathered(t, self.rank)
             if layer_name is not None:
                 layer = layers[layer_name]
                 adapters = layer.active_adapters
-                lora_a = {a: _full(state[f"{layer_name}.lora_A.{a}.weight"]) for a in adapters}
-                lora_b = {a: _full(state[f"{layer_name}.lora_B.{a}.weight"]) for a in adapters}
-                weight = merge_lora_delta(layer, weight, lora_a, lora_b)
+                lora_a = {a: gathered(state[f"{layer_name}.lora_A.{a}.weight"], self.rank) for a in adapters}
+                lora_b = {a: gathered(state[f"{layer_name}.lora_B.{a}.weight"], self.rank) for a in adapters}
+                if self.rank == 0:
+                    weight = merge_lora_delta(layer, weight, lora_a, lora_b)
             yield weight
 
     def export_hf(self, directory: Path | None, tokenizer, max_shard_bytes: int,
@@ -141,7 +167,7 @@ class StreamingGather:
         sharded = module.state_dict(keep_vars=True)
         kept = get_peft_model_state_dict(module, state_dict=sharded)  # peft picks the names
         wanted = {id(t) for t in kept.values()}
-        state = {n: _full(t) for n, t in sharded.items() if id(t) in wanted}
+        state = {n: gathered(t, self.rank) for n, t in sharded.items() if id(t) in wanted}
         if self.rank == 0:
             module.save_pretrained(str(directory), state_dict=state)
             for files in (self.loaded.tokenizer, image_processor):

@@ -69,10 +69,11 @@ def _sliceable(loaded: LoadedModel) -> str | None:
 
 
 def load_rank_model(*, model: str, role: str, lora: LoraConfig | None, seed: int, dtype: torch.dtype,
-                    rank: int, group, train_vision_tower: bool = False) -> tuple[LoadedModel, str]:
+                    rank: int, group, train_vision_tower: bool = False,
+                    attn_implementation: str | None = None) -> tuple[LoadedModel, str]:
     """This rank's unsharded-but-empty model and where its weights will come from."""
     loaded = load_model(model, role=role, lora=lora, seed=seed, dtype=dtype, materialize=False,
-                        train_vision_tower=train_vision_tower)
+                        train_vision_tower=train_vision_tower, attn_implementation=attn_implementation)
     why = "generated from the seed" if model == TINY_NAME else _sliceable(loaded)
     ok = torch.tensor([int(why is None)], dtype=torch.int64)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
@@ -82,7 +83,7 @@ def load_rank_model(*, model: str, role: str, lora: LoraConfig | None, seed: int
         logger.info("fsdp: %s cannot be read slice by slice (%s): rank 0 loads it and scatters it", model, why)
     if rank == 0:
         loaded = load_model(model, role=role, lora=lora, seed=seed, dtype=dtype,
-                            train_vision_tower=train_vision_tower)
+                            train_vision_tower=train_vision_tower, attn_implementation=attn_implementation)
     return loaded, "rank0"
 
 
@@ -98,22 +99,25 @@ def shard_rows(target: DTensor) -> tuple[int, int]:
     return start, stop
 
 
-def materialize(loaded: LoadedModel, source: str, device: torch.device, full: dict[str, torch.Tensor]) -> None:
+def materialize(loaded: LoadedModel, source: str, device: torch.device, full: dict[str, torch.Tensor],
+                cpu_offload: bool = False) -> None:
     """Allocate this rank's shards of the sharded ``loaded.module`` and fill them.
 
     ``full`` holds rank 0's full tensors for the ``"rank0"`` source (taken before
-    sharding; ``{}`` elsewhere).
+    sharding; ``{}`` elsewhere). With ``cpu_offload`` the shards live in host memory and only
+    the buffers (RoPE tables) on ``device``, where the compute runs.
     """
     module = loaded.module
     inner = hf_model(module)
     buffers = {n: b.detach().clone() for n, b in inner.named_buffers()}
     if any(p.device.type == "meta" for p in module.parameters()):
-        module.to_empty(device=device)
+        module.to_empty(device=torch.device("cpu") if cpu_offload else device)
     aliases = tied_aliases(inner)
     files = weight_files(loaded.weights_dir) if source == "files" else {}
     with torch.no_grad():
         for name, value in buffers.items():
-            inner.get_buffer(name).copy_(value)
+            owner, _, attr = name.rpartition(".")
+            setattr(inner.get_submodule(owner) if owner else inner, attr, value.to(device))
         for name, target in inner.state_dict(keep_vars=True).items():
             if name in aliases or name in buffers:
                 continue

@@ -23,6 +23,7 @@ FSDP_KEYS = (
     "state_format",
     "reshard_after_forward",
     "threads_per_rank",
+    "cpu_offload",
 )
 
 LAUNCHERS = ("auto", "spawn", "torchrun")
@@ -56,6 +57,11 @@ class FSDPOptions:
     - ``reshard_after_forward``: FSDP2's option for the transformer blocks (default True:
       least memory; False keeps gathered blocks from forward to backward).
     - ``threads_per_rank``: torch / OpenMP threads per CPU rank (default: cores / world_size).
+    - ``cpu_offload``: FSDP2's ``CPUOffloadPolicy``: each rank keeps its parameter, gradient and
+      AdamW shards in (pinned) host memory, copies a unit's shards to the GPU for its all-gather and
+      steps the optimizer on the CPU. The GPU then holds only the gathered units and activations:
+      what lets a 7B full fine-tune fit one 80 GB GPU (docs/engines.md), at the cost of host-device
+      copies every step and a CPU optimizer step. Default off.
     """
 
     launcher: str = "auto"
@@ -64,6 +70,7 @@ class FSDPOptions:
     state_format: str = "full"
     reshard_after_forward: bool = True
     threads_per_rank: int | None = None
+    cpu_offload: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> FSDPOptions:
@@ -78,6 +85,9 @@ class FSDPOptions:
         reshard = extra.get("reshard_after_forward", True)
         if not isinstance(reshard, bool):
             raise InputError(f"engine_config['reshard_after_forward']: expected a bool, got {reshard!r}")
+        offload = extra.get("cpu_offload", False)
+        if not isinstance(offload, bool):
+            raise InputError(f"engine_config['cpu_offload']: expected true or false, got {offload!r}")
         threads = extra.get("threads_per_rank")
         if threads is not None:
             check_number("engine_config['threads_per_rank']", threads, low=1, integer=True)
@@ -88,6 +98,7 @@ class FSDPOptions:
             state_format=state_format,
             reshard_after_forward=reshard,
             threads_per_rank=threads,
+            cpu_offload=offload,
         )
 
     def threads(self, world_size: int) -> int:

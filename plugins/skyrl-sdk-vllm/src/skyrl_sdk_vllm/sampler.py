@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import numpy as np
 
 from skyrl_sdk.errors import InputError
@@ -23,7 +25,8 @@ from skyrl_sdk.sampling import Sampler, SampleRequest, WeightsSource
 from skyrl_sdk.types import ModelInput, SampleOutput
 
 from . import engines, requests
-from .config import VllmSamplerConfig
+from .config import VllmSamplerConfig, sampler_dtype
+from .loading import on_cpu
 
 logger = logging.getLogger(__name__)
 _names = itertools.count(1)
@@ -33,15 +36,22 @@ class VllmSampler(Sampler):
     """See the module docstring; options in :class:`~.config.VllmSamplerConfig`."""
 
     name = "vllm"
+    own_weights = True  # vLLM holds its own copy: the trainer's may wait in host memory meanwhile
 
     def __init__(self, *, source: WeightsSource, config: Mapping[str, Any]) -> None:
         super().__init__(source=source, config=config)
-        self.options = VllmSamplerConfig.from_mapping(config)
+        options = VllmSamplerConfig.from_mapping(config)
+        lora = source.lora is not None or source.base_key is not source  # a shared base's engine runs LoRA
+        # refused here, before any engine starts or weight is read (bf16 on a GPU by default)
+        dtype = sampler_dtype(options.dtype, source.dtype, cuda=not on_cpu(), lora=lora)
+        self.options = attrs.evolve(options, dtype=dtype)
         self.engine = engines.acquire(source, self.options)
         self._label = f"skyrl{next(_names)}"
         self._synced = source.version  # the weights the engine holds (full fine-tuning)
         self._adapter: tuple[int, int] | None = None  # (version, vLLM adapter id) of a LoRA model
-        #: the last weight sync: {"kind": "full" or "lora", "seconds", "bytes", "version"}
+        #: the last weight sync: {"kind": "full" or "lora", "seconds": the whole time the sample waited
+        #: for it (reading the trainer's weights, the engine's lock, waking vLLM, loading), and its parts
+        #: "fetch_seconds", "wake_seconds", "load_seconds"; "bytes", "version"}
         self.last_sync: dict[str, Any] | None = None
 
     def describe(self) -> str:
@@ -50,24 +60,38 @@ class VllmSampler(Sampler):
                 f"{'on' if self.options.enable_prefix_caching else 'off'})")
 
     # ---- sampling ---------------------------------------------------------------------------------
+    def before_training(self) -> None:
+        """The trainer computes next: vLLM sleeps (``sleep_level``), once per turn (``sleep.py``)."""
+        if self.engine is not None:
+            self.engine.sleep()
+
     def sample(self, request: SampleRequest) -> list[SampleOutput]:
         self.refuse(request, requests.SERVED)
         self._check_fits(request)
+        t0 = time.perf_counter()
         full = self._full_weights_if_changed()  # read outside the engine's lock (the source's turn)
         adapter = self._adapter_if_changed()
+        fetch = time.perf_counter() - t0
         distinct, source_of, counts = _distinct(request.prompts)
         n = [c * request.num_samples for c in counts]
-        with self.engine.lock:
-            if self.engine.wake() and full is None:  # vLLM dropped its weights while asleep (level 2)
+        with self.engine.lock, self.engine.rng.vllm():
+            t1 = time.perf_counter()
+            dropped = self.engine.wake()  # once per RL step: it slept when the trainer computed
+            wake = time.perf_counter() - t1
+            if dropped and full is None:  # vLLM dropped its weights while asleep (level 2)
+                t2 = time.perf_counter()
                 full = (self.source.version, list(self.source.base_weights()))
+                fetch += time.perf_counter() - t2
+            load, nbytes, kind = 0.0, 0, None
             if full is not None:
-                self._record("full", *self.engine.load_weights(full[1]))
-                self._synced = full[0]
-            lora = self._lora_request(adapter)
-            try:
-                outs = self._generate(request, distinct, n, lora)
-            finally:
-                self.engine.rest()
+                load, nbytes = self.engine.load_weights(full[1])
+                self._synced, kind = full[0], "full"
+            lora, added = self._lora_request(adapter)
+            if added is not None:
+                load, nbytes, kind = load + added[0], nbytes + added[1], "lora"
+            if kind is not None:
+                self._record(kind, time.perf_counter() - t0, fetch, wake, load, nbytes)
+            outs = self._generate(request, distinct, n, lora)
         return self._outputs(request, distinct, source_of, outs)
 
     def _check_fits(self, request: SampleRequest) -> None:
@@ -96,23 +120,26 @@ class VllmSampler(Sampler):
             return None
         return self.source.version, self.source.adapter_weights()
 
-    def _lora_request(self, changed) -> Any:
-        """(holding the engine lock) The adapter's request, registering a new version first."""
+    def _lora_request(self, changed) -> tuple[Any, tuple[float, int] | None]:
+        """(holding the engine lock) The adapter's request, registering a new version first; and
+        that registration's (seconds, bytes), None when nothing was registered."""
         if self.source.lora is None:
-            return self.engine.base_request()
+            return self.engine.base_request(), None
+        added = None
         if changed is not None:
             version, weights = changed
             lora_id = self.engine.new_adapter_id()
-            self._record("lora", *self.engine.add_adapter(lora_id, f"{self._label}-v{version}", weights))
+            added = self.engine.add_adapter(lora_id, f"{self._label}-v{version}", weights)
             if self._adapter is not None:
                 self.engine.remove_adapter(self._adapter[1])
             self._adapter = (version, lora_id)
-        return self.engine.lora_request(self._adapter[1])
+        return self.engine.lora_request(self._adapter[1]), added
 
-    def _record(self, kind: str, seconds: float, nbytes: int) -> None:
-        self.last_sync = {"kind": kind, "seconds": seconds, "bytes": nbytes, "version": self.source.version}
-        logger.debug("vllm sampler %s: %s weights synced, %.1f MiB in %.3fs", self._label, kind, nbytes / 2**20,
-                     seconds)
+    def _record(self, kind: str, seconds: float, fetch: float, wake: float, load: float, nbytes: int) -> None:
+        self.last_sync = {"kind": kind, "seconds": seconds, "fetch_seconds": fetch, "wake_seconds": wake,
+                          "load_seconds": load, "bytes": nbytes, "version": self.source.version}
+        logger.debug("vllm sampler %s: %s weights synced, %.1f MiB; the sample waited %.3fs (reading %.3fs, waking "
+                     "%.3fs, loading %.3fs)", self._label, kind, nbytes / 2**20, seconds, fetch, wake, load)
 
     def _generate(self, request: SampleRequest, distinct: list[np.ndarray], n: list[int], lora: Any):
         """vLLM's outputs per distinct prompt: (the samples, the prompt scores)."""

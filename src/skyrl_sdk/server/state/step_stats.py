@@ -1,7 +1,8 @@
 """What one training step tells the console, from what the server sees: the ``forward_backward``
 calls since the previous ``optim_step``, merged.
 
-Every step: the summed loss, tokens and weights (the loss per token), and the policy's mean
+Every step: the summed loss, tokens and weights (the loss per token), the calls' own throughput
+(tokens per second of compute, MFU where the device's peak is known), and the policy's mean
 entropy per scored token (the engine computes it). An **RL step** (a call whose datums carry
 ``advantages``) also has the curves that say whether RL is healthy, none of which needs the
 rewards (the client keeps them):
@@ -34,7 +35,7 @@ from ...losses.reduction import call_normalizers
 
 #: the series this module adds to a step, in the console's order
 RL_SERIES = ("advantage_mean", "advantage_std", "sampled_tokens", "kl_sample_train", "ratio_max", "clip_fraction")
-STEP_SERIES = ("entropy", "rl")
+STEP_SERIES = ("tokens_per_second", "mfu", "entropy", "rl")
 
 
 def finite(value: Any) -> float | None:
@@ -62,9 +63,12 @@ def _scored_advantages(data: Sequence) -> np.ndarray | None:
 def call_sums(metrics: Mapping[str, Any], data: Sequence) -> dict[str, float]:
     """One ``forward_backward``'s contribution to its step: sums only (so calls add up)."""
     out: dict[str, float] = {"weights": call_normalizers(data)[0]}
-    for key in ("loss:sum", "num_tokens:sum"):
+    for key in ("loss:sum", "num_tokens:sum", "seconds:sum"):
         if (v := finite(metrics.get(key))) is not None:
             out[key] = v
+    # MFU weighted by each call's seconds: the step's model FLOPs over its compute time
+    if (mfu := finite(metrics.get("mfu:mean"))) is not None and (s := finite(metrics.get("seconds:sum"))):
+        out["mfu_seconds"], out["mfu_weight"] = mfu * s, s
     scored = finite(metrics.get("num_loss_tokens:sum"))
     if scored and (entropy := finite(metrics.get("entropy_loss:sum"))) is not None:
         out["entropy_sum"], out["entropy_tokens"] = entropy, scored
@@ -99,6 +103,9 @@ def step_values(acc: Mapping[str, float]) -> dict[str, float | None]:
     loss, tokens, weights = acc.get("loss:sum"), acc.get("num_tokens:sum"), acc.get("weights")
     point: dict[str, float | None] = {
         "loss_sum": loss, "tokens": tokens, "loss_per_token": loss / weights if loss is not None and weights else None,
+        # the forward_backward calls' own throughput (their compute time, not the client's waits)
+        "tokens_per_second": tokens / acc["seconds:sum"] if tokens and acc.get("seconds:sum") else None,
+        "mfu": acc["mfu_seconds"] / acc["mfu_weight"] if acc.get("mfu_weight") else None,
         "entropy": acc["entropy_sum"] / acc["entropy_tokens"] if acc.get("entropy_tokens") else None,
         "rl": acc.get("rl", 0.0) if "weights" in acc else None}
     n = acc.get("adv_n", 0.0)

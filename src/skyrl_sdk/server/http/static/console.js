@@ -21,6 +21,8 @@ const TRAINING_CHARTS = [
   ["loss_per_token", "loss per token", null], ["loss_sum", "loss:sum", null], ["grad_norm", "grad_norm", null],
   ["entropy", "entropy per token", null], ["learning_rate", "learning rate", null],
   ["tokens", "tokens per step", null], ["seconds", "seconds per step", null], ["skipped", "skipped steps", null],
+  ["tokens_per_second", "tokens / s (forward_backward)", "the calls' own compute time"],
+  ["mfu", "MFU", "model FLOPs over the device's peak (GPUs)"],
 ];
 const ZERO_SUM_NOTE = "about 0 for an RL loss on group-normalized advantages: not a measure of progress";
 
