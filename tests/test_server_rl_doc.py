@@ -30,7 +30,7 @@ def test_the_over_http_block_runs_as_written_and_the_reward_rises(tmp_path, monk
         monkeypatch.setenv("TINKER_BASE_URL", srv.url)
         monkeypatch.setenv("TINKER_API_KEY", API_KEY)
         exec(compile(block, "rl.md (Over HTTP)", "exec"), {"__name__": "__main__"})
-        assert srv.runtime.sequence_records == {}  # the block closed its session: its records went with it
+        assert srv.runtime.recorded.sessions == {}  # the block closed its session: its records went with it
     rewards = [float(m) for m in re.findall(r"^step +\d+ +mean reward ([-+.\d]+)$", capsys.readouterr().out, re.M)]
     assert len(rewards) == 20, rewards
     assert np.mean(rewards[:3]) < 0.2 and np.mean(rewards[-5:]) > 0.9, rewards  # the doc says 0.02 -> 1.0

@@ -184,8 +184,8 @@ def test_no_route_reads_the_state_on_the_event_loop(tmp_path, monkeypatch):
         assert http.get(f"/api/v1/samplers/{sampler_id}").status_code == 200
         assert http.get("/api/v1/loaded").status_code == 200
         # ---- the console
-        for path in ("/", "/console/console.css", "/console/console.js", "/console/api/me", "/console/api/runs",
-                     f"/console/api/runs/{tc.model_id}", f"/console/api/runs/{tc.model_id}/curves",
+        for path in ("/", "/console/console.css", "/console/console.js", "/console/charts.js", "/console/api/me",
+                     "/console/api/runs", f"/console/api/runs/{tc.model_id}", f"/console/api/runs/{tc.model_id}/curves",
                      "/console/api/server"):
             assert http.get(path).status_code == 200, path
         # ---- the routes this server declines (a clean 404 each)

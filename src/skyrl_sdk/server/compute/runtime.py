@@ -385,7 +385,7 @@ class Runtime:
                     raise InputError("record_stability_info: recorded sequences belong to a session; sample "
                                      "through a sampling client (a sampling_session_id), not an ad-hoc request")
                 try:  # an ended session's sequences were dropped with it: none are recorded for it again
-                    self.sessions.check_open(owner, session.session_id)
+                    await self.sessions.check_open(owner, session.session_id)
                 except InputError as exc:
                     raise InputError(f"record_stability_info: {exc}") from None
                 records, prompt = self.recorded.of(owner, session.session_id), spec.prompt

@@ -82,11 +82,11 @@ class Sessions:
         self._owners[session_id] = owner
         return row
 
-    def check_open(self, owner: str, session_id: str) -> None:
+    async def check_open(self, owner: str, session_id: str) -> None:
         """InputError unless ``owner``'s session ``session_id`` is open (neither finished nor
-        expired); from memory when this process opened it, else from its record."""
+        expired); from memory when this process opened it, else from its record (on a thread)."""
         if self._owners.get(session_id) != owner:
-            self.open(owner, session_id)
+            await self.open(owner, session_id)
 
     def seen(self, session_id: str) -> None:
         """A sign of life from ``session_id``'s client."""
