@@ -12,13 +12,14 @@ import pytest
 
 import skyrl_sdk
 from skyrl_sdk import types
+from skyrl_sdk.engines.turns import run_to_end
 from skyrl_sdk.errors import DatumError, InputError
 from skyrl_sdk.losses.calls import CallModel, prepare_call, prepare_sample
 from skyrl_sdk.losses.stability import SequenceRecords
 
 #: what a call's data goes through before the engine: the facade calls none of it itself
 DATA_STEPS = {"data_from_any", "resolve_provenance", "inputs_for_forward", "reading_values", "check_call",
-              "check_prompts", "check_target_ids", "read_images", "prepare"}
+              "check_prompts", "check_target_ids", "read_images", "prepare", "prepare_steps"}
 
 
 def test_the_facade_hands_a_calls_data_down_once():
@@ -41,9 +42,10 @@ class Reader:
     def __init__(self) -> None:
         self.calls = []
 
-    def prepare(self, inputs, error):
+    def prepare_steps(self, inputs, error):
         self.calls.append(list(inputs))
         image = types.PreparedImageChunk(np.zeros((12, 4), np.float32), (1, 6, 2), 2, 9, "digest")
+        yield  # a stepped call: it may give way between two images
         return [types.ModelInput([image if isinstance(c, types.ImageChunk) else c for c in mi.chunks])
                 for mi in inputs]
 
@@ -58,11 +60,11 @@ def test_images_are_read_below_the_facade_before_the_call_is_checked():
     resolved = registry.resolve("cross_entropy")
     reader = Reader()
     model = _model(32, reader)
-    datums, _ = prepare_call([_image_datum(5)], resolved, model, backward=True, losses=registry.losses)
+    datums, _ = run_to_end(prepare_call([_image_datum(5)], resolved, model, backward=True, losses=registry.losses))
     assert len(reader.calls) == 1 and datums[0].model_input.to_ints() == [1, 2, 9, 9, 9]
     with pytest.raises(DatumError, match=r"reads no images"):  # a text model: refused by name
-        prepare_call([_image_datum(5)], resolved, _model(32, None), backward=True,
-                     losses=registry.losses)
+        run_to_end(prepare_call([_image_datum(5)], resolved, _model(32, None), backward=True,
+                                losses=registry.losses))
     prompt = types.SampleRequest(prompts=[_image_datum(5).model_input], sampling_params=types.SamplingParams())
     assert prepare_sample(prompt, model).prompts[0].to_ints() == [1, 2, 9, 9, 9]
     with pytest.raises(InputError, match=r"prompt 0: token ids must be in \[0, 8\)"):  # checked after reading
@@ -81,7 +83,7 @@ def test_provenance_is_resolved_below_the_facade():
                         ).with_provenance([types.PromptProvenanceSpan(sid, 3), types.SampledProvenanceSpan(sid, 1)],
                                           [types.PromptProvenanceSpan(sid, 2, offset=1),
                                            types.SampledProvenanceSpan(sid, 2)])
-    datums, _ = prepare_call([datum], registry.resolve("stable_reinforce"), _model(32, None, records),
-                             backward=True, losses=registry.losses)
+    datums, _ = run_to_end(prepare_call([datum], registry.resolve("stable_reinforce"), _model(32, None, records),
+                                        backward=True, losses=registry.losses))
     np.testing.assert_array_equal(datums[0].loss_fn_inputs["logprobs"].to_numpy(), [0, 0, -0.5, -0.25])
     np.testing.assert_array_equal(datums[0].loss_fn_inputs["sampled_mask"].to_numpy(), [0, 0, 1, 1])
