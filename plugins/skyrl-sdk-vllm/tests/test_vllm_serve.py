@@ -89,7 +89,7 @@ def test_lora_clients_sample_through_vllm_and_stay_in_sync(server):
     with httpx.Client(base_url=url, timeout=HANG_S) as http:
         info = http.post("/api/v1/get_info", json={"model_id": tc.model_id}).json()
         assert info["sampler"] == "vllm"
-        limits = http.get("/console/api/server").json()["limits"]
+        limits = {row["setting"]: row["value"] for row in http.get("/console/api/server").json()["limits"]}
         assert (limits["sampler"], limits["sampler_config"]) == ("vllm", SMALL)
     text = "".join(log)
     assert "; sampler: vllm 0.32" in text or "; sampler: vllm 0.33" in text, text  # the banner says what serves
