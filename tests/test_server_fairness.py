@@ -324,10 +324,11 @@ def test_another_owners_small_call_runs_between_a_big_calls_micro_batches_on_one
     def held_once(self, *args, **kwargs):  # Alice's call stops after its first micro-batch until Bob's is queued
         threads.add(threading.current_thread())
         loops.append(_micro_batch_loops_on_the_stack())
-        real(self, *args, **kwargs)
+        out = real(self, *args, **kwargs)
         if not reached.is_set():
             reached.set()
             assert go.wait(HANG)
+        return out
 
     big, small = make_sft_data([7] * 12, seed=5), make_sft_data([4], seed=6)
     with ServerThread(tmp_path / "state", api_key=None, api_keys=keys, engine_config=engine) as srv:
