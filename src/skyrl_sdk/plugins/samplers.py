@@ -32,6 +32,7 @@ import torch
 
 from ..errors import InputError, PluginError
 from ..types import LoraConfig, ModelInput, SampleOutput, SamplingParams
+from .weight_push import PushLayout, PushTarget
 
 
 @attrs.frozen(eq=False)
@@ -102,6 +103,9 @@ class WeightsSource(ABC):
     device: torch.device = torch.device("cpu")
     #: the name the Backend was built with (a hub id, a directory, ``"tiny"``): for messages
     model_name: str = ""
+    #: whether :meth:`base_weights` yields this process's live tensors (no copy, no file): a
+    #: sampler in this process may read them directly instead of having them pushed
+    in_process: bool = False
 
     _version: int = 0
 
@@ -145,6 +149,18 @@ class WeightsSource(ABC):
         """The LoRA adapter's current tensors (copies: the caller may keep them), or
         ``InputError`` for a model without LoRA."""
         raise InputError(f"model {self.model_name}: no LoRA adapter to read (this Backend trains all weights)")
+
+    # ---- pushing the weights to another place (skyrl_sdk.plugins.weight_push) --------------
+    def push_layout(self, dtype: str) -> PushLayout:
+        """What :meth:`push_weights` sends of :meth:`export_base`'s tensors (tied ones once), its
+        floating tensors in ``dtype``, and which rows each trainer rank holds; sends nothing."""
+        raise InputError(f"model {self.model_name}: this engine cannot push its weights; use a sampler that reads "
+                         f"them (sampler='transformers', or the vllm sampler with placement 'local')")
+
+    def push_weights(self, target: PushTarget, layout: PushLayout) -> None:
+        """Run ``target``'s sender where the weights live, on every trainer rank, with that rank's
+        rows of ``layout``'s tensors (current values); return when every rank has sent."""
+        raise InputError(f"model {self.model_name}: this engine cannot push its weights")
 
     # ---- our decode loop ------------------------------------------------------------------
     @abstractmethod

