@@ -23,9 +23,13 @@ FSDP_KEYS = (
     "state_format",
     "reshard_after_forward",
     "threads_per_rank",
+    "ray_address",
+    "placement_strategy",
 )
 
-LAUNCHERS = ("auto", "spawn", "torchrun")
+LAUNCHERS = ("auto", "spawn", "torchrun", "ray")
+#: Ray placement strategies of the ranks' placement group (launcher "ray")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 STATE_FORMATS = ("full", "sharded")
 #: The torch.distributed.checkpoint folder of ``state_format="sharded"``.
 SHARDED_DIR = "sharded"
@@ -56,6 +60,9 @@ class FSDPOptions:
     - ``reshard_after_forward``: FSDP2's option for the transformer blocks (default True:
       least memory; False keeps gathered blocks from forward to backward).
     - ``threads_per_rank``: torch / OpenMP threads per CPU rank (default: cores / world_size).
+    - ``ray_address``: the Ray cluster the ranks go to (launcher ``"ray"``; default
+      ``RAY_ADDRESS``, else a local cluster this process starts).
+    - ``placement_strategy``: the ranks' Ray placement group strategy (default ``"PACK"``).
     """
 
     launcher: str = "auto"
@@ -64,6 +71,8 @@ class FSDPOptions:
     state_format: str = "full"
     reshard_after_forward: bool = True
     threads_per_rank: int | None = None
+    ray_address: str | None = None
+    placement_strategy: str = "PACK"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> FSDPOptions:
@@ -81,8 +90,21 @@ class FSDPOptions:
         threads = extra.get("threads_per_rank")
         if threads is not None:
             check_number("engine_config['threads_per_rank']", threads, low=1, integer=True)
+        ray_address = extra.get("ray_address")
+        if ray_address is not None and not (isinstance(ray_address, str) and ray_address):
+            raise InputError(f"engine_config['ray_address']: expected 'host:port' of a Ray cluster, got {ray_address!r}")
+        strategy = extra.get("placement_strategy", "PACK")
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise InputError(f"engine_config['placement_strategy']: expected one of {list(PLACEMENT_STRATEGIES)}, "
+                             f"got {strategy!r}")
+        for key in ("ray_address", "placement_strategy"):
+            if key in extra and launcher != "ray":
+                raise InputError(f"engine_config[{key!r}] places the ranks with Ray: it needs launcher 'ray', "
+                                 f"not {launcher!r}")
         return cls(
             launcher=launcher,
+            ray_address=ray_address,
+            placement_strategy=strategy,
             timeout_s=_number("timeout_s", extra.get("timeout_s", 1800.0)),
             call_timeout_s=_number("call_timeout_s", extra.get("call_timeout_s"), allow_none=True),
             state_format=state_format,
