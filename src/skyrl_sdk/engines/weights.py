@@ -80,11 +80,11 @@ class EngineWeights(WeightsSource):
                 out[name] = t
         return out
 
-    def push_layout(self, dtype: str) -> PushLayout:
-        """One trainer rank (this process) holding every row."""
+    def push_layout(self, dtype: str, gathered: bool = False) -> PushLayout:
+        """One trainer rank (this process) holding every row (gathered or not)."""
         with self._turn():
             state = self._push_state()
-        return PushLayout(ranks=1, tensors=tuple(
+        return PushLayout(ranks=1, gathered=gathered, tensors=tuple(
             TensorSlices(name=n, dtype=dtype if t.is_floating_point() else str(t.dtype).removeprefix("torch."),
                          shape=tuple(t.shape), rows=((0, t.shape[0] if t.dim() else 1),))
             for n, t in state.items()))

@@ -151,9 +151,10 @@ class WeightsSource(ABC):
         raise InputError(f"model {self.model_name}: no LoRA adapter to read (this Backend trains all weights)")
 
     # ---- pushing the weights to another place (skyrl_sdk.plugins.weight_push) --------------
-    def push_layout(self, dtype: str) -> PushLayout:
+    def push_layout(self, dtype: str, gathered: bool = False) -> PushLayout:
         """What :meth:`push_weights` sends of :meth:`export_base`'s tensors (tied ones once), its
-        floating tensors in ``dtype``, and which rows each trainer rank holds; sends nothing."""
+        floating tensors in ``dtype``, and which rows each trainer rank holds (``gathered``: rank 0
+        sends each tensor whole, for a transport with one sender); sends nothing."""
         raise InputError(f"model {self.model_name}: this engine cannot push its weights; use a sampler that reads "
                          f"them (sampler='transformers', or the vllm sampler with placement 'local')")
 

@@ -57,10 +57,12 @@ class TensorSlices:
 @attrs.frozen
 class PushLayout:
     """What a push sends, in order (see the module docstring); plain data round trips through
-    :meth:`to_plain` / :meth:`from_plain`."""
+    :meth:`to_plain` / :meth:`from_plain`. ``gathered``: rank 0 sends every tensor whole, the other
+    ranks taking part in gathering each (a transport with one sender)."""
 
     ranks: int
     tensors: tuple[TensorSlices, ...]
+    gathered: bool = False
 
     def __attrs_post_init__(self) -> None:
         for t in self.tensors:
@@ -76,24 +78,25 @@ class PushLayout:
         return sum(t.nbytes() for t in self.tensors)
 
     def to_plain(self) -> dict[str, Any]:
-        return {"ranks": self.ranks, "tensors": [[t.name, t.dtype, list(t.shape), [list(r) for r in t.rows]]
-                                                 for t in self.tensors]}
+        return {"ranks": self.ranks, "gathered": self.gathered,
+                "tensors": [[t.name, t.dtype, list(t.shape), [list(r) for r in t.rows]] for t in self.tensors]}
 
     @classmethod
     def from_plain(cls, plain: Mapping[str, Any]) -> PushLayout:
-        return cls(ranks=int(plain["ranks"]), tensors=tuple(
+        return cls(ranks=int(plain["ranks"]), gathered=bool(plain.get("gathered", False)), tensors=tuple(
             TensorSlices(name=n, dtype=d, shape=tuple(int(x) for x in s), rows=tuple((int(a), int(b)) for a, b in r))
             for n, d, s, r in plain["tensors"]))
 
     @classmethod
-    def merge(cls, per_rank: list[list[tuple[str, str, tuple[int, ...], tuple[int, int]]]]) -> PushLayout:
+    def merge(cls, per_rank: list[list[tuple[str, str, tuple[int, ...], tuple[int, int]]]],
+              gathered: bool = False) -> PushLayout:
         """The layout of ``per_rank[r]``: rank r's ``(name, dtype, full shape, its rows)``, the same
         names in the same order on every rank (what each ``fsdp`` rank reports)."""
         first = per_rank[0]
         for r, mine in enumerate(per_rank):
             if [m[:3] for m in mine] != [m[:3] for m in first]:
                 raise ValueError(f"push layout: rank {r} reports other tensors than rank 0")
-        return cls(ranks=len(per_rank), tensors=tuple(
+        return cls(ranks=len(per_rank), gathered=gathered, tensors=tuple(
             TensorSlices(name=name, dtype=dtype, shape=tuple(shape), rows=tuple(tuple(per_rank[r][i][3])
                                                                                   for r in range(len(per_rank))))
             for i, (name, dtype, shape, _) in enumerate(first)))
@@ -130,19 +133,22 @@ def local_slice(tensor: torch.Tensor, rows: tuple[int, int], dtype: str, offset:
 @attrs.frozen
 class PushTarget:
     """Where a push goes: ``sender`` names a :class:`WeightSender` subclass as
-    ``"package.module:Class"``, built with ``options`` (plain data) on each trainer rank; ``key``
-    tells senders apart (one per target per process, reused from push to push)."""
+    ``"package.module:Class"``, built with ``options`` (plain data) on each trainer rank. ``key``
+    names the pushing sampler: a process keeps one sender per key, reused from push to push,
+    and replaced (the old one closed) when ``generation`` moves (its engines were restarted)."""
 
     sender: str
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     key: str = ""
+    generation: int = 0
 
     def to_plain(self) -> dict[str, Any]:
-        return {"sender": self.sender, "options": dict(self.options), "key": self.key}
+        return {"sender": self.sender, "options": dict(self.options), "key": self.key, "generation": self.generation}
 
     @classmethod
     def from_plain(cls, plain: Mapping[str, Any]) -> PushTarget:
-        return cls(sender=plain["sender"], options=plain["options"], key=plain["key"])
+        return cls(sender=plain["sender"], options=plain["options"], key=plain["key"],
+                   generation=int(plain.get("generation", 0)))
 
 
 class WeightSender(ABC):
@@ -160,30 +166,34 @@ class WeightSender(ABC):
         """Free connections; idempotent."""
 
 
-_senders: dict[str, WeightSender] = {}
+_senders: dict[str, tuple[int, WeightSender]] = {}
 _senders_lock = threading.Lock()
 
 
 def sender_for(target: PushTarget) -> WeightSender:
-    """This process's sender of ``target`` (built on first use)."""
+    """This process's sender of ``target`` (built on first use, rebuilt for a new generation)."""
     with _senders_lock:
-        sender = _senders.get(target.key)
-        if sender is None:
-            module, _, name = target.sender.partition(":")
-            try:
-                cls = getattr(importlib.import_module(module), name)
-            except (ImportError, AttributeError) as exc:
-                raise PluginError(f"weight push: cannot import the sender {target.sender!r}: {exc}") from exc
-            if not (isinstance(cls, type) and issubclass(cls, WeightSender)):
-                raise PluginError(f"weight push: {target.sender!r} is not a skyrl_sdk WeightSender subclass")
-            sender = _senders[target.key] = cls(**target.options)
+        generation, sender = _senders.get(target.key, (None, None))
+        if sender is not None and generation == target.generation:
+            return sender
+        if sender is not None:
+            sender.close()
+        module, _, name = target.sender.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise PluginError(f"weight push: cannot import the sender {target.sender!r}: {exc}") from exc
+        if not (isinstance(cls, type) and issubclass(cls, WeightSender)):
+            raise PluginError(f"weight push: {target.sender!r} is not a skyrl_sdk WeightSender subclass")
+        sender = cls(**target.options)
+        _senders[target.key] = (target.generation, sender)
         return sender
 
 
 def drop_sender(key: str) -> None:
     """Close and forget this process's sender of the target ``key`` (if any)."""
     with _senders_lock:
-        sender = _senders.pop(key, None)
+        _, sender = _senders.pop(key, (None, None))
     if sender is not None:
         sender.close()
 

@@ -92,7 +92,8 @@ class FSDPOptions:
             check_number("engine_config['threads_per_rank']", threads, low=1, integer=True)
         ray_address = extra.get("ray_address")
         if ray_address is not None and not (isinstance(ray_address, str) and ray_address):
-            raise InputError(f"engine_config['ray_address']: expected 'host:port' of a Ray cluster, got {ray_address!r}")
+            raise InputError(f"engine_config['ray_address']: expected 'host:port' of a Ray cluster, "
+                             f"got {ray_address!r}")
         strategy = extra.get("placement_strategy", "PACK")
         if strategy not in PLACEMENT_STRATEGIES:
             raise InputError(f"engine_config['placement_strategy']: expected one of {list(PLACEMENT_STRATEGIES)}, "

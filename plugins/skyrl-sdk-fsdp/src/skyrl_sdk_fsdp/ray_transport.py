@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 #: how long to wait for the placement group (a cluster without room is refused by name after it)
 PLACEMENT_TIMEOUT_S = 300.0
+#: a GPU rank's share of its bundle's device in Ray's books: the rest is a colocated engine's
+COLOCATED_GPU_SHARE = 0.5
 
 
 class RayTransport(_Transport):
@@ -35,7 +37,7 @@ class RayTransport(_Transport):
         import ray
         import torch.distributed as dist
         from skyrl_sdk_ray.cluster import connect, node_ip
-        from skyrl_sdk_ray.placement import Placement
+        from skyrl_sdk_ray.placement import Placement, share_with_engines
 
         from .ray_rank import RankActor
 
@@ -56,11 +58,16 @@ class RayTransport(_Transport):
                                        what="fsdp ranks")
             remote = ray.remote(RankActor)
             for rank in range(world_size):
-                options = self.placement.options(rank, env={"OMP_NUM_THREADS": str(threads)})
+                # on a GPU the rank takes half of its bundle's device in Ray's books (all of it in fact):
+                # the other half is where a colocated vLLM engine goes (skyrl_sdk_vllm.ray_engines)
+                options = self.placement.options(rank, env={"OMP_NUM_THREADS": str(threads)},
+                                                 **({"num_gpus": COLOCATED_GPU_SHARE} if device_type == "cuda" else {}))
                 self.actors.append(remote.options(name=None, max_concurrency=1, **options).remote(
                     rank=rank, world_size=world_size, store_host=host, store_port=self._store.port,
                     device_type=device_type, timeout_s=timeout_s, threads=threads))
             self.where = ray.get([a.where.remote() for a in self.actors], timeout=PLACEMENT_TIMEOUT_S)
+            if device_type == "cuda":
+                share_with_engines(self.placement)
         except BaseException:
             self.close()
             raise
@@ -113,6 +120,10 @@ class RayTransport(_Transport):
                 pass
         self.actors = []
         if self.placement is not None:
+            from skyrl_sdk_ray.placement import share_with_engines, trainer_placement
+
+            if trainer_placement() is self.placement:
+                share_with_engines(None)
             self.placement.remove()
             self.placement = None
 
@@ -134,8 +145,9 @@ def _first_line(exc: BaseException) -> str:
 def ray_device_type(device: str, ray_address: str | None) -> str:
     """The ranks' device kind: ``"auto"`` is CUDA when the cluster has GPUs (the controller may
     have none), else CPU; ``"cuda"`` / ``"cpu"`` as given (a device index is refused)."""
-    from skyrl_sdk.errors import InputError
     from skyrl_sdk_ray.cluster import cluster_resources, connect
+
+    from skyrl_sdk.errors import InputError
 
     if device not in ("auto", "cuda", "cpu"):
         raise InputError(f"engine_config['device']: the fsdp engine's Ray ranks take one GPU each; pass 'auto', "

@@ -61,3 +61,18 @@ class Placement:
                 remove_placement_group(group)
             except Exception:  # the cluster is gone already
                 pass
+
+
+_trainer: Placement | None = None
+
+
+def share_with_engines(placement: Placement | None) -> None:
+    """Offer ``placement`` (the fsdp engine's Ray ranks, one GPU bundle each) to colocated inference
+    engines of this process (``None``: withdraw it)."""
+    global _trainer
+    _trainer = placement
+
+
+def trainer_placement() -> Placement | None:
+    """The placement group colocated engines share with the trainer, if an fsdp engine offered one."""
+    return _trainer if _trainer is not None and _trainer.group is not None else None
