@@ -85,7 +85,7 @@ class FSDPWeights(WeightsSource):
         if self.lora is None:
             return super().adapter_weights()
         config, tensors = self._engine._all("adapter_weights")[0]
-        return AdapterWeights(config=config, tensors={k: torch.from_numpy(v) for k, v in tensors.items()})
+        return AdapterWeights(config=config, tensors={k: torch.tensor(v) for k, v in tensors.items()})
 
     def decoder(self) -> RankZeroDecoder:
         return RankZeroDecoder(self._engine)
