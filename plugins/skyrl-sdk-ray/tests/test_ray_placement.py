@@ -29,7 +29,7 @@ import skyrl_sdk.sampling
 from skyrl_sdk import types
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "skyrl-sdk-vllm" / "tests"))
-from vllm_testutil import HANG_S, SMALL, forward_logprobs, train  # noqa: E402
+from vllm_testutil import HANG_S, SMALL, forward_logprobs, train, written_under
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -58,19 +58,6 @@ def cluster(tmp_path_factory):
             os.environ["TMPDIR"] = old
         tempfile.tempdir = None
     assert c.pids() == [], "the test cluster's processes outlived it"
-
-
-def _files(root: Path) -> dict[str, tuple[int, int]]:
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            path = Path(dirpath) / name
-            try:
-                st = path.stat()
-            except OSError:
-                continue
-            out[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns)
-    return out
 
 
 def _alive(pid: int) -> bool:
@@ -116,9 +103,9 @@ def test_two_ranks_two_engines_sample_the_current_weights_and_sync_without_disk(
         assert len(set(engine_pids + rank_pids)) == 4 and all(_alive(p) for p in engine_pids + rank_pids)
         for step in range(3):
             train(b, steps=1)
-            before = _files(cluster.watched)
-            b.sampler.fleet.sync()  # the push of this step's weights (or adapter)
-            assert _files(cluster.watched) == before, "a sync wrote under the temporary directory"
+            with written_under(cluster.watched) as written:
+                b.sampler.fleet.sync()  # the push of this step's weights (or adapter)
+            assert not written, f"the sync wrote {sorted(written)[:5]}"
             sync = b.sampler.fleet.last_sync
             assert sync["kind"] == ("lora" if lora else "full") and sync["version"] == b.sampler.source.version
             assert sync["engines"] == 2

@@ -48,7 +48,7 @@ class PushedVllmSampler(Sampler):
         self.engine_config = dict(engine_config)
         self.wire_dtype = self.options.dtype or source.dtype
         self.facts = facts_of(source)
-        self.last_sync: dict[str, Any] | None = None
+        self._waited: tuple[Any, float] | None = None  # (the fleet's sync record, the seconds a sample waited)
         self._engines_placement: Any = None
         host = self._connect()
         self.gpu = _on_gpu_cluster() if placement.placement == "ray" else _on_gpu()
@@ -105,9 +105,19 @@ class PushedVllmSampler(Sampler):
         before = self.fleet.last_sync
         self.fleet.sync()
         if self.fleet.last_sync is not before and self.fleet.last_sync is not None:
-            # the whole time this call waited for the weights: gathering, sending, loading
-            self.last_sync = {**self.fleet.last_sync, "seconds": time.perf_counter() - t0}
+            self._waited = (self.fleet.last_sync, time.perf_counter() - t0)
         return self.fleet.sample(request)
+
+    @property
+    def last_sync(self) -> dict[str, Any] | None:
+        """The last weights sync: ``kind`` ("full", "base" or "lora"), ``seconds`` (when a sample
+        call did it: the whole time that call waited for the weights, gathering, sending and
+        loading included), ``bytes`` (to all engines), ``version``, ``engines``, ``transfer``."""
+        fleet = getattr(self, "fleet", None)
+        record = fleet.last_sync if fleet is not None else None
+        if record is not None and self._waited is not None and self._waited[0] is record:
+            return {**record, "seconds": self._waited[1]}
+        return record
 
     def close(self) -> None:
         fleet = getattr(self, "fleet", None)

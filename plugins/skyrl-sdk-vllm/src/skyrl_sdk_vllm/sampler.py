@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,8 +42,10 @@ class VllmSampler(Sampler):
         self._label = f"skyrl{next(_names)}"
         self._synced = source.version  # the weights the engine holds (full fine-tuning)
         self._adapter: tuple[int, int] | None = None  # (version, vLLM adapter id) of a LoRA model
-        #: the last weight sync: {"kind": "full" or "lora", "seconds", "bytes", "version"}
+        #: the last weight sync: {"kind": "full" or "lora", "seconds" (all the sample call waited for the
+        #: weights), "load_seconds" (vLLM's loading alone), "bytes", "version"}
         self.last_sync: dict[str, Any] | None = None
+        self._call_started = time.perf_counter()
 
     def describe(self) -> str:
         e = self.engine
@@ -53,6 +56,7 @@ class VllmSampler(Sampler):
     def sample(self, request: SampleRequest) -> list[SampleOutput]:
         self.refuse(request, requests.SERVED)
         self._check_fits(request)
+        self._call_started = time.perf_counter()  # last_sync's seconds: all this call waited for the weights
         full = self._full_weights_if_changed()  # read outside the engine's lock (the source's turn)
         adapter = self._adapter_if_changed()
         distinct, source_of, counts = _distinct(request.prompts)
@@ -110,7 +114,9 @@ class VllmSampler(Sampler):
         return self.engine.lora_request(self._adapter[1])
 
     def _record(self, kind: str, seconds: float, nbytes: int) -> None:
-        self.last_sync = {"kind": kind, "seconds": seconds, "bytes": nbytes, "version": self.source.version}
+        waited = time.perf_counter() - self._call_started  # reading (or exporting) the weights included
+        self.last_sync = {"kind": kind, "seconds": waited, "load_seconds": seconds, "bytes": nbytes,
+                          "version": self.source.version}
         logger.debug("vllm sampler %s: %s weights synced, %.1f MiB in %.3fs", self._label, kind, nbytes / 2**20,
                      seconds)
 
