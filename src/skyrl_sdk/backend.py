@@ -305,12 +305,33 @@ class Backend:
         check_target_ids(call.target_prompt_logprobs, self.vocab_size)
         request = SampleRequest(prompts, params, call.num_samples, call.prompt_logprobs, call.topk_prompt_logprobs,
                                 call.topk_sample_logprobs, call.target_prompt_logprobs, call.prompt_alt_tokens_k)
-        with self._lock:
-            self._check_open()
-            outs = self._built_sampler().sample(request)
+        outs = self._sample(request)
         if not call.record_stability_info:
             return outs
         return [self._recorded(p, out) for p, out in zip(call.prompts, outs, strict=True)]
+
+    def _sample(self, request: SampleRequest) -> list[SampleOutput]:
+        """The sampler's answer; one that runs apart from the trainer samples outside the lock (a
+        training call meanwhile does not delay it), its weights synced first when they moved."""
+        sampler = self._sampler
+        if sampler is None or not sampler.runs_apart:
+            with self._lock:
+                self._check_open()
+                sampler = self._built_sampler()
+                if not sampler.runs_apart:
+                    return sampler.sample(request)
+        self._check_open()
+        if not sampler.weights_current():
+            with self._lock:
+                self._check_open()
+                sampler.sync_weights()
+        return sampler.sample(request)
+
+    @property
+    def samples_apart(self) -> bool:
+        """Whether this Backend's sampler (once built) samples on devices apart from the trainer's,
+        without waiting for training calls (the server then queues its samples apart)."""
+        return self._sampler is not None and self._sampler.runs_apart
 
     def _recorded(self, prompt: np.ndarray, out: SampleOutput) -> SampleOutput:
         """Record the samples of ``prompt`` in :attr:`sequences`; they carry their ``sequence_id``."""

@@ -180,6 +180,12 @@ class Sampler(ABC):
 
     #: the name the sampler is registered under (messages, ``get_info().sampler``)
     name: str = "custom"
+    #: True when the sampler computes on devices of its own, apart from the trainer's (vLLM engines
+    #: placed by Ray): ``Backend.sample`` then brings its weights up to date holding the Backend's
+    #: lock (:meth:`sync_weights`, only when :meth:`weights_current` says they are not) and samples
+    #: without it, so a sample call never waits for a training call that does not change them.
+    #: Such a sampler's :meth:`sample` reads no weights itself.
+    runs_apart: bool = False
 
     def __init__(self, *, source: WeightsSource, config: Mapping[str, Any]) -> None:
         self.source = source
@@ -189,6 +195,15 @@ class Sampler(ABC):
     def sample(self, request: SampleRequest) -> list[SampleOutput]:
         """One :class:`~skyrl_sdk.types.SampleOutput` per prompt, ``request.num_samples``
         sequences each, from the source's current weights (see docs/engines.md, Samplers)."""
+
+    def weights_current(self) -> bool:
+        """Whether the sampler holds the source's current weights (samplers that read them where
+        they live always do)."""
+        return True
+
+    def sync_weights(self) -> None:  # noqa: B027  (optional: most samplers read the weights where they live)
+        """Bring the sampler's copy of the weights to the source's current version (the Backend
+        calls it holding its lock, when :attr:`runs_apart`)."""
 
     def describe(self) -> str:
         """One line for ``get_info().sampler``, the server's log and the console: the name, and

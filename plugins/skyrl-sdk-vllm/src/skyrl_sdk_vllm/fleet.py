@@ -176,6 +176,13 @@ class Fleet:
                 if behind:
                     self._send_adapter(behind)
 
+    def current(self) -> bool:
+        """Whether every engine runs and holds the source's current weights (no lock: a read)."""
+        lora = self.source.lora is not None
+        version = self.source.version
+        return all(s.handle is not None and s.weights == (0 if lora else version)
+                   and (not lora or s.adapter == version) for s in self.slots)
+
     def _push(self, version: int, kind: str) -> None:
         layout = self.source.push_layout(self.wire_dtype, gathered=self.backend == "nccl")
         update = self._update_info(layout)

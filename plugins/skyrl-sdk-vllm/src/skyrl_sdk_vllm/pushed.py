@@ -60,6 +60,8 @@ class PushedVllmSampler(Sampler):
             args = {**dict(self.engine_config.get("engine_args") or {}), **self._engines_placement.engine_args()}
             self.engine_config["engine_args"] = args
         self.fleet = Fleet(source, placement, self._start, self.backend, self.wire_dtype, host)
+        #: engines on devices of their own sample while the trainer trains (Backend.sample)
+        self.runs_apart = placement.placement == "ray" and not placement.colocate
         try:
             self.fleet.sync()  # start the engines, push the weights: a bad setting fails here
         except BaseException:
@@ -99,13 +101,25 @@ class PushedVllmSampler(Sampler):
     def describe(self) -> str:
         return self.fleet.describe()
 
-    def sample(self, request: SampleRequest) -> list[SampleOutput]:
-        self.refuse(request, requests.SERVED)
+    def weights_current(self) -> bool:
+        return self.fleet.current()
+
+    def sync_weights(self) -> None:
         t0 = time.perf_counter()
         before = self.fleet.last_sync
         self.fleet.sync()
         if self.fleet.last_sync is not before and self.fleet.last_sync is not None:
             self._waited = (self.fleet.last_sync, time.perf_counter() - t0)
+
+    def sample(self, request: SampleRequest) -> list[SampleOutput]:
+        """The engines' samples; their weights synced first unless the sampler runs apart (then the
+        Backend syncs them, holding its lock, before it calls this)."""
+        self.refuse(request, requests.SERVED)
+        if not self.runs_apart:
+            t0 = time.perf_counter()
+            self.sync_weights()
+            if self._waited is not None and self._waited[0] is self.fleet.last_sync:
+                self._waited = (self._waited[0], time.perf_counter() - t0)
         return self.fleet.sample(request)
 
     @property
