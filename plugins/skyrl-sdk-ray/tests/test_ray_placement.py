@@ -16,13 +16,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from loopback_cluster import LoopbackCluster
 
 import skyrl_sdk
 import skyrl_sdk.sampling
@@ -34,30 +32,6 @@ from vllm_testutil import HANG_S, SMALL, forward_logprobs, train, written_under
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 PROMPTS = [list(range(5, 40)), list(range(7, 30))]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """The cluster, its processes and ours writing temporary files under one watched folder."""
-    watched = tmp_path_factory.mktemp("tmp-watched")
-    old = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(watched)
-    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-    c = LoopbackCluster(nodes=2, cpus_per_node=3)
-    c.watched = watched
-    try:
-        yield c
-    finally:
-        import ray
-
-        ray.shutdown()
-        c.stop()
-        if old is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = old
-        tempfile.tempdir = None
-    assert c.pids() == [], "the test cluster's processes outlived it"
 
 
 def _alive(pid: int) -> bool:
