@@ -6,7 +6,7 @@ import os
 import tempfile
 
 import pytest
-from loopback_cluster import LoopbackCluster
+from skyrl_sdk_ray.local_cluster import LoopbackCluster
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from loopback_cluster import free_port
+from skyrl_sdk_ray.local_cluster import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "skyrl-sdk-vllm" / "tests"))
 import tinker

@@ -6,6 +6,8 @@
 - :mod:`.calls`: wait for actor calls, and name the actor when one died.
 - :mod:`.loopback`: ``python -m skyrl_sdk_ray.loopback start ...``: ``ray start`` that keeps a
   ``127.0.0.1`` node address (tests, single-machine CI).
+- :mod:`.local_cluster`: :class:`~.local_cluster.LoopbackCluster`, nodes started with it and
+  stopped by the pids of their own processes (never ``ray stop``).
 
 Importing this package imports nothing of Ray; its functions do.
 """

@@ -23,7 +23,7 @@ PLACEMENTS = ("local", "ray")
 #: ``auto``: NCCL between GPUs of different processes, gloo otherwise (CPUs, or a colocated GPU)
 TRANSFERS = ("auto", "gloo", "nccl")
 KEYS = ("placement", "engines", "tensor_parallel_size", "colocate", "transfer", "ray_address",
-        "transfer_timeout_s", "bucket_mib", "cpus_per_engine")
+        "transfer_timeout_s", "bucket_mib", "cpus_per_engine", "overlap")
 
 
 def _choice(options):
@@ -57,10 +57,14 @@ class PlacementConfig:
     bucket_mib: float = attrs.field(default=64.0, validator=_positive)
     #: CPUs reserved for each engine actor (Ray)
     cpus_per_engine: float = attrs.field(default=1.0, validator=_positive)
+    #: disaggregated engines sample while the trainer trains (a sample waits only for a weights
+    #: sync); false: every sample waits for the training call in progress, as on one device
+    overlap: bool = True
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.colocate, bool):
-            raise InputError(f"sampler_config['colocate']: expected true or false, got {self.colocate!r}")
+        for key in ("colocate", "overlap"):
+            if not isinstance(getattr(self, key), bool):
+                raise InputError(f"sampler_config[{key!r}]: expected true or false, got {getattr(self, key)!r}")
         if self.ray_address is not None and not (isinstance(self.ray_address, str) and self.ray_address):
             raise InputError(f"sampler_config['ray_address']: expected 'host:port' of a Ray cluster, got "
                              f"{self.ray_address!r}")

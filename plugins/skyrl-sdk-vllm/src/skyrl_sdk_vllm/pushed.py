@@ -61,7 +61,7 @@ class PushedVllmSampler(Sampler):
             self.engine_config["engine_args"] = args
         self.fleet = Fleet(source, placement, self._start, self.backend, self.wire_dtype, host)
         #: engines on devices of their own sample while the trainer trains (Backend.sample)
-        self.runs_apart = placement.placement == "ray" and not placement.colocate
+        self.runs_apart = placement.placement == "ray" and not placement.colocate and placement.overlap
         try:
             self.fleet.sync()  # start the engines, push the weights: a bad setting fails here
         except BaseException:

@@ -1,9 +1,10 @@
-"""A Ray cluster of two nodes on 127.0.0.1 for the tests, stopped by the pids of its own processes.
+"""A Ray cluster of several nodes on 127.0.0.1 (tests, benchmarks, single-machine trials), stopped by
+the pids of its own processes.
 
 Every process of the cluster (``ray start``'s daemons, and the workers the raylets start) carries
-``SKYRL_RAY_TEST_CLUSTER=<id>`` in its environment, inherited from the ``ray start`` that began
+``SKYRL_RAY_LOCAL_CLUSTER=<id>`` in its environment, inherited from the ``ray start`` that began
 it: :meth:`LoopbackCluster.stop` kills exactly those (never ``ray stop``, which ends every Ray
-process of the user, other people's clusters included), also when a test failed.
+process of the user, other people's clusters included), also when a test or a benchmark failed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-MARKER = "SKYRL_RAY_TEST_CLUSTER"
+MARKER = "SKYRL_RAY_LOCAL_CLUSTER"
 #: Ray's ports that default to fixed numbers: every cluster gets free ones (several may run at once)
 FIXED_PORT_FLAGS = ("--ray-client-server-port", "--dashboard-port", "--dashboard-agent-listen-port",
                     "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")
