@@ -44,7 +44,7 @@ def test_a_sample_with_current_weights_does_not_wait_for_a_training_call(fresh_p
     calls = _apart_sampler()
     with skyrl_sdk.Backend(model="tiny", sampler="apart") as b:
         b.sample([[1]], types.SamplingParams(max_tokens=1))
-        assert b.samples_apart
+        assert b.sampler.runs_apart
         done = threading.Event()
         with b._lock:  # as a forward_backward in progress holds it
             worker = threading.Thread(target=lambda: (b.sample([[1]], types.SamplingParams(max_tokens=1)), done.set()))
@@ -60,4 +60,4 @@ def test_a_sample_with_current_weights_does_not_wait_for_a_training_call(fresh_p
 def test_a_sampler_on_the_trainers_devices_samples_holding_the_lock(fresh_plugins):
     with skyrl_sdk.Backend(model="tiny") as b:
         b.sample([[1]], types.SamplingParams(max_tokens=1))
-        assert not b.samples_apart and not b.sampler.runs_apart and b.sampler.weights_current()
+        assert not b.sampler.runs_apart and b.sampler.weights_current()

@@ -311,8 +311,8 @@ class Backend:
         return [self._recorded(p, out) for p, out in zip(call.prompts, outs, strict=True)]
 
     def _sample(self, request: SampleRequest) -> list[SampleOutput]:
-        """The sampler's answer; one that runs apart from the trainer samples outside the lock (a
-        training call meanwhile does not delay it), its weights synced first when they moved."""
+        """A sampler that runs apart from the trainer samples outside the lock (a training call
+        does not delay it), its weights synced under the lock first when they moved."""
         sampler = self._sampler
         if sampler is None or not sampler.runs_apart:
             with self._lock:
@@ -326,12 +326,6 @@ class Backend:
                 self._check_open()
                 sampler.sync_weights()
         return sampler.sample(request)
-
-    @property
-    def samples_apart(self) -> bool:
-        """Whether this Backend's sampler (once built) samples on devices apart from the trainer's,
-        without waiting for training calls (the server then queues its samples apart)."""
-        return self._sampler is not None and self._sampler.runs_apart
 
     def _recorded(self, prompt: np.ndarray, out: SampleOutput) -> SampleOutput:
         """Record the samples of ``prompt`` in :attr:`sequences`; they carry their ``sequence_id``."""

@@ -94,7 +94,7 @@ class Sampling:
         self._targets_lock = threading.Lock()
         self.snapshots = SnapshotCache(config.snapshot_memory)
         #: per training model whose sampler runs apart from its trainer: the queue of its samples,
-        #: on an executor of its own, so they run while the model trains (Backend.samples_apart)
+        #: on an executor of its own, so they run while the model trains (Sampler.runs_apart)
         self._apart: dict[str, Queue] = {}
 
     # ---- sessions -------------------------------------------------------------------------------
@@ -159,9 +159,10 @@ class Sampling:
 
     def _queue_of(self, model: TrainingModel) -> Queue:
         """Where a live model's samples queue: its own worker, or, once its sampler runs apart from
-        the trainer (engines on devices of their own), a queue on an executor of its own."""
-        backend = model.backend
-        if backend is None or not getattr(backend, "samples_apart", False):
+        the trainer (``Sampler.runs_apart``: engines on devices of their own), a queue on an
+        executor of its own."""
+        sampler = model.backend.sampler if model.backend is not None else None
+        if sampler is None or not sampler.runs_apart:
             return model.worker
         with self._targets_lock:
             queue = self._apart.get(model.model_id)
