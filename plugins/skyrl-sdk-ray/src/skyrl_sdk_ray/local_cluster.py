@@ -93,3 +93,28 @@ class LoopbackCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_marked(cluster_id: str) -> int:
+    """Stop this machine's processes of the cluster ``cluster_id`` (those whose environment has
+    ``SKYRL_RAY_LOCAL_CLUSTER=<cluster_id>``: start ``ray start`` with it); how many there were."""
+    marked = LoopbackCluster.__new__(LoopbackCluster)
+    marked.id = cluster_id
+    count = len(marked.pids())
+    marked.stop()
+    return count
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m skyrl_sdk_ray.local_cluster stop ID``: stop the Ray processes this machine runs
+    for the cluster started with ``SKYRL_RAY_LOCAL_CLUSTER=ID`` (the GPU scripts' clusters)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "stop":
+        print("usage: python -m skyrl_sdk_ray.local_cluster stop CLUSTER_ID", file=sys.stderr)
+        return 2
+    print(f"stopped {stop_marked(args[1])} processes of Ray cluster {args[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -117,7 +117,7 @@ class GlooSender(WeightSender):
     def send(self, rank: int, layout: PushLayout, slices: Iterator[torch.Tensor]) -> None:
         groups = self._join(rank)
         for tag, indices in enumerate(buckets(layout, self.bucket_bytes)):
-            buffer = pack([next(slices) for _ in indices])
+            buffer = pack([next(slices) for _ in indices]).cpu()  # gloo sends host memory (a GPU rank's too)
             if buffer.numel() != packed_bytes(layout, indices, rank):
                 raise RuntimeError(f"weight push: rank {rank}'s slices of bucket {tag} are {buffer.numel()} bytes, "
                                    f"the layout says {packed_bytes(layout, indices, rank)}")
