@@ -70,9 +70,12 @@ class PushedVllmSampler(Sampler):
 
     def _transport(self) -> str:
         t = self.placement.transfer
+        # engines on GPUs of their own take NCCL; one beside the controller ("local") shares a GPU
+        # with a trainer process (rank 0 or the local engine), which NCCL cannot join twice
+        own_gpus = self.gpu and self.placement.placement == "ray" and not self.placement.colocate
         if t == "auto":
-            return "nccl" if self.gpu and not self.placement.colocate else "gloo"
-        if t == "nccl" and (not self.gpu or self.placement.colocate):
+            return "nccl" if own_gpus else "gloo"
+        if t == "nccl" and not own_gpus:
             raise InputError("sampler_config['transfer']='nccl' needs the engines on GPUs of their own "
                              "(NCCL cannot join two processes on one GPU); use 'gloo'")
         return t
