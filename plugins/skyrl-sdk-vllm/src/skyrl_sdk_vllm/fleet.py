@@ -76,6 +76,7 @@ class Fleet:
         #: the last push or adapter sync: {"kind", "seconds", "bytes", "version"}
         self.last_sync: dict[str, Any] | None = None
         self.closed = False
+        self._engine_line: str | None = None
 
     # ---- engines ------------------------------------------------------------------------
     def ensure_started(self) -> None:
@@ -289,9 +290,12 @@ class Fleet:
         return outputs  # type: ignore[return-value]
 
     def describe(self) -> str:
+        """One line (the engine's own line is asked once: an engine answers one call at a time)."""
         with self.lock:
             running = [s.handle for s in self.slots if s.handle is not None]
-        first = running[0].call("describe").result() if running else "vllm"
+            if self._engine_line is None and running:
+                self._engine_line = running[0].call("describe").result()
+        first = self._engine_line or "vllm"
         where = "Ray actors" if self.placement.placement == "ray" else running[0].name if running else "?"
         tp = self.placement.tensor_parallel_size
         return (f"{first.split(' (')[0]} x{len(self.slots)} ({where}; weights pushed: {self.backend}"
