@@ -71,11 +71,10 @@ def _sync(ctx, label: str, spec: dict, reps: int) -> dict:
 
         def step() -> None:
             trainer.forward_backward(data, "cross_entropy")
-            trainer.optim_step(types.AdamParams(learning_rate=1e-4))
-            source.weights_changed()  # these samplers are not the trainer's own: say the weights moved
+            trainer.optim_step(types.AdamParams(learning_rate=1e-4))  # moves the engine's weights version
 
-        request = skyrl_sdk.sampling.SampleRequest([np.arange(1, 5)],
-                                                   types.SamplingParams(max_tokens=1, stop=()))
+        request = skyrl_sdk.sampling.SampleRequest(prompts=[np.arange(1, 5, dtype=np.int64)],
+                                                   sampling_params=types.SamplingParams(max_tokens=1, stop=()))
         changed: dict[str, list[float]] = {k: [] for k in sides}
         same: dict[str, list[float]] = {k: [] for k in sides}
         for side in sides.values():

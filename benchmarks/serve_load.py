@@ -211,8 +211,8 @@ CONSOLE_RUN = "sess-bench:train:0"
 
 def _seed_history(state_dir: str, steps: int) -> None:
     """A state dir holding one run of ``steps`` steps of history (before its server starts)."""
-    from skyrl_sdk.server.history import History
-    from skyrl_sdk.server.store import Store
+    from skyrl_sdk.server.state.history import History
+    from skyrl_sdk.server.state.store import Store
 
     store = Store(state_dir)
     store.add_run(CONSOLE_RUN, "default", "sess-bench", "tiny", None, None)

@@ -20,7 +20,8 @@ def main() -> None:
     p.add_argument("--client-config", default="{}")
     p.add_argument("--header-timeout", type=float, default=10.0)
     args = p.parse_args()
-    from skyrl_sdk.server import ServerConfig, create_app, edge
+    from skyrl_sdk.server import ServerConfig, create_app
+    from skyrl_sdk.server.http import edge
 
     config = ServerConfig(models=(args.model,), state_dir=args.state_dir, port=args.port, api_key=args.api_key,
                           client_config=json.loads(args.client_config), header_timeout_s=args.header_timeout)

@@ -26,7 +26,7 @@ def available() -> str | None:
     try:
         import tinker  # noqa: F401
 
-        from skyrl_sdk.server.app import create_app  # noqa: F401
+        from skyrl_sdk.server.http.app import create_app  # noqa: F401
     except Exception as exc:  # ImportError, or a half-written module
         return f"not available ({type(exc).__name__}: {exc})"
     return None

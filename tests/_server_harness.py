@@ -29,7 +29,8 @@ class ServerThread:
     """``with ServerThread(state_dir, **config) as srv: srv.url``"""
 
     def __init__(self, state_dir: Path | str, **config: Any) -> None:
-        from skyrl_sdk.server import ServerConfig, create_app, edge
+        from skyrl_sdk.server import ServerConfig, create_app
+        from skyrl_sdk.server.http import edge
 
         self.port = free_port()
         config.setdefault("api_key", API_KEY)

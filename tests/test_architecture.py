@@ -56,6 +56,16 @@ FSDP_LAYERS = (
     ("controller and entry points", ("engine", "entrypoint", "transport", "split", "sampling", "ray_rank",
                                      "ray_transport", "")),
 )
+#: Inside the server, bottom to top: its folders are its layers (docs/architecture.md); the
+#: settings (``config``) below them all, the package's face (``create_app``, ``ServerConfig``) on top.
+SERVER_LAYERS = (
+    ("settings", ("skyrl_sdk.server.config", "skyrl_sdk.server.settings")),
+    ("wire", ("skyrl_sdk.server.wire",)),
+    ("state", ("skyrl_sdk.server.state",)),
+    ("compute", ("skyrl_sdk.server.compute",)),
+    ("http", ("skyrl_sdk.server.http",)),
+    ("the package's face", ("skyrl_sdk.server",)),
+)
 #: A third party's private names we read or write, and why there is no public way. Our own
 #: packages may not define these names (the list cannot hide a private of ours).
 THIRD_PARTY_PRIVATE = {
@@ -364,12 +374,12 @@ def test_the_import_scan_sees_strings_and_both_type_checking_branches(tmp_path):
         "import importlib\nfrom typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from ..engines import local\nelse:\n    from ..sampling import decode\n"
         "BUILTINS = ('skyrl_sdk.engines.runner', 'skyrl_sdk.models.loading:load_model')\n"
-        "importlib.import_module('skyrl_sdk.server.app')\nimportlib.import_module('..cli.demo', __package__)\n"
+        "importlib.import_module('skyrl_sdk.server.http.app')\nimportlib.import_module('..cli.demo', __package__)\n"
         "NOT_A_MODULE = 'skyrl_sdk.owner'\n")
     found = sorted((line, target) for line, target, _ in _imports("skyrl_sdk.plugins.manager", file))
     assert found == [(4, "skyrl_sdk.engines.local"), (6, "skyrl_sdk.sampling.decode"),
                      (7, "skyrl_sdk.engines.runner"), (7, "skyrl_sdk.models.loading"),
-                     (8, "skyrl_sdk.server.app"), (9, "skyrl_sdk.cli.demo")], found
+                     (8, "skyrl_sdk.server.http.app"), (9, "skyrl_sdk.cli.demo")], found
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] == "skyrl_sdk_fsdp"))
@@ -383,6 +393,22 @@ def test_the_fsdp_plugin_goes_one_way(module):
               for line, target, _ in _imports(module, MODULES[module])
               if target.split(".")[0] == "skyrl_sdk_fsdp" and layer_of(inner(target), FSDP_LAYERS) > mine]
     assert not upward, f"{module} ({FSDP_LAYERS[mine][0]}) imports from above it: {upward}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("skyrl_sdk.server")))
+def test_the_server_folders_are_layers(module):
+    """wire -> state -> compute -> http, each importing only its own folder and those below."""
+    mine = layer_of(module, SERVER_LAYERS)
+    upward = [f"line {line}: {target} ({SERVER_LAYERS[layer_of(target, SERVER_LAYERS)][0]})"
+              for line, target, _ in _imports(module, MODULES[module])
+              if target.startswith("skyrl_sdk.server.") and layer_of(target, SERVER_LAYERS) > mine]
+    assert not upward, f"{module} ({SERVER_LAYERS[mine][0]}) imports from a server layer above it: {upward}"
+
+
+def test_every_server_module_is_in_a_layer_folder():
+    loose = [m for m in MODULES if m.startswith("skyrl_sdk.server.") and m.count(".") == 2
+             and m not in ("skyrl_sdk.server.config", "skyrl_sdk.server.settings") and MODULES[m].name != "__init__.py"]
+    assert not loose, f"server modules outside the layer folders (wire/ state/ compute/ http/): {loose}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -431,3 +457,90 @@ def test_the_module_map_lists_every_module():
     missing = [m for m in MODULES if m.startswith("skyrl_sdk.") and m.count(".") >= 2
                and f" {m.rsplit('.', 1)[1]} " not in f" {' '.join(block.replace('(', ' ').split())} "]
     assert not missing, f"docs/architecture.md's module map misses {missing}"
+
+
+# ---- no mixins -----------------------------------------------------------------------------------
+#: bases that bring no attributes a subclass reads (the check follows every other base of ours)
+NEUTRAL_BASES = {"object", "abc.ABC", "ABC", "Generic", "Protocol", "Exception"}
+
+
+def _own_names(cls: ast.ClassDef) -> set[str]:
+    """What a class defines for its instances: methods, class attributes, annotated fields
+    (attrs), and every ``self.x = ...`` / ``cls.x = ...`` in its methods."""
+    names = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _own_base(node.value):
+            names.add(node.attr)
+    return names
+
+
+@cache
+def _classes() -> dict[tuple[str, str], tuple[str, ast.ClassDef]]:
+    """(module, class name) -> (module, class) of every class of our packages and the names
+    modules import them by."""
+    found: dict[tuple[str, str], tuple[str, ast.ClassDef]] = {}
+    for module, file in MODULES.items():
+        for node in _tree(file).body:
+            if isinstance(node, ast.ClassDef):
+                found[(module, node.name)] = (module, node)
+    for module, file in MODULES.items():
+        for node in ast.walk(_tree(file)):
+            if isinstance(node, ast.ImportFrom):
+                source = _resolve(module, file, node.level, node.module) if node.level else node.module or ""
+                for alias in node.names:
+                    if (source, alias.name) in found:
+                        found.setdefault((module, alias.asname or alias.name), found[(source, alias.name)])
+    return found
+
+
+def undefined_attributes(module: str, cls: ast.ClassDef, classes: dict | None = None) -> set[str] | None:
+    """The ``self.x`` a class reads that neither it nor its bases define (a mixin reading its
+    host's names); None when a base is not ours (a third party's may define anything)."""
+    classes = _classes() if classes is None else classes
+    known, todo, seen = set(), [(module, cls)], set()
+    while todo:
+        mod, node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        known |= _own_names(node)
+        for base in node.bases:
+            name = ast.unparse(base.value if isinstance(base, ast.Subscript) else base)
+            if name in NEUTRAL_BASES:
+                continue
+            if (mod, name) not in classes:
+                return None
+            todo.append(classes[(mod, name)])
+    reads = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)
+             and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return reads - known - {"__class__", "__dict__"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _ours(m) and m.split(".")[0] in SOURCES))
+def test_no_class_reads_attributes_only_its_host_defines(module):
+    """A class is one job with its own state: a mixin that reads its host's ``self.store`` or
+    ``self._sequenced`` splits one class over two modules and hides what it depends on (make it
+    a service object handed what it uses, as ``server.compute.weights.WeightRequests``)."""
+    bad = {}
+    for node in _tree(MODULES[module]).body:
+        if isinstance(node, ast.ClassDef) and (missing := undefined_attributes(module, node)):
+            bad[node.name] = sorted(missing)
+    assert not bad, f"{module}: classes read attributes they do not define (a mixin?): {bad}"
+
+
+def test_the_mixin_check_sees_a_mixin():
+    tree = ast.parse("class Mixin:\n    def save(self):\n        return self.store.save(self._sequenced)\n\n"
+                     "class Host(Mixin):\n    def __init__(self):\n        self.store = self._sequenced = None\n\n"
+                     "class Foreign(dict):\n    def get_it(self):\n        return self.anything\n")
+    mixin, host, foreign = tree.body
+    classes = {("m", "Mixin"): ("m", mixin), ("m", "Host"): ("m", host)}
+    assert undefined_attributes("m", mixin, classes) == {"store", "_sequenced"}
+    assert undefined_attributes("m", host, classes) == set()  # the host defines them: the mixin is the one
+    assert undefined_attributes("m", foreign, classes) is None  # a third party's base may define anything

@@ -15,6 +15,7 @@ import pytest
 from _limits import HANG_S
 from skyrl_sdk import builtin_plugins as plugins
 from skyrl_sdk.cli import commands as cli
+from skyrl_sdk.cli import losses as cli_losses
 from skyrl_sdk.losses.base import LossSpec
 from skyrl_sdk.losses.dialects import convert_tinker
 from skyrl_sdk.plugins.registry import DialectSpec
@@ -109,7 +110,7 @@ def test_losses_human_output_shows_config_defaults(capsys, monkeypatch):
 
     spec = LossSpec(name="fake", fn=lambda b, c: None, description="a fake loss",
                     required_inputs=("target_tokens", "advantages"), optional_inputs=("weights",), config_cls=Cfg)
-    assert cli.config_defaults(spec) == {"beta": 0.25, "tags": ()}
+    assert cli_losses.config_defaults(spec) == {"beta": 0.25, "tags": ()}
     monkeypatch.setitem(plugins.get_registry().losses, "fake", spec)
     assert cli.main(["losses", "--wide"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fake "))
@@ -118,8 +119,8 @@ def test_losses_human_output_shows_config_defaults(capsys, monkeypatch):
     assert cli.main(["losses"]) == 0
     out = capsys.readouterr().out
     block = out[out.index("fake (policy)\n"):].split("\n\n")[0].splitlines()
-    assert block == ["fake (policy)", "  called as: native: fake; tinker: fake",
-                     "  inputs: target_tokens, advantages [weights]", "  config: beta=0.25, tags=()", "  a fake loss"]
+    assert block == ["fake (policy)", "  called as: native: fake; tinker: fake", "  inputs: target_tokens, advantages",
+                     "  optional: weights", "  config: beta=0.25, tags=()", "  a fake loss"]
 
 
 def _spec(name: str, role: str = "policy") -> LossSpec:
@@ -138,7 +139,7 @@ def _spec(name: str, role: str = "policy") -> LossSpec:
 )
 def test_dialect_names_come_from_the_dialects_own_table(name, role, expected):
     tinker = DialectSpec("tinker", convert_tinker)
-    assert cli.dialect_names(tinker, _spec(name, role)) == expected
+    assert cli_losses.dialect_names(tinker, _spec(name, role)) == expected
 
 
 def test_a_dialect_that_shadows_a_name_hides_it():
@@ -146,8 +147,8 @@ def test_a_dialect_that_shadows_a_name_hides_it():
         return ("other", {}) if loss_fn == "mine" else None
 
     convert.names = ("mine",)
-    assert cli.dialect_names(DialectSpec("d", convert), _spec("mine")) == []
-    assert cli.dialect_names(DialectSpec("d", convert), _spec("other")) == ["mine", "other"]
+    assert cli_losses.dialect_names(DialectSpec("d", convert), _spec("mine")) == []
+    assert cli_losses.dialect_names(DialectSpec("d", convert), _spec("other")) == ["mine", "other"]
 
 
 def test_version(capsys):
@@ -167,17 +168,22 @@ def _fake_module(monkeypatch, name: str, func: str) -> list:
 
 
 def test_serve_arguments_and_lazy_import(monkeypatch):
-    monkeypatch.setenv(cli.API_KEY_ENV, "tml-secret")
+    from skyrl_sdk.server.config import ServerConfig
+    from skyrl_sdk.server.settings import API_KEY_ENV
+
+    monkeypatch.setenv(API_KEY_ENV, "tml-secret")
     calls = _fake_module(monkeypatch, "skyrl_sdk.cli.serve", "serve")
     assert cli.main(["serve"]) == 0
-    args = calls[-1]
-    assert (args.host, args.port, args.model, args.engine, args.engine_config, args.state_dir, args.api_key,
-            args.lazy) == ("127.0.0.1", 8000, ["tiny"], "local", None, "./skyrl-server-state", "tml-secret", False)
+    config = ServerConfig.from_args(calls[-1])  # the parsed flags hold the settings' names (server/settings.py)
+    assert (config.host, config.port, config.models, config.engine, config.engine_config, str(config.state_dir),
+            config.api_key, calls[-1].lazy) == ("127.0.0.1", 8000, ("tiny",), "local", {}, "skyrl-server-state",
+                                                "tml-secret", False)
     assert cli.main(["-v", "serve", "--model", "a", "--model", "/m/b", "--port", "9",
                      "--engine-config", '{"device": "cpu"}', "--api-key", "tml-x", "-v", "--lazy"]) == 0
     args = calls[-1]
-    assert (args.model, args.port, args.engine_config, args.api_key, args.lazy) == (
-        ["a", "/m/b"], 9, {"device": "cpu"}, "tml-x", True)
+    config = ServerConfig.from_args(args)
+    assert (config.models, config.port, config.engine_config, config.api_key, args.lazy) == (
+        ("a", "/m/b"), 9, {"device": "cpu"}, "tml-x", True)
     assert args.verbose >= 1
 
 
@@ -230,7 +236,8 @@ def test_missing_optional_module_is_reported(monkeypatch, capsys):
     monkeypatch.delitem(sys.modules, "skyrl_sdk.cli.serve", raising=False)
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the [server] extra were not installed
     assert cli.main(["serve"]) == 2
-    assert "cannot import 'uvicorn' (pip install 'skyrl-sdk[server]')" in capsys.readouterr().err
+    assert "cannot import 'uvicorn' (pip install -e \".[server]\" (in the skyrl-sdk checkout; `skyrl-sdk doctor`" \
+        in capsys.readouterr().err
 
 
 def test_plugin_errors_exit_nonzero_with_a_message(monkeypatch, capsys):
@@ -252,7 +259,7 @@ def test_bare_command_prints_the_help_with_the_commands(capsys):
     assert cli.main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: skyrl-sdk")
-    for command in ("plugins", "losses", "version", "demo", "serve"):
+    for command in ("plugins", "losses", "version", "doctor", "demo", "serve"):
         assert f"\n    {command} " in out
     assert "skyrl-sdk demo" in out  # where to start
 
@@ -271,7 +278,7 @@ def _subcommands() -> dict:
 
 def test_every_command_has_a_one_line_summary_and_no_rest_markup():
     commands = _subcommands()
-    assert set(commands) == {"plugins", "losses", "version", "demo", "serve"}
+    assert set(commands) == {"plugins", "losses", "version", "doctor", "demo", "serve"}
     texts = [cli.build_parser().format_help()]
     for name, (sub, summary) in commands.items():
         assert summary and "\n" not in summary, name
@@ -310,17 +317,18 @@ def test_losses_fit_100_columns_by_default_and_wide_is_one_line_each():
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= 100
     rows = loss_rows()
-    blocks = proc.stdout.strip().split("\n\n")
+    *blocks, shared = proc.stdout.strip().split("\n\n")
     assert [b.splitlines()[0] for b in blocks] == [f"{r['name']} ({r['role']})" for r in rows]
+    assert shared.startswith("Every loss also takes, in every dialect: ") and "kl_coef" in shared
     # wrapped, not cut: every word of every description is there
     assert " ".join(proc.stdout.split()).count(" ".join(rows[0]["description"].split())) == 1
     wide = run_cli("losses", "--wide").stdout.splitlines()
-    assert len(wide) == 1 + len(rows) and wide[0].split()[:2] == ["NAME", "ROLE"]
+    assert len(wide) == 2 + len(rows) and wide[0].split()[:2] == ["NAME", "ROLE"]  # + the shared keys' line
 
 
 def loss_rows() -> list:
     plugins.reset()
-    return cli.loss_rows()
+    return cli_losses.loss_rows()
 
 
 def test_a_closed_pipe_is_not_a_traceback():
@@ -365,9 +373,10 @@ def test_serve_refuses_to_start_with_the_reason(argv, expected, tmp_path, capsys
 @pytest.mark.parametrize("port", ["99999", "65536", "-1"])
 def test_serve_port_out_of_range_is_one_line_exit_2(port, tmp_path, capsys):
     assert cli.main(["serve", "--port", port, "--state-dir", str(tmp_path / "s")]) == 2
-    err = capsys.readouterr().err
-    assert err == ("skyrl-sdk serve: cannot start: --port: expected a TCP port from 1 to 65535, or 0 for a free "
-                   f"one, got {port}\n")
+    first, last = capsys.readouterr().err.splitlines()
+    assert first.startswith(f"skyrl-sdk serve: starting on 127.0.0.1:{port} (models: tiny; ")
+    assert last == ("skyrl-sdk serve: cannot start: --port: expected a TCP port from 1 to 65535, or 0 for a free "
+                    f"one, got {port}")
 
 
 def test_serve_port_in_use_is_one_line_exit_2_before_any_model_loads(tmp_path, capsys, monkeypatch):
@@ -381,8 +390,48 @@ def test_serve_port_in_use_is_one_line_exit_2_before_any_model_loads(tmp_path, c
         taken.listen()
         port = taken.getsockname()[1]
         assert cli.main(["serve", "--port", str(port), "--state-dir", str(tmp_path / "s")]) == 2
-    err = capsys.readouterr().err
-    assert err == f"skyrl-sdk serve: cannot start: --host/--port: cannot bind 127.0.0.1:{port}: address already in use\n"
+    first, last = capsys.readouterr().err.splitlines()
+    assert first.startswith(f"skyrl-sdk serve: starting on 127.0.0.1:{port} ")
+    assert last == (f"skyrl-sdk serve: cannot start: --host/--port: cannot bind 127.0.0.1:{port}: address already in "
+                    "use; another server may hold it: another --port, or --port 0 for a free one")
+
+
+def _imported_before(argv: list[str], line_start: str, tmp_path) -> tuple[list[str], list[str]]:
+    """``skyrl-sdk`` run with ``-X importtime``: the modules it imported before it printed the
+    line starting with ``line_start`` (or before it ended), and its other stderr lines."""
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "skyrl_sdk.cli", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    modules, lines = [], []
+    try:
+        for line in proc.stderr:
+            if line.startswith("import time:"):
+                modules.append(line.rsplit("|", 1)[1].strip())
+            else:
+                lines.append(line.rstrip("\n"))
+                if line.startswith(line_start):
+                    break
+    finally:
+        proc.kill()
+        proc.wait(timeout=HANG_S)
+        proc.stderr.close()
+    return modules, lines
+
+
+def test_serve_says_it_is_starting_and_refuses_a_busy_port_before_importing_torch(tmp_path):
+    """A busy port is refused at once, suggesting --port 0: the first line and the refusal come
+    before torch, transformers or the server are imported (counted by imports, not seconds)."""
+    import socket
+
+    modules, lines = _imported_before(["serve"], "skyrl-sdk serve: starting", tmp_path)
+    assert lines[-1].startswith("skyrl-sdk serve: starting on 127.0.0.1:8000") and "torch" not in modules
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        modules, lines = _imported_before(["serve", "--port", str(port)], "skyrl-sdk serve: cannot start", tmp_path)
+    assert lines[-1].endswith("address already in use; another server may hold it: another --port, or --port 0 "
+                              "for a free one")
+    assert not {"torch", "transformers", "fastapi", "uvicorn"} & set(modules), modules
 
 
 def test_an_unknown_option_shows_the_commands_own_usage(capsys):
@@ -441,8 +490,9 @@ def test_serve_tries_a_plugin_sampler_with_its_config_before_binding(fresh_plugi
 
     argv = ["serve", "--port", str(free_port()), "--state-dir", str(tmp_path / "s"), "--sampler", "picky"]
     assert cli.main([*argv, "--sampler-config", '{"size": 3}']) == 2
-    assert capsys.readouterr().err == ("skyrl-sdk serve: cannot start: model 'tiny' on engine 'local' with sampler "
-                                       "'picky': InputError: sampler_config['size']: at most 2, got 3\n")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "skyrl-sdk serve: cannot start: model 'tiny' on engine 'local' with sampler 'picky': InputError: "
+        "sampler_config['size']: at most 2, got 3")
     said = serve_command.preflight(ServerConfig(sampler="picky", sampler_config={"size": 2}), lazy=True)
     assert said == "picky of size 2"
     assert "(models: tiny; engine: local; sampler: picky of size 2; state: " in \
@@ -453,6 +503,16 @@ def _serve(tmp_path, port: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "skyrl_sdk.cli", "serve", "--port", str(port),
                              "--state-dir", str(tmp_path / "state"), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _until_listening(proc: subprocess.Popen) -> tuple[str, list[str]]:
+    """The banner's first line, and the start-up lines before it (which must say what it did)."""
+    before = []
+    for line in proc.stderr:
+        if line.startswith("skyrl-sdk serve: listening on "):
+            return line, before
+        before.append(line.rstrip("\n"))
+    raise AssertionError(f"serve ended without listening: {before}")
 
 
 @pytest.mark.slow
@@ -474,8 +534,13 @@ def test_serve_port_0_binds_a_free_port_and_prints_it(tmp_path):
 
     proc = _serve(tmp_path, 0)
     try:
-        first = proc.stderr.readline()
-        match = re.match(r"skyrl-sdk serve: listening on http://127\.0\.0\.1:(\d+) ", first)
+        first, before = _until_listening(proc)
+        assert [line.split(" (")[0].split(" ...")[0] for line in before] == [
+            "skyrl-sdk serve: starting on 127.0.0.1:0", "skyrl-sdk serve: the port is free; importing torch, "
+            "transformers and the HTTP server", "skyrl-sdk serve: loading tiny on engine local and sampling a token "
+            "with transformers", "skyrl-sdk serve: tiny ready"], before
+        match = re.match(r"skyrl-sdk serve: listening on http://127\.0\.0\.1:(\d+) \(ready in [\d.]+ s; models: tiny; ",
+                         first)
         assert match, first
         port = int(match.group(1))
         assert port != 0
@@ -500,11 +565,11 @@ def test_serve_banner_comes_after_the_bind(tmp_path):
     port = free_port()
     proc = _serve(tmp_path, port)
     try:
-        first = proc.stderr.readline()
+        first, _ = _until_listening(proc)
         assert first.startswith(f"skyrl-sdk serve: listening on http://127.0.0.1:{port}"), first
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass  # already bound when the banner appeared
-        hint = "".join(proc.stderr.readline() for _ in range(4))
+        hint = "".join(proc.stderr.readline() for _ in range(5))
         assert f"TINKER_BASE_URL=http://127.0.0.1:{port} TINKER_API_KEY=tml-local" in hint
         assert f"console in a browser: http://127.0.0.1:{port}/\n" in hint
         busy = _serve(tmp_path, port)  # same port: binding fails, no banner, non-zero exit

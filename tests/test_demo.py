@@ -87,4 +87,4 @@ def test_the_readmes_first_line_installs_only_what_the_demo_needs(tmp_path):
     assert json.loads(proc.stdout)["sft_loss_last"] < json.loads(proc.stdout)["sft_loss_first"]
     check = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS, ",".join(EXTRAS_MODULES), "serve"],
                            capture_output=True, text=True, timeout=HANG_S)  # the blocking works:
-    assert check.returncode == 2 and "pip install 'skyrl-sdk[server]'" in check.stderr, check.stderr
+    assert check.returncode == 2 and 'pip install -e ".[server]"' in check.stderr, check.stderr

@@ -145,3 +145,29 @@ def test_server_doc_closes_sessions_the_way_the_installed_tinker_takes():
     signature = inspect.signature(tinker.ServiceClient.close)
     for args in calls:
         signature.bind(None, *eval(f"({args},)") if args else ())  # the doc's literals
+
+
+def test_server_doc_says_what_the_tinker_client_drops_or_converts_before_sending():
+    """docs/server.md: the installed client drops an unknown SamplingParams key and turns a list
+    of fractional target_tokens into int64 before a request leaves it; in process (and in a raw
+    request) both are refused by name. If the client changes, this fails and the doc is rewritten."""
+    tt = pytest.importorskip("tinker").types
+    import numpy as np
+
+    from skyrl_sdk import types
+    from skyrl_sdk.errors import InputError
+    from skyrl_sdk.inputs.coerce import data_from_any
+
+    text = " ".join((DOCS / "server.md").read_text().split())
+    assert "`tinker.types.SamplingParams(temprature=0.5)` drops the unknown key" in text
+    assert "truncating to `[5, 6]`" in text
+    params = tt.SamplingParams(max_tokens=4, temprature=0.5)
+    assert "temprature" not in params.model_dump() and params.temperature == 1
+    sent = tt.Datum(model_input=tt.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [5.5, 6.7]})
+    assert sent.loss_fn_inputs["target_tokens"].to_numpy().tolist() == [5, 6]
+    floats = tt.Datum(model_input=tt.ModelInput.from_ints([1, 2]),
+                      loss_fn_inputs={"target_tokens": np.array([5.5, 6.7])})
+    with pytest.raises(InputError, match="target_tokens"):
+        data_from_any([floats])  # what the server gets from the numpy form: refused
+    with pytest.raises(InputError, match="expected integer token ids, got fractional values"):
+        types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [5.5, 6.7]})

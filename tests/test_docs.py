@@ -109,3 +109,71 @@ def test_every_hook_is_exercised_by_a_test():
     sources = "\n".join(p.read_text() for p in test_files)
     missing = [name for name in hookspec_functions() if not re.search(rf"\b{name}\b", sources)]
     assert not missing, f"hooks with no test that implements or calls them: {missing}"
+
+
+def test_backend_md_gives_each_method_its_real_defaults():
+    """Every ``name=default`` in docs/backend.md's table of Backend methods is that parameter's
+    real default (the table said ``loss_fn="cross_entropy"`` where the signature has None)."""
+    import ast
+    import inspect
+    import re
+
+    from skyrl_sdk import Backend
+
+    text = (DOCS / "backend.md").read_text()
+    checked = 0
+    for name, args in re.findall(r"^\| `(\w+)\(([^`]*)\)`", text, re.M):
+        method = getattr(Backend, name, None)
+        assert method is not None, f"docs/backend.md names Backend.{name}, which does not exist"
+        params = inspect.signature(method).parameters
+        for key, default in re.findall(r"(\w+)=([^,]+)", args):
+            assert key in params, f"Backend.{name} has no parameter {key!r}"
+            assert ast.literal_eval(default) == params[key].default, (name, key, default, params[key].default)
+            checked += 1
+    assert checked >= 10
+
+
+# ---- docs that stay true: what landed is named where a newcomer looks ---------------------------------------
+ROOT = DOCS.parent
+
+
+def _extras_table(text: str) -> str:
+    start = text.index("| install")
+    return text[start:text.index("\n\n", start)]
+
+
+def test_every_plugin_is_in_the_install_tables_the_layout_and_the_changelog():
+    readme, install = (ROOT / "README.md").read_text(), (DOCS / "install.md").read_text()
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    unreleased = changelog[changelog.index("## Unreleased"):changelog.index("\n## ", changelog.index("## Unreleased") + 5)]
+    plugins = sorted(p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file())
+    assert plugins
+    for name in plugins:
+        assert f"plugins/{name}" in _extras_table(readme), f"README's extras table lacks {name}"
+        assert f"plugins/{name}" in _extras_table(install), f"install.md's extras table lacks {name}"
+        assert f"`plugins/{name}/`" in readme.split("## Layout", 1)[1], f"README's Layout lacks {name}"
+    assert "plugins/skyrl-sdk-vllm" in unreleased  # the plugins that landed since 0.1.0
+    for landed in ("Vision-language models", "`stable_reinforce`", "`skyrl-sdk doctor`"):
+        assert landed in unreleased, landed
+
+
+def test_every_tox_env_is_named_where_the_test_command_is():
+    """The README and install.md name each tox environment a contributor runs (tox -e NAME)."""
+    import configparser
+
+    config = configparser.ConfigParser(interpolation=None)
+    config.read(ROOT / "tox.ini")
+    envs = [s.split(":", 1)[1] for s in config.sections() if s.startswith("testenv:")]
+    assert envs
+    for name in envs:
+        for path in (ROOT / "README.md", DOCS / "install.md"):
+            assert f"tox -e {name}" in path.read_text(), f"{path.name} does not name tox -e {name}"
+
+
+def test_the_readme_hard_codes_no_test_counts():
+    """Test counts go stale with every test added (the README said 1,562 / 266 for 1,563 / 275):
+    each pytest command prints its own."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    assert not re.findall(r"\d[\d,]* (?:server )?tests\b", readme), re.findall(r"\d[\d,]* (?:server )?tests\b", readme)

@@ -85,7 +85,9 @@ def test_cookbook_sl_on_your_own_server_shows_its_loss_in_the_console(tmp_path):
                                str(port), "--api-key", "tml-local", "--state-dir", str(tmp_path / "state")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        banner = "".join(server.stderr.readline() for _ in range(5))
+        banner = ""
+        while "console in a browser" not in banner and server.poll() is None:  # the start-up lines, then the banner
+            banner += server.stderr.readline()
         assert f"console in a browser: http://127.0.0.1:{port}/" in banner, banner
         threading.Thread(target=server.stderr.read, daemon=True).start()  # never block on a full pipe
         proc = run([sys.executable, str(EXAMPLES / "cookbook_sl.py"), "--base-url", f"http://127.0.0.1:{port}",

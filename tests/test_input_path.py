@@ -23,7 +23,7 @@ from tinker import types as tt
 from tinker.proto import tinker_public_pb2 as pb
 
 from skyrl_sdk.inputs import tinker_proto
-from skyrl_sdk.server import wire
+from skyrl_sdk.server.wire import envelopes as wire
 
 
 def _message(fn, *args, **kwargs) -> str:
@@ -39,7 +39,7 @@ def _message(fn, *args, **kwargs) -> str:
     ({"top_p": 0.9, "seeed": 3}, "seeed", "seed"),
 ])
 def test_an_unknown_sampling_key_is_refused_alike_in_process_and_over_the_wire(params, key, hint):
-    in_process = _message(sample.sample_call, [[1, 2, 3]], params)
+    in_process = _message(sample.sample_request_from_any, [[1, 2, 3]], params)
     over_http = _message(wire.parse_sample_request, {"prompt": {"chunks": [{"type": "encoded_text",
                                                                             "tokens": [1, 2, 3]}]},
                                                      "sampling_params": params}, 8)
@@ -49,13 +49,13 @@ def test_an_unknown_sampling_key_is_refused_alike_in_process_and_over_the_wire(p
 
 def test_backend_sample_refuses_an_unknown_sampling_key_before_any_compute(tiny_backend):
     message = _message(tiny_backend.sample, [[1, 2, 3]], {"temprature": 0.5})
-    assert message == _message(sample.sample_call, [[1, 2, 3]], {"temprature": 0.5})
+    assert message == _message(sample.sample_request_from_any, [[1, 2, 3]], {"temprature": 0.5})
 
 
 def test_sample_counts_and_lengths_read_alike():
     body = {"prompt": [1, 2, 3], "num_samples": 0}
-    assert _message(wire.parse_sample_request, body, 8) == _message(sample.sample_call, [[1, 2, 3]], None, 0,
-                                                                    max_num_samples=8)
+    assert _message(wire.parse_sample_request, body, 8) == _message(sample.sample_request_from_any, [[1, 2, 3]], None,
+                                                                    num_samples=0, max_num_samples=8)
     assert "num_samples: expected an integer in 1..8, got 9" in _message(
         wire.parse_sample_request, {**body, "num_samples": 9}, 8)
     spec = wire.parse_sample_request({"prompt": [1, 2, 3], "sampling_params": {"max_tokens": 8}}, 8)
@@ -67,7 +67,7 @@ def test_sample_counts_and_lengths_read_alike():
 
 
 def test_adam_params_and_lora_config_read_alike():
-    from skyrl_sdk.server.runtime import lora_config_from_any as server_lora  # what create_model uses
+    from skyrl_sdk.server.compute.runtime import lora_config_from_any as server_lora  # what create_model uses
 
     assert server_lora is coerce.lora_config_from_any
     assert _message(wire.parse_adam_params, {"adam_params": {"lr": 1e-3}}) == _message(
@@ -166,6 +166,7 @@ ROUTE_TYPES = {
     "get_info": tt.GetInfoRequest, "load_weights": tt.LoadWeightsRequest, "save_weights": tt.SaveWeightsRequest,
     "save_weights_for_sampler": tt.SaveWeightsForSamplerRequest, "optim_step": tt.OptimStepRequest,
     "asample": tt.SampleRequest, "retrieve_future": tt.FutureRetrieveRequest,
+    "search_sessions": tt.SessionSearchRequest,
 }
 
 
@@ -249,7 +250,7 @@ def test_protobuf_datums_are_the_same_typed_values():
 def test_outputs_go_to_the_wire_as_the_engine_made_them():
     from tinker.proto.response_conv import deserialize_forward_backward_output
 
-    from skyrl_sdk.server.proto import forward_backward_output_to_proto
+    from skyrl_sdk.server.wire.proto import forward_backward_output_to_proto
 
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(n).astype(np.float32) for n in (3, 5, 2)]
@@ -275,3 +276,33 @@ def test_a_token_list_holds_integers_only_from_python_and_from_json(tokens):
 
 def test_numpy_integers_in_a_token_list_are_integers():
     assert types.ModelInput.from_ints([np.int64(3), 4, np.int32(5)]).to_ints() == [3, 4, 5]
+
+
+def test_provenance_spans_are_counted_from_the_body_before_one_is_built(monkeypatch):
+    """Issue 41, item 5. Before: a datum of 3 tokens with 200,000 empty spans (9 MiB of body)
+    was accepted, every span built as a mapping and an object first (12x the body in memory).
+    Now a field may have one span per position plus one, counted from the message."""
+    built = []
+    monkeypatch.setattr(tinker_proto, "_spans_from_proto", lambda spans: built.append(len(spans)) or None)
+    msg = pb.ForwardBackwardRequest(model_id="m", loss_fn="stable_reinforce")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.arange(3, dtype=np.int32).tobytes()
+    d.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(dense=np.arange(1, 4).tobytes(), dtype=pb.DTYPE_INT64,
+                                                          shape=[3]))
+    for spans in (d.model_input_spans, d.loss_fn_input_spans):
+        spans.add().sampled_tokens.CopyFrom(pb.SampledProvenanceSpan(sequence_id="s", length=3))
+    empty = pb.ProvenanceSpan(prompt_tokens=pb.PromptProvenanceSpan(sequence_id="s", length=0))
+    d.model_input_spans.extend([empty] * 200_000)  # they tile it: 3 + 0 + 0 + ...
+    req = tinker_proto.forward_backward_from_proto(msg.SerializeToString(), lambda model_id: 8)
+    assert req.error == ("datum 0: model_input_spans: 200001 provenance spans for 3 positions; a field has at most "
+                         "one span per position plus 1 (the runs tile it)")
+    assert built == []
+    with pytest.raises(InputError, match="loss_fn_input_spans: 5 provenance spans for 3 positions"):
+        types.Datum(model_input=[1, 2, 3], loss_fn_inputs={"target_tokens": [2, 3, 4]},
+                    model_input_spans=[types.SampledProvenanceSpan("s", 3)],
+                    loss_fn_input_spans=[types.SampledProvenanceSpan("s", 3)] + [types.PromptProvenanceSpan("s", 0)] * 4)
+    # the layout of a one-token turn (an empty span) is still one more than its positions
+    ok = types.Datum(model_input=[1], loss_fn_inputs={"target_tokens": [2]},
+                     model_input_spans=[types.PromptProvenanceSpan("s", 1), types.SampledProvenanceSpan("s", 0)],
+                     loss_fn_input_spans=[types.PromptProvenanceSpan("s", 0, 1), types.SampledProvenanceSpan("s", 1)])
+    assert len(ok.model_input_spans) == 2

@@ -7,7 +7,9 @@ Third-party plugins are real installed distributions: each test writes a module 
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 
 import attrs
 import pytest
@@ -57,7 +59,7 @@ def test_builtins_are_registered_through_the_same_hooks():
     loaded = builtin_plugins.get_plugins()
     for module_name in builtin_plugins.builtin_plugin_names():
         module = sys.modules[module_name]
-        assert loaded.manager.get_plugin(module_name) is module
+        assert loaded.manager.get_plugin(module_name).origin is module  # its attributed view
         info = info_of(module_name)
         assert (info.package, info.builtin, info.error) == ("skyrl-sdk", True, None)
     impls = {impl.plugin_name for impl in loaded.manager.hook.skyrl_sdk_register_losses.get_hookimpls()}
@@ -569,3 +571,138 @@ def test_a_malformed_declaration_fails_its_module_alone():
     assert "bad_decl" not in registry.losses and "good_decl_same_module" not in registry.losses
     assert "required_inputs must be a list" in info_of(__name__).error
     assert "cross_entropy" in registry.losses
+
+
+# ---- attribution from pluggy's records, one registration path, hooks called once ----------------
+def test_registrations_are_attributed_without_looking_at_the_stack(site, monkeypatch):
+    """No frame is read: with ``inspect.currentframe`` unavailable (as on Pythons without frame
+    support) registrations, helpers and wrappers included, still go to their plugins."""
+    import inspect
+
+    helper = """
+        def fn(batch, config):
+            return None
+
+        def register_all(register, prefix):
+            register(prefix + "_via_helper", fn, description="x", required_inputs=())
+    """
+    caller = """
+        import skyrl_sdk
+        from skyrl_fake_helper2 import fn, register_all
+
+        @skyrl_sdk.hookimpl
+        def skyrl_sdk_register_losses(register):
+            register_all(register, "fake_framed")
+
+        @skyrl_sdk.hookimpl(wrapper=True)
+        def skyrl_sdk_register_dialects(register):
+            result = yield
+            register("fake_framed_dialect", lambda name, config, role: None)
+            return result
+    """
+    site("skyrl-fake-helper2", {"skyrl_fake_helper2": helper}, {})
+    site("skyrl-fake-framed", {"skyrl_fake_framed": caller}, {"framed": "skyrl_fake_framed"})
+
+    def no_frames():
+        raise AssertionError("the plugin manager read a stack frame")
+
+    monkeypatch.setattr(inspect, "currentframe", no_frames)
+    registry = builtin_plugins.get_registry()
+    assert registry.owners[("loss", "fake_framed_via_helper")] == "framed"
+    assert registry.owners[("dialect", "fake_framed_dialect")] == "framed"
+    assert registry.owners[("loss", "cross_entropy")] == "skyrl_sdk.losses.sft"
+    source = (Path(manager.__file__).parent).glob("*.py")
+    assert not [p.name for p in source if re.search(r"currentframe|_getframe|f_locals|f_back|tb_frame", p.read_text())]
+
+
+def test_a_failure_is_charged_to_the_plugin_whose_implementation_raised_it(site):
+    """Called inside another plugin's wrapper, through a helper of a third module: the plugin
+    that raised is skipped, the wrapper's plugin is not."""
+    wrapper = """
+        import skyrl_sdk
+
+        def fn(batch, config):
+            return None
+
+        @skyrl_sdk.hookimpl(wrapper=True)
+        def skyrl_sdk_register_losses(register):
+            result = yield
+            register("fake_outer_loss", fn, description="x", required_inputs=())
+            return result
+    """
+    site("skyrl-fake-boom", {"skyrl_fake_boom": loss_plugin("fake_boom", "raise RuntimeError('boom')")},
+         {"boom": "skyrl_fake_boom"})
+    site("skyrl-fake-outer", {"skyrl_fake_outer": wrapper}, {"outer": "skyrl_fake_outer"})
+    registry = builtin_plugins.get_registry()
+    assert "boom" in info_of("boom").error and info_of("outer").error is None
+    assert registry.owners[("loss", "fake_outer_loss")] == "outer" and "fake_boom" not in registry.losses
+
+
+def test_declarations_are_registered_through_pluggy_like_any_hook(site):
+    """The decorators take no second path: a module's declarations are a plugin of their own in
+    pluggy's manager, called by the same hook calls (a wrapper of another plugin runs around them)."""
+    import skyrl_sdk
+    from skyrl_sdk.losses import LossOutput
+
+    wrapper = """
+        import skyrl_sdk
+        SEEN = []
+
+        @skyrl_sdk.hookimpl(wrapper=True)
+        def skyrl_sdk_register_losses(register):
+            results = yield
+            import skyrl_sdk.builtin_plugins as b  # noqa: F401
+            SEEN.append("after the others")
+            return results
+    """
+    site("skyrl-fake-around", {"skyrl_fake_around": wrapper}, {"around": "skyrl_fake_around"})
+
+    @skyrl_sdk.register_loss("declared_through_pluggy", description="x", required_inputs=("target_tokens",))
+    def declared(batch, config):
+        return LossOutput(loss=batch.target_logprobs.sum())
+
+    loaded = builtin_plugins.get_plugins()
+    impls = loaded.manager.hook.skyrl_sdk_register_losses.get_hookimpls()
+    assert __name__ in {impl.plugin_name for impl in impls}
+    assert loaded.manager.get_plugin(__name__).origin is None  # a module that only declares
+    assert loaded.registry.owners[("loss", "declared_through_pluggy")] == __name__
+    assert loaded.registry.losses["declared_through_pluggy"].fn is declared
+
+
+def test_hooks_run_once_per_process_and_a_later_declaration_calls_only_its_own(site):
+    """hooks.py says each hook is called once per process: a decorator used after the registry
+    was built registers its object by calling its own module's hooks alone."""
+    import skyrl_sdk
+    from skyrl_sdk.losses import LossOutput
+
+    site("skyrl-fake-calls", {"skyrl_fake_calls": "CALLS = []\n"}, {})
+    counting = loss_plugin("fake_counted", "import skyrl_fake_calls; skyrl_fake_calls.CALLS.append(1)")
+    site("skyrl-fake-counted", {"skyrl_fake_counted": counting}, {"counted": "skyrl_fake_counted"})
+    before = builtin_plugins.get_registry()
+    calls = sys.modules["skyrl_fake_calls"].CALLS
+    assert calls == [1]
+
+    @skyrl_sdk.register_loss("declared_later", description="x", required_inputs=("target_tokens",))
+    def later(batch, config):
+        return LossOutput(loss=batch.target_logprobs.sum())
+
+    after = builtin_plugins.get_registry()
+    assert calls == [1]  # no hook ran again
+    assert after is not before and "declared_later" not in before.losses  # a new registry; the old one unchanged
+    assert after.losses["declared_later"].fn is later and after.owners[("loss", "declared_later")] == __name__
+    assert after.owners[("loss", "fake_counted")] == "counted" and "cross_entropy" in after.losses
+    assert info_of(__name__).registered == ("loss:declared_later",)
+    assert builtin_plugins.get_registry() is after
+    loaded = builtin_plugins.get_plugins()
+    plugins = loaded.manager.get_plugins()
+
+    @skyrl_sdk.register_loss("fake_counted", description="x", required_inputs=())  # taken by plugin 'counted'
+    def clash(batch, config):
+        return None
+
+    for _ in range(2):  # refused each time it is looked at, changing nothing
+        with pytest.raises(DuplicateRegistrationError, match=r"loss 'fake_counted' is registered by both plugin "
+                                                             rf"'counted' and plugin '{__name__}'"):
+            builtin_plugins.get_registry()
+        assert loaded.registry is after and loaded.manager.get_plugins() == plugins
+    assert calls == [1]

@@ -15,8 +15,8 @@ import pytest
 from skyrl_sdk import Backend, types
 
 PAGE = (Path(__file__).resolve().parents[1] / "docs" / "reference.md").read_text()
-CALLS = ("forward_backward", "forward", "optim_step", "zero_grad", "sample", "save_weights_for_sampler",
-         "save_state", "load_state", "get_info")
+CALLS = ("forward_backward", "forward", "forward_backward_steps", "forward_steps", "optim_step", "zero_grad", "sample",
+         "save_weights_for_sampler", "save_state", "load_state", "get_info")
 
 
 def documented_types() -> dict[str, type]:

@@ -105,3 +105,67 @@ def test_datum_from_sample_rejects_what_cannot_train(prompt, tokens, logprobs, a
     sample = types.SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason="length")
     with pytest.raises(InputError, match=match):
         datum_from_sample(prompt, sample, advantage)
+
+
+# ---- the tinker client's datums (docs/rl.md, "Over HTTP") -------------------------------------------------
+def _recorded_sample() -> tuple[list[int], types.SampledSequence]:
+    prompt = [256, 51, 50, 63]
+    return prompt, types.SampledSequence(tokens=[55, 56, 257], logprobs=[-0.5, -1.0, -2.0], stop_reason="stop",
+                                         sequence_id="seq-abc:0")
+
+
+def _plain(datum) -> dict:
+    """A datum's fields as plain values, for ours and the tinker client's alike."""
+    return {"model_input": [int(t) for t in datum.model_input.to_ints()],
+            "inputs": {k: v.to_numpy().tolist() for k, v in datum.loss_fn_inputs.items()},
+            "spans": [[(type(s).__name__, s.sequence_id, s.offset, s.length) for s in spans or ()]
+                      for spans in (datum.model_input_spans, datum.loss_fn_input_spans)]}
+
+
+def test_tinker_datum_from_sample_is_the_tinker_form_of_datum_from_sample():
+    tt = pytest.importorskip("tinker").types
+    from skyrl_sdk.rl import tinker_datum_from_sample, to_tinker
+
+    prompt, sample = _recorded_sample()
+    ours = datum_from_sample(prompt, sample, 0.75, weights=True)
+    theirs = tinker_datum_from_sample(prompt, sample, 0.75, weights=True)
+    assert isinstance(theirs, tt.Datum) and _plain(theirs) == _plain(ours)
+    assert _plain(theirs)["spans"] == [
+        [("PromptProvenanceSpan", "seq-abc:0", 0, 4), ("SampledProvenanceSpan", "seq-abc:0", 0, 2)],
+        [("PromptProvenanceSpan", "seq-abc:0", 1, 3), ("SampledProvenanceSpan", "seq-abc:0", 0, 3)]]
+    assert theirs.loss_fn_inputs["target_tokens"].dtype == "int64"
+    # a tinker ModelInput prompt and a tinker SampledSequence give the same datum
+    tinker_sample = tt.SampledSequence(stop_reason="stop", sequence_id="seq-abc:0", _tokens_list=list(sample.tokens),
+                                       _logprobs_list=list(sample.logprobs))
+    assert _plain(tinker_datum_from_sample(tt.ModelInput.from_ints(prompt), tinker_sample, 0.75, weights=True)) \
+        == _plain(ours)
+    # back through the server's input path: the same datum
+    from skyrl_sdk.inputs.coerce import data_from_any
+
+    assert _plain(data_from_any([to_tinker(ours)])[0]) == _plain(ours)
+    unrecorded = types.SampledSequence(tokens=[55], logprobs=[-0.5], stop_reason="length")
+    assert tinker_datum_from_sample(prompt, unrecorded, 1.0).model_input_spans is None
+
+
+def test_tinker_datum_from_sample_is_the_datum_tinker_cookbook_builds():
+    """tinker-cookbook's RL loops (``trajectory_to_data``) build their stable_reinforce datums
+    with provenance; for the same one-turn sample the helper gives the same datum."""
+    pytest.importorskip("tinker")
+    data_processing = pytest.importorskip("tinker_cookbook.rl.data_processing",
+                                          reason="pip install --no-deps tinker-cookbook (see docs/server.md)")
+    import tinker
+    from tinker_cookbook.completers import TokensWithLogprobs
+    from tinker_cookbook.rl.types import Trajectory, Transition
+
+    from skyrl_sdk.rl import tinker_datum_from_sample
+
+    prompt, sample = _recorded_sample()
+    action = TokensWithLogprobs(tokens=list(sample.tokens), maybe_logprobs=list(sample.logprobs),
+                                sequence_id=sample.sequence_id)
+    trajectory = Trajectory(transitions=[Transition(ob=tinker.ModelInput.from_ints(prompt), ac=action, reward=1.0,
+                                                    episode_done=True)], final_ob=tinker.ModelInput.empty())
+    (cookbook,) = data_processing.trajectory_to_data(trajectory, 0.75)
+    ours = _plain(tinker_datum_from_sample(prompt, sample, 0.75, weights=True))
+    theirs = _plain(cookbook)
+    theirs["inputs"]["weights"] = theirs["inputs"].pop("mask")  # the cookbook's name for the completion mask
+    assert ours == theirs

@@ -104,7 +104,7 @@ def test_a_sampler_that_does_not_serve_a_score_refuses_it_by_name(fresh_plugins)
         name = "plain_only"
 
         def sample(self, request):
-            self.refuse(request, supported=("params.max_tokens",))
+            self.refuse(request, supported=("sampling_params.max_tokens",))
             return self.source.decoder().generate(request)
 
     with Backend(model="tiny", sampler="plain_only") as b:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from skyrl_sdk.sampling import generate
-from skyrl_sdk.types import SamplingParams
+from skyrl_sdk.types import SampleRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
 
@@ -53,8 +53,8 @@ def test_sampling_a_32k_vocabulary_keeps_memory_bounded(model):
     params = SamplingParams(max_tokens=STEPS, seed=0, stop=[])
 
     def sample():
-        out = generate(model, None, prompts, params, SAMPLES, device=torch.device("cpu"), eos_token_id=None,
-                       pad_token_id=0)
+        out = generate(model, None, SampleRequest(prompts=prompts, sampling_params=params, num_samples=SAMPLES),
+                       device=torch.device("cpu"), eos_token_id=None, pad_token_id=0)
         assert all(len(s.tokens) == STEPS for o in out for s in o.sequences)
 
     sample()  # warm-up: lazy allocations are not the sampler's

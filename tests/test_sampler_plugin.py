@@ -30,7 +30,7 @@ ECHO_PLUGIN = """
             CALLS.append(("init", type(source).__name__, source.hf_config.vocab_size, dict(config)))
 
         def sample(self, request):
-            CALLS.append(("sample", [p.tolist() for p in request.prompts], request.params.max_tokens,
+            CALLS.append(("sample", [p.tolist() for p in request.prompts], request.sampling_params.max_tokens,
                           request.num_samples, request.prompt_logprobs, request.topk_prompt_logprobs,
                           self.source.version))
             seq = lambda p: types.SampledSequence(tokens=p.tolist(), logprobs=[0.0] * len(p), stop_reason="length")
@@ -91,9 +91,8 @@ def test_a_plugin_sampler_serves_backend_sample(install):
 def test_unknown_sampler_and_bad_config_are_clear_errors(monkeypatch):
     monkeypatch.setenv("SKYRL_SDK_PLUGINS", "")  # the built-ins only, whatever this environment installed
     with pytest.raises(errors.UnknownNameError, match=r"unknown sampler 'vllm'; available: \['transformers'\] "
-                                                      r"\(sampler 'vllm' comes with: "
-                                                      r"pip install 'skyrl-sdk-vllm\[gpu\]' \(CUDA\) or "
-                                                      r"'skyrl-sdk-vllm\[cpu\]'\)"):
+                                                      r"\(the skyrl-sdk-vllm plugin has it: pip install -e "
+                                                      r"\"\.\[lora,server\]\" -e \"plugins/skyrl-sdk-vllm\[gpu\]\""):
         skyrl_sdk.Backend(sampler="vllm")
     with pytest.raises(errors.InputError, match="sampler_config: expected a mapping"):
         skyrl_sdk.Backend(sampler_config=[("a", 1)])
@@ -180,23 +179,25 @@ def test_request_names_the_options_it_sets_and_refuse_names_each_unserved_one():
 
     from skyrl_sdk.sampling import SampleRequest
 
-    plain = SampleRequest([np.array([1, 2])], types.SamplingParams())
+    plain = SampleRequest(prompts=[np.array([1, 2])], record_stability_info=True)  # the Backend's, not an option
     assert plain.options_set() == []
-    busy = SampleRequest([np.array([1, 2])], types.SamplingParams(max_tokens=3, top_k=5, stop=["x"]),
+    busy = SampleRequest(prompts=[np.array([1, 2])],
+                         sampling_params=types.SamplingParams(max_tokens=3, top_k=5, stop=["x"]),
                          num_samples=4, prompt_logprobs=True, topk_prompt_logprobs=2)
-    assert busy.options_set() == ["params.max_tokens", "params.top_k", "params.stop", "num_samples",
-                                  "prompt_logprobs", "topk_prompt_logprobs"]
+    assert busy.options_set() == ["sampling_params.max_tokens", "sampling_params.top_k", "sampling_params.stop",
+                                  "num_samples", "prompt_logprobs", "topk_prompt_logprobs"]
 
     class Narrow(Sampler):
         name = "narrow"
 
         def sample(self, request):
-            self.refuse(request, ["params.max_tokens", "num_samples"])
+            self.refuse(request, ["sampling_params.max_tokens", "num_samples"])
             return []
 
     narrow = Narrow(source=None, config={})
-    assert narrow.sample(SampleRequest([np.array([1])], types.SamplingParams(max_tokens=2), 3)) == []
-    with pytest.raises(errors.InputError, match=r"the 'narrow' sampler cannot serve params.top_k, params.stop, "
-                                                r"prompt_logprobs, topk_prompt_logprobs; of the options it serves "
-                                                r"params.max_tokens, num_samples"):
+    assert narrow.sample(SampleRequest(prompts=[np.array([1])], sampling_params=types.SamplingParams(max_tokens=2),
+                                       num_samples=3)) == []
+    with pytest.raises(errors.InputError, match=r"the 'narrow' sampler cannot serve sampling_params.top_k, "
+                                                r"sampling_params.stop, prompt_logprobs, topk_prompt_logprobs; of the "
+                                                r"options it serves sampling_params.max_tokens, num_samples"):
         narrow.sample(busy)

@@ -34,8 +34,10 @@ def _forward_logprobs(backend, prompts, outs) -> list[tuple[np.ndarray, np.ndarr
 def _direct(backend, prompts, params, num_samples=1, eos=None, **kw):
     """``generate`` on the backend's model with a chosen EOS id (the engine's is fixed)."""
     eng = backend.engine
-    return generate(eng.loaded.module, eng.tokenizer, [np.asarray(p) for p in prompts], params, num_samples,
-                    device=eng.device, eos_token_id=eos, pad_token_id=eng.runner.pad_id, **kw)
+    request = types.SampleRequest(prompts=[np.asarray(p, dtype=np.int64) for p in prompts], sampling_params=params,
+                                  num_samples=num_samples, **kw)
+    return generate(eng.loaded.module, eng.tokenizer, request, device=eng.device, eos_token_id=eos,
+                    pad_token_id=eng.runner.pad_id)
 
 
 # ---- parity with forward -------------------------------------------------------------------
@@ -132,7 +134,8 @@ def test_stop_string_cuts_after_the_token_that_completes_it(backend):
 
 def test_stop_strings_need_a_tokenizer(backend):
     with pytest.raises(errors.InputError, match="SamplingParams.stop: stop strings need a tokenizer"):
-        generate(backend.engine.loaded.module, None, [np.array([1, 2])], types.SamplingParams(stop=["x"]), 1,
+        generate(backend.engine.loaded.module, None,
+                 types.SampleRequest(prompts=[np.array([1, 2])], sampling_params=types.SamplingParams(stop=["x"])),
                  device=backend.engine.device, eos_token_id=None, pad_token_id=0)
 
 

@@ -392,16 +392,16 @@ def test_event_loop_stays_responsive_while_training(server):
         model_id = _raw_model(http)
         backend = server.runtime.models[model_id].require_backend()
         started, answered, finished = threading.Event(), threading.Event(), threading.Event()
-        real = backend.forward_backward
+        real = backend.forward_backward_steps  # what the server's job runs, step by step
 
         def held(*args, **kwargs):
             started.set()
             answered.wait(HANG_S)
-            out = real(*args, **kwargs)
+            out = yield from real(*args, **kwargs)
             finished.set()
             return out
 
-        backend.forward_backward = held
+        backend.forward_backward_steps = held
         big = pb.ForwardBackwardRequest(model_id=model_id, seq_id=1, loss_fn="cross_entropy")
         rng = np.random.default_rng(0)
         for _ in range(16):
@@ -418,7 +418,7 @@ def test_event_loop_stays_responsive_while_training(server):
         finally:
             answered.set()
         assert _result(http, fut["request_id"]).status_code == 200
-        del backend.forward_backward
+        del backend.forward_backward_steps
 
 
 def test_two_clients_at_once(server):
@@ -505,8 +505,8 @@ def test_restart_keeps_checkpoints(tmp_path):
 
 def test_store_paths_stay_inside(tmp_path):
     from skyrl_sdk.errors import InputError
-    from skyrl_sdk.server.store import Store
-    from skyrl_sdk.server.tinker_paths import TinkerPath
+    from skyrl_sdk.server.state.store import Store
+    from skyrl_sdk.server.wire.tinker_paths import TinkerPath
 
     store = Store(tmp_path / "s")
     tp = TinkerPath.parse("tinker://sess-1:train:0/weights/ok-1.x")
@@ -529,7 +529,7 @@ def test_store_paths_stay_inside(tmp_path):
 def test_store_touch_run_writes_at_most_every_interval_and_reads_the_latest(tmp_path, monkeypatch):
     """Every training request touches its run: the time is kept in memory, written at most every
     TOUCH_INTERVAL_S (a write is a WAL sync), read back exactly, and written on close."""
-    from skyrl_sdk.server.store import Store
+    from skyrl_sdk.server.state.store import Store
 
     store = Store(tmp_path / "s")
     store.add_run("sess-1:train:0", "default", "sess-1", "tiny", None, None)
@@ -552,7 +552,7 @@ def test_sequencer_orders_and_skips_a_lost_seq_only_when_idle():
     so no step depends on how fast the machine is)."""
     import asyncio
 
-    from skyrl_sdk.server.futures import Job, Result, Sequencer
+    from skyrl_sdk.server.compute.futures import Job, Result, Sequencer
 
     class Queue:  # a model's queue as the sequencer sees it
         name = "q"
@@ -593,8 +593,8 @@ def test_worker_waits_briefly_to_batch_compatible_jobs():
     a group's sample requests a few ms apart, and one batch costs little more than one request);
     any other job ends the wait at once; ``batch_wait_s=0`` never waits. No step depends on
     how fast the machine is."""
-    from skyrl_sdk.server.executor import Executor
-    from skyrl_sdk.server.futures import Job, Result
+    from skyrl_sdk.server.compute.executor import Executor
+    from skyrl_sdk.server.compute.futures import Job, Result
 
     def Worker(name, batch_wait_s):  # one client's queue on an executor of its own
         return Executor(name, dedicated=True).queue(name, "alice", batch_wait_s=batch_wait_s)
@@ -764,8 +764,8 @@ def test_checkpoint_directories_without_records_are_adopted_or_quarantined(tmp_p
     adopted, anything else moved to quarantine, both logged; the names are free again."""
     import logging
 
-    from skyrl_sdk.server.store import Store
-    from skyrl_sdk.server.tinker_paths import TinkerPath
+    from skyrl_sdk.server.state.store import Store
+    from skyrl_sdk.server.wire.tinker_paths import TinkerPath
 
     store = Store(tmp_path / "s")
     run = "sess-1:train:0"

@@ -13,7 +13,7 @@ from tinker import types as tt
 
 from _limits import HANG_S
 from _server_harness import ServerThread, next_token_datum, raw_client, wait_result
-from skyrl_sdk.server.caps import MAX_METADATA_BYTES, MAX_TAGS
+from skyrl_sdk.server.wire.caps import MAX_METADATA_BYTES, MAX_TAGS
 
 ALICE, BOB = "tml-alice-key", "tml-bob-key"
 OPEN = 3

@@ -12,7 +12,7 @@ pytest.importorskip("tinker")
 pytest.importorskip("fastapi")
 
 from _server_harness import ServerThread, raw_client
-from skyrl_sdk.server import compat
+from skyrl_sdk.server.wire import compat
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "server.md"
 
@@ -27,7 +27,7 @@ def test_every_client_route_has_a_row_and_every_row_a_client_route():
 def test_the_docs_carry_the_generated_matrix():
     text = DOCS.read_text()
     block = text.split(compat.MARK_START)[1].split(compat.MARK_END)[0].strip()
-    assert block == compat.render_matrix(), "regenerate it: python -m skyrl_sdk.server.compat"
+    assert block == compat.render_matrix(), "regenerate it: python -m skyrl_sdk.server.wire.compat"
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from _server_harness import API_KEY, ServerThread, raw_client
 from skyrl_sdk import types
 from skyrl_sdk.errors import InputError
 from skyrl_sdk.server.config import DEFAULT_OWNER, ServerConfig, read_api_keys
-from skyrl_sdk.server.history import SERIES, History
+from skyrl_sdk.server.state.history import SERIES, History
 
 ALICE, BOB, OPS = "tml-alice", "tml-bob", "tml-ops"
 
@@ -102,7 +102,9 @@ def test_how_steps_are_batched_into_writes_changes_nothing(tmp_path):
     assert a["stride"] == b["stride"] == 16 and (a["n"], a["step"]) == (b["n"], b["step"])
     for name in set(SERIES) - {"seconds"}:  # (wall time differs)
         for stat in ("mean", "min", "max"):
-            assert a["series"][name][stat] == pytest.approx(b["series"][name][stat], rel=1e-12), (name, stat)
+            x, y = a["series"][name][stat], b["series"][name][stat]
+            assert [v is None for v in x] == [v is None for v in y], (name, stat)
+            assert [v for v in x if v is not None] == pytest.approx([v for v in y if v is not None], rel=1e-12)
     every.close()
     once.close()
 
@@ -125,7 +127,7 @@ STEPS_UNDER_LOAD = 100
 def test_writes_wait_for_the_stores_writes_and_a_failed_write_loses_nothing(tmp_path):
     import threading
 
-    from skyrl_sdk.server.store import Store
+    from skyrl_sdk.server.state.store import Store
 
     store = Store(tmp_path)
     h = History(store.root / "server.sqlite3", flush_s=3600)
@@ -289,12 +291,14 @@ def test_the_server_view_is_for_operators(world):
         assert base["adapters_in_memory"] >= 2 and base["base_bytes"] > 0 and srv["memory"]["used_bytes"] > 0
         work = {w["owner"]: w for w in srv["work"]}
         assert work["alice"]["live_models"] == 1 and work["bob"]["live_models"] == 1
-        assert srv["limits"]["max_num_samples"] == 256 and srv["limits"]["models"] == ["tiny"]
-        assert (srv["limits"]["sampler"], srv["limits"]["sampler_config"]) == ("transformers", {})
+        limits = {row["setting"]: row["value"] for row in srv["limits"]}  # rows of server/settings.py's declaration
+        assert limits["max_num_samples"] == 256 and limits["models"] == ["tiny"]
+        assert (limits["sampler"], limits["sampler_config"]) == ("transformers", {})
         # the request and connection limits in force (this server runs with their defaults)
-        assert (srv["limits"]["max_tokens_per_request"], srv["limits"]["max_queued_requests"],
-                srv["limits"]["header_timeout_s"]) == (524288, 1024, 10.0)
-        assert 1 <= srv["limits"]["max_connections"] <= 1000
+        assert (limits["max_tokens_per_request"], limits["max_queued_requests"],
+                limits["header_timeout_s"]) == (524288, 1024, 10.0)
+        assert 1 <= limits["max_connections"] <= 1000
+        assert {row["flag"] for row in srv["limits"]} >= {"--max-memory", "--session-timeout", "--max-connections"}
     with raw_client(world["srv"], ALICE) as http:
         me = http.get("/console/api/me").json()
         assert (me["owner"], me["operator"], me["key_required"], me["models"]) == ("alice", False, True, ["tiny"])
@@ -313,9 +317,11 @@ def test_runs_page_and_a_freed_run(world):
         assert http.get(f"/console/api/runs/{newer}").json()["status"] == "freed"
         for params, field in (({"limit": 0}, "limit"), ({"limit": 201}, "limit"), ({"offset": -1}, "offset")):
             r = http.get("/console/api/runs", params=params)
-            assert r.status_code == 400 and r.json()["detail"].startswith(f"{field}: expected an integer"), r.text
+            detail = r.json()["detail"]
+            assert r.status_code == 400 and detail.startswith(f"query parameter {field!r}: expected an integer"), r.text
         r = http.get(f"/console/api/runs/{world['run']}/curves", params={"points": 1})
-        assert r.status_code == 400 and r.json()["detail"].startswith("points: expected an integer in 2..2000")
+        assert r.status_code == 400
+        assert r.json()["detail"].startswith("query parameter 'points': expected an integer in 2..2000")
 
 
 def test_the_page_needs_no_key_and_carries_no_data(world):
@@ -324,7 +330,9 @@ def test_the_page_needs_no_key_and_carries_no_data(world):
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "script-src 'self'" in page.headers["content-security-policy"]
         assert '<script src="/console/console.js"' in page.text
-        for path, media in (("/console/console.js", "text/javascript"), ("/console/console.css", "text/css")):
+        assert '<script src="/console/charts.js"' in page.text
+        for path, media in (("/console/console.js", "text/javascript"), ("/console/charts.js", "text/javascript"),
+                            ("/console/console.css", "text/css")):
             r = http.get(path)
             assert r.status_code == 200 and r.headers["content-type"].startswith(media)
             assert world["run"] not in r.text
@@ -357,9 +365,9 @@ def test_catalog_calls_touch_the_store_off_the_event_loop(tmp_path, call):
 
     from _limits import HANG_S
     from skyrl_sdk.errors import NotFoundError
-    from skyrl_sdk.server.catalog import Catalog
-    from skyrl_sdk.server.store import Store
-    from skyrl_sdk.server.tinker_paths import TinkerPath
+    from skyrl_sdk.server.compute.catalog import Catalog
+    from skyrl_sdk.server.state.store import Store
+    from skyrl_sdk.server.wire.tinker_paths import TinkerPath
 
     store = Store(tmp_path / "state")
     store.add_run("sess-1:train:0", "alice", "sess-1", "tiny", None, None)
@@ -416,3 +424,84 @@ def test_the_banner_and_the_page_say_a_key_link_stays_in_the_browser_history(tmp
     assert "keeps the link, key and all, in its history" in console_hint("http://h:1", needs_key=True)
     with ServerThread(tmp_path / "state") as srv, raw_client(srv, api_key=None) as http:
         assert "keeps the link, key and all, in its" in " ".join(http.get("/").text.split())
+
+
+def test_the_console_limits_table_is_the_declaration():
+    """The limits table holds every setting server/settings.py marks for the console, by its flag,
+    with the value in force (tests/test_settings.py holds the rest to the declaration)."""
+    from types import SimpleNamespace
+
+    from skyrl_sdk.server import settings
+    from skyrl_sdk.server.http import console
+
+    config = ServerConfig(max_memory="8GiB", max_connections=7)
+    rows = console._limits(SimpleNamespace(config=config))
+    assert [r["setting"] for r in rows] == [s.name for s in settings.SETTINGS if s.console]
+    for row in rows:
+        assert row["value"] == getattr(config, row["setting"]) and row["flag"] == settings.BY_NAME[row["setting"]].flag
+    by_name = {r["setting"]: r for r in rows}
+    assert by_name["max_memory"]["unit"] == "bytes" and by_name["max_lora_adapters"]["unset"] == "no limit"
+# ---- RL steps -------------------------------------------------------------------------------------------------
+def _rl_data(rng, n_datums: int, weights: bool) -> list[types.Datum]:
+    """RL datums: a prompt of 3 positions (advantage 0), a completion with the datum's advantage."""
+    out = []
+    for _ in range(n_datums):
+        n = int(rng.integers(2, 6))
+        adv = [0.0] * 3 + [float(rng.normal())] * n
+        inputs = {"target_tokens": list(range(2, 5 + n)), "logprobs": [-1.0] * (3 + n), "advantages": adv}
+        if weights:
+            inputs["weights"] = [0.0] * 3 + [1.0] * n
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(list(range(1, 4 + n))), loss_fn_inputs=inputs))
+    return out
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_an_rl_step_has_its_advantages_tokens_and_the_losses_statistics(tmp_path, weights):
+    """Two forward_backward calls of one step merge exactly: advantage mean / std over the scored
+    positions of both (numpy over the raw values), sampled tokens, token-weighted KL and clip
+    fraction, the larger ratio max, the entropy per scored token; the run is an RL run with its loss."""
+    rng = np.random.default_rng(3)
+    calls = [_rl_data(rng, 3, weights), _rl_data(rng, 2, weights)]
+    metrics = [{"loss:sum": 1e-7, "num_tokens:sum": 20.0, "num_loss_tokens:sum": 8.0, "kl_sample_train:mean": 0.01,
+                "clip_fraction:mean": 0.25, "ratio_max:max": 1.5, "entropy_loss:sum": 16.0},
+               {"loss:sum": -1e-7, "num_tokens:sum": 12.0, "num_loss_tokens:sum": 4.0, "kl_sample_train:mean": 0.04,
+                "clip_fraction:mean": 0.5, "ratio_max:max": 1.25, "entropy_loss:sum": 4.0}]
+    h = History(tmp_path / "db", flush_s=3600, write_through=False)
+    for m, data in zip(metrics, calls, strict=True):
+        h.forward_backward("r", m, time.time(), data, "stable_reinforce")
+    h.optim_step("r", {"step": 1.0, "grad_norm": 1.0, "learning_rate": 1e-3, "skipped": 0.0})
+    h.optim_step("r", {"step": 2.0, "grad_norm": 0.0, "learning_rate": 1e-3, "skipped": 0.0})  # nothing trained on
+    c = h.curves("r")
+    s = {k: v["mean"] for k, v in c["series"].items()}
+    scored = np.concatenate([d.loss_fn_inputs["advantages"].to_numpy()[3:] for data in calls for d in data]).astype(np.float64)
+    assert s["advantage_mean"][0] == pytest.approx(scored.mean(), abs=1e-12)
+    assert s["advantage_std"][0] == pytest.approx(scored.std(), rel=1e-9)
+    assert s["sampled_tokens"] == [float(scored.size), None] and s["rl"] == [1.0, None]
+    assert s["kl_sample_train"][0] == pytest.approx((0.01 * 8 + 0.04 * 4) / 12, rel=1e-12)
+    assert s["clip_fraction"][0] == pytest.approx((0.25 * 8 + 0.5 * 4) / 12, rel=1e-12)
+    assert s["ratio_max"] == [1.5, None] and s["entropy"][0] == pytest.approx(20.0 / 12, rel=1e-12)
+    assert c["losses"] == ["stable_reinforce"]
+    last = h.summaries(["r"])["r"]["last"]
+    assert last["loss_fn"] == "stable_reinforce" and last["rl_run"] is True  # carried over a step with nothing
+    h.close()
+
+
+def test_a_supervised_step_has_no_rl_series_and_history_written_before_them_still_reads(tmp_path):
+    h = History(tmp_path / "db", flush_s=3600)
+    _record(h, "r", [1.0, 2.0])
+    c = h.curves("r")
+    assert c["series"]["rl"]["mean"] == [0.0, 0.0]
+    assert all(c["series"][k]["mean"] == [None, None] for k in ("advantage_mean", "kl_sample_train", "ratio_max"))
+    h.close()
+    with sqlite3.connect(tmp_path / "db") as db:  # a bucket written before the RL series existed
+        import json
+
+        for bucket, agg in db.execute("SELECT bucket, agg FROM metrics").fetchall():
+            doc = json.loads(agg)
+            doc["m"] = {k: v for k, v in doc["m"].items() if k in ("loss_per_token", "loss_sum", "grad_norm")}
+            db.execute("UPDATE metrics SET agg = ? WHERE bucket = ?", (json.dumps(doc), bucket))
+    h = History(tmp_path / "db", flush_s=3600)
+    _record(h, "r", [3.0], first_step=3)
+    c = h.curves("r", points=2)
+    assert c["series"]["loss_per_token"]["mean"][0] == pytest.approx(1.5) and c["series"]["rl"]["mean"][-1] == 0.0
+    h.close()

@@ -2,12 +2,17 @@
 URL fragment after a short training run through the tinker client, and the page it rendered
 (the DOM after its scripts ran) shows that owner's run, its loss curve and its checkpoint, and
 nothing of another owner's run; and a mouse moved over a curve's point (DevTools input events)
-shows that point's exact value.
+shows that point's exact value. An RL run leads with its RL curves (loss per token is not its
+headline), a second run is drawn on the same axes, the charts sit in a grid with the
+checkpoints above them at 1400x1000, a run whose client went away says so, and the operator's
+view says whose models it shows.
 
 Chromium is Debian's ``chromium`` package (``.ci/run`` installs it). Without it these tests
 fail, unless ``SKYRL_SDK_SKIP_BROWSER_TESTS=1`` says to skip them on a machine that cannot have
 it. ``SKYRL_SDK_CONSOLE_SCREENSHOT=FILE`` also writes the owner's page as a PNG there,
-``SKYRL_SDK_CONSOLE_KEY_FORM_SCREENSHOT=FILE`` the key form (docs/console-key-form.png).
+``SKYRL_SDK_CONSOLE_KEY_FORM_SCREENSHOT=FILE`` the key form (docs/console-key-form.png),
+``SKYRL_SDK_CONSOLE_RL_SCREENSHOT=FILE`` an RL run compared with another (docs/console-rl.png),
+``SKYRL_SDK_CONSOLE_OPERATOR_SCREENSHOT=FILE`` the operator's view (docs/console-operator.png).
 What a person sees is checked on Chromium's layout (boxes, computed style), not on attributes.
 """
 
@@ -20,6 +25,7 @@ import os
 import select
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,8 +40,9 @@ from _server_harness import ServerThread, raw_client
 from skyrl_sdk.server.config import read_api_keys
 
 SKIP_ENV = "SKYRL_SDK_SKIP_BROWSER_TESTS"
-ALICE, BOB = "tml-alice", "tml-bob"
+ALICE, BOB, OPS = "tml-alice", "tml-bob", "tml-ops"
 STEPS = 4
+RL_STEPS = 3
 
 
 def chromium() -> str:
@@ -155,19 +162,63 @@ def _train(service, steps: int, save: str | None):
     return tc.model_id, tc.save_state(save).result().path if save else None
 
 
+def _train_rl(service, loss: str, seed: int) -> str:
+    """RL_STEPS steps of ``loss`` on groups sampled through the client (datums with provenance)."""
+    from skyrl_sdk.rl import group_advantages, tinker_datum_from_sample
+
+    tc = service.create_lora_training_client(base_model="tiny", rank=4).result()
+    prompt = [1, 5 + seed, 6, 7]
+    for step in range(RL_STEPS):
+        sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+        seqs = sampler.sample(tt.ModelInput.from_ints(prompt), 6, tt.SamplingParams(max_tokens=4, seed=seed + step,
+                                                                                    stop=[])).result().sequences
+        rewards = [float(s.tokens[0] % 2) for s in seqs]  # about half the samples: mixed groups
+        data = [tinker_datum_from_sample(prompt, s, a) for s, a in zip(seqs, group_advantages(rewards), strict=True) if a]
+        if data:
+            tc.forward_backward(data, loss).result()
+        tc.optim_step(tt.AdamParams(learning_rate=1e-2)).result()
+    return tc.model_id
+
+
+GONE_CLIENT = """
+import os, sys
+import tinker
+from tinker import types as tt
+service = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])
+tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
+ids = list(range(1, 9))
+datum = tt.Datum(model_input=tt.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:]})
+tc.forward_backward([datum], "cross_entropy").result()
+tc.optim_step(tt.AdamParams(learning_rate=1e-2)).result()
+print(tc.model_id, flush=True)
+os._exit(0)  # the script ends without close(): its session waits for --session-timeout
+"""
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     chromium()  # fail (or skip) before training when there is no browser
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
-    with ServerThread(tmp_path_factory.mktemp("state"), api_keys=read_api_keys(keys)) as srv:
+    keys.write_text(f"{ALICE} alice\n{BOB} bob\n{OPS} ops operator\n")
+    operators: set[str] = set()
+    with ServerThread(tmp_path_factory.mktemp("state"), api_keys=read_api_keys(keys, operators),
+                      operators=operators) as srv:
         alice, bob = srv.service_client(api_key=ALICE), srv.service_client(api_key=BOB)
         run, checkpoint = _train(alice, STEPS, "first-save")
         bob_run, _ = _train(bob, 1, None)
+        carol = srv.service_client(api_key=BOB)  # another session, for the RL runs
+        rl_runs = [_train_rl(carol, "stable_reinforce", 0), _train_rl(carol, "importance_sampling", 1)]
+        gone = subprocess.run([sys.executable, "-c", GONE_CLIENT, srv.url, BOB], capture_output=True, text=True,
+                              timeout=HANG_S)
+        assert gone.returncode == 0, gone.stderr[-2000:]
+        gone_run = gone.stdout.split()[-1]
+        session = srv.runtime.models[gone_run].session_id
+        srv.runtime.sessions._last_seen[session] -= 60.0  # its client has been silent for a minute
         srv.runtime.history.flush()
-        yield dict(srv=srv, run=run, checkpoint=checkpoint, bob_run=bob_run)
+        yield dict(srv=srv, run=run, checkpoint=checkpoint, bob_run=bob_run, rl_runs=rl_runs, gone_run=gone_run)
         alice.close("success").result()
         bob.close("success").result()
+        carol.close("success").result()
 
 
 def test_an_owner_sees_their_run_curve_and_checkpoint_and_nothing_of_another(world, tmp_path):
@@ -177,8 +228,9 @@ def test_an_owner_sees_their_run_curve_and_checkpoint_and_nothing_of_another(wor
     assert "hidden" in dom.by(id="login")[0][1] and "hidden" not in dom.by(id="app")[0][1]
     assert [a["data-run-id"] for t, a, _ in dom.found if t == "tr" and "data-run-id" in a] == [world["run"]]
     assert dom.by(id="run-title")[0][2] == world["run"]
-    lines = {a["data-series"]: a for t, a, _ in dom.found if t == "path" and a.get("class") == "line"}
-    assert len(lines) == 7  # every curve drawn
+    lines = {a["data-series"]: a for t, a, _ in dom.found if t == "path" and "line" in a.get("class", "").split()}
+    assert set(lines) == {"loss_per_token", "loss_sum", "grad_norm", "entropy", "learning_rate", "tokens", "seconds",
+                          "skipped"}  # every curve with values drawn; a supervised run has no RL curves
     loss = lines["loss_per_token"]
     assert loss["data-points"] == str(STEPS) and loss["d"].count("L") == STEPS - 1  # a point per step, joined
     assert [a["data-path"] for _, a, _ in dom.by() if "data-path" in a] == [world["checkpoint"]]
@@ -286,7 +338,101 @@ def test_a_screenshot_renders(world, tmp_path):
 def test_a_server_without_keys_opens_at_once_with_the_server_view(tmp_path):
     chromium()
     with ServerThread(tmp_path / "state", api_key=None) as srv:
-        dom = Elements(run_chromium(tmp_path, f"{srv.url}/", "--dump-dom"))
+        html = run_chromium(tmp_path, f"{srv.url}/", "--dump-dom")
+        dom = Elements(html)
     assert "hidden" in dom.by(id="login")[0][1] and "hidden" not in dom.by(id="app")[0][1]
     assert "hidden" not in dom.by(id="server-panel")[0][1] and "hidden" not in dom.by(id="runs-empty")[0][1]
+    # the limits table: a row per setting server/settings.py marks for the console, by its flag
+    assert "<td>--session-timeout</td><td>300 s</td>" in html and "<td>--max-lora-adapters</td><td>no limit</td>" in html
     assert "(operator)" in dom.by(id="who")[0][2] and dom.by(id="error")[0][2].strip() == ""
+
+
+# ---- an RL run, two runs compared, the layout at 1400x1000, a client that went away, the operator ---------
+CHART_BOXES = ("[...document.querySelectorAll('figure.chart')].map((f) => { const r = f.getBoundingClientRect(); "
+               "return [f.dataset.series, Math.round(r.x), Math.round(r.y), Math.round(r.width), "
+               "f.closest('.chart-grid') ? [...document.querySelectorAll('.chart-grid')].indexOf(f.closest('.chart-grid')) "
+               ": -1]; })")
+
+
+def test_an_rl_run_leads_with_its_rl_curves_in_a_grid_with_its_checkpoints_above(world, tmp_path):
+    run = world["rl_runs"][0]
+    browser = DevTools(tmp_path, f"{world['srv'].url}/#key={BOB}&run={run}")
+    try:
+        browser.wait_for("document.querySelectorAll('figure.chart').length")
+        boxes = browser.evaluate(CHART_BOXES)
+        groups = browser.evaluate("[...document.querySelectorAll('h3.chart-group')].map((h) => h.textContent)")
+        note = browser.evaluate("document.querySelector('figure[data-series=\"loss_per_token\"] .chart-note')"
+                                ".textContent")
+        checkpoints_top = browser.evaluate("document.getElementById('checkpoints-box').getBoundingClientRect().top")
+        charts_top = browser.evaluate("document.getElementById('charts').getBoundingClientRect().top")
+        row = browser.evaluate("[...document.querySelectorAll('#runs tbody tr')].find((r) => r.dataset.runId === "
+                               f"{json.dumps(run)}).innerText")
+    finally:
+        browser.close()
+    series = [b[0] for b in boxes]
+    assert groups[0].startswith("RL") and groups[1] == "Training"
+    assert series[:5] == ["advantage_mean", "advantage_std", "kl_sample_train", "ratio_max", "clip_fraction"]
+    assert series.index("sampled_tokens") < series.index("loss_per_token")  # loss per token is not the headline
+    assert "not a measure of progress" in note
+    assert "stable_reinforce" in row and "RL: KL s−t" in row and "loss/token" not in row
+    # a grid: every chart of a group the same width, in rows of at least 3 at 1400 px; none alone in a row
+    # that could hold it beside the others (a group starts its own grid)
+    for grid in {b[4] for b in boxes}:
+        cells = [b for b in boxes if b[4] == grid]
+        assert len({b[3] for b in cells}) == 1 and grid >= 0
+        rows = {}
+        for b in cells:
+            rows.setdefault(b[2], []).append(b)
+        per_row = [len(r) for _, r in sorted(rows.items())]
+        assert per_row[0] >= 3 and all(n == per_row[0] for n in per_row[:-1]), per_row
+    assert checkpoints_top < charts_top < 1000  # the checkpoints above the charts, the charts start on screen
+
+
+def test_a_second_run_is_drawn_on_the_same_axes(world, tmp_path):
+    first, second = world["rl_runs"]
+    browser = DevTools(tmp_path, f"{world['srv'].url}/#key={BOB}&run={first}")
+    try:
+        browser.wait_for("document.querySelectorAll('figure.chart').length")
+        options = browser.evaluate("[...document.getElementById('compare').options].map((o) => o.value)")
+        browser.evaluate(f"(() => {{ const s = document.getElementById('compare'); s.value = {json.dumps(second)}; "
+                         "s.dispatchEvent(new Event('change')); })()")
+        paths = browser.wait_for("(() => { const p = [...document.querySelectorAll('svg[data-series=\"grad_norm\"] "
+                                 "path.line')].map((e) => [e.dataset.run, e.getAttribute('d')]); "
+                                 "return p.length === 2 ? p : null; })()")
+        legend = browser.evaluate("document.getElementById('legend').innerText")
+        if target := os.environ.get("SKYRL_SDK_CONSOLE_RL_SCREENSHOT"):
+            Path(target).write_bytes(base64.b64decode(browser.send("Page.captureScreenshot", format="png")["data"]))
+    finally:
+        browser.close()
+    assert options[0] == "" and second in options and first not in options
+    assert {r for r, _ in paths} == {first, second} and first in legend and second in legend
+    for _, d in paths:  # both inside the plot: one y axis spans both runs
+        ys = [float(pair.split(",")[1]) for pair in d.replace("M", " ").replace("L", " ").split()]
+        assert all(10 - 0.5 <= y <= 190 - 24 + 0.5 for y in ys), d
+
+
+def test_a_run_whose_client_went_away_says_so(world, tmp_path):
+    with raw_client(world["srv"], BOB) as http:
+        rows = {r["model_id"]: r for r in http.get("/console/api/runs").json()["runs"]}
+    gone = rows[world["gone_run"]]
+    assert gone["status"] == "gone" and gone["client_silent_s"] >= 60
+    assert all(r["status"] != "gone" for i, r in rows.items() if i != world["gone_run"])  # live clients are not
+    dom = Elements(run_chromium(tmp_path, f"{world['srv'].url}/#key={BOB}", "--dump-dom"))
+    [(_, attrs, text)] = [e for e in dom.by() if e[0] == "span" and "gone" in e[1].get("class", "")]
+    assert text == "client gone" and "--session-timeout (300 s)" in attrs["title"]
+
+
+def test_the_operator_view_says_whose_models_it_shows(world, tmp_path):
+    browser = DevTools(tmp_path, f"{world['srv'].url}/#key={OPS}")
+    try:
+        browser.wait_for("(() => { const s = document.getElementById('server'); return s && s.innerText.length; })()")
+        runs_title = browser.evaluate("document.querySelector('#runs-panel h2').innerText")
+        server_title = browser.evaluate("document.querySelector('#server-panel h2').innerText")
+        owners = browser.evaluate("document.getElementById('server').innerText")
+        if target := os.environ.get("SKYRL_SDK_CONSOLE_OPERATOR_SCREENSHOT"):
+            Path(target).write_bytes(base64.b64decode(browser.send("Page.captureScreenshot", format="png")["data"]))
+    finally:
+        browser.close()
+    assert runs_title.startswith("Training runs of owner ops") and "(0)" in runs_title
+    assert server_title.startswith("Server: every owner's models and work") and "only your own" in server_title
+    assert "alice" in owners and "bob" in owners

@@ -134,7 +134,7 @@ def test_cookbook_async_rl_with_its_default_loss(tmp_path, tiny_dir, monkeypatch
     every datum carries provenance, and the server resolves it against its session's records."""
     from tinker_cookbook.rl import train
 
-    import skyrl_sdk.backend as backend_module
+    from skyrl_sdk.losses import calls as calls_module  # where a call's provenance is resolved
 
     assert train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=4).loss_fn == "stable_reinforce"
     resolved = []  # the datums whose provenance the server checked against its records
@@ -144,8 +144,8 @@ def test_cookbook_async_rl_with_its_default_loss(tmp_path, tiny_dir, monkeypatch
         resolved.extend(out)
         return out
 
-    resolve = backend_module.resolve_provenance
-    monkeypatch.setattr(backend_module, "resolve_provenance", counting)
+    resolve = calls_module.resolve_provenance
+    monkeypatch.setattr(calls_module, "resolve_provenance", counting)
     monkeypatch.setenv("TINKER_API_KEY", API_KEY)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with ServerThread(tmp_path / "state", models=[str(tiny_dir)]) as srv:

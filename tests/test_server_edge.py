@@ -22,8 +22,8 @@ zstandard = pytest.importorskip("zstandard")
 from tinker.proto import tinker_public_pb2 as pb
 
 from _server_harness import API_KEY, ServerThread, next_token_datum, raw_client, wait_result
-from skyrl_sdk.server.bodies import Bodies, unzstd_capped
-from skyrl_sdk.server.edge import install_accept_log_limiter
+from skyrl_sdk.server.http.edge import install_accept_log_limiter
+from skyrl_sdk.server.wire.bodies import Bodies, unzstd_capped
 
 HANG = 60
 PROTO = {"Content-Type": "application/x-protobuf"}
@@ -71,6 +71,7 @@ def _healthz(srv) -> int:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     with ServerThread(tmp_path_factory.mktemp("state"), header_timeout_s=1.0, max_connections=12, body_timeout_s=2.0,
+                      send_timeout_s=1.0,
                       max_body_bytes=2**20, max_json_body_bytes=64 * 1024, max_inflight_body_bytes=256 * 1024,
                       client_config={"proto_compress_fwdbwd": True}) as server:
         yield server
@@ -138,25 +139,136 @@ def test_a_stalled_body_makes_room_for_a_new_client_and_the_others_get_408(srv):
             s.close()
 
 
-def test_a_request_whose_body_arrived_is_never_dropped(srv):
-    """The cap full of long-polls (whole requests, waiting for a result): a newcomer is turned
-    away; none of them is dropped."""
-    service = srv.service_client()
-    tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
-    with raw_client(srv) as http:  # seq_id 50 waits for 1..49: its result is not ready
-        msg = pb.ForwardBackwardRequest(model_id=tc.model_id, seq_id=50, loss_fn="cross_entropy")
-        waiting = http.post("/api/v1/forward_backward", content=msg.SerializeToString(), headers=PROTO).json()
-    body = json.dumps({"request_id": waiting["request_id"]}).encode()
-    polls = [_connect(srv, _head("/api/v1/retrieve_future", len(body)) + body) for _ in range(12)]
+def _answered_by(s: socket.socket) -> bytes:
+    """What the server sent on ``s`` until it closed it (b"" if it dropped it unanswered)."""
+    s.settimeout(HANG)
+    out = b""
     try:
-        _wait_in_request(srv, 12)
-        late = _connect(srv)
-        assert _wait_closed([late], 1) == 1  # no idle connection and no stalled body to drop
-        assert not any(_closed_by_server(s) for s in polls)
+        while piece := s.recv(1 << 16):
+            out += piece
+    except OSError:  # reset
+        pass
+    return out
+
+
+def test_long_polls_count_against_their_owners_share_not_the_whole_cap(tmp_path):
+    """Issue 41, item 7. Before: the cap full of one owner's long-polls (whole requests, waiting
+    for a result) turned every newcomer away, /healthz and other owners included. Now a
+    newcomer is served: the oldest long-poll of the owner holding more than its share is
+    answered at once (429, Retry-After: 1, then closed; its client polls again), and no
+    long-poll is dropped unanswered."""
+    keys = {"tml-alice-0123456789": "alice", "tml-bob-0123456789ab": "bob"}
+    with ServerThread(tmp_path / "state", api_key=None, api_keys=keys, max_connections=8) as server:
+        service = server.service_client(api_key="tml-alice-0123456789")
+        tc = service.create_lora_training_client(base_model="tiny", rank=2).result()
+        with raw_client(server, api_key="tml-alice-0123456789") as http:  # seq_id 50 waits for 1..49
+            msg = pb.ForwardBackwardRequest(model_id=tc.model_id, seq_id=50, loss_fn="cross_entropy")
+            waiting = http.post("/api/v1/forward_backward", content=msg.SerializeToString(), headers=PROTO).json()
+        body = json.dumps({"request_id": waiting["request_id"]}).encode()
+        head = _head("/api/v1/retrieve_future", len(body)).replace(API_KEY.encode(), b"tml-alice-0123456789")
+        polls = []
+        for _ in range(8):  # the whole cap
+            polls.append(_connect(server, head + body))
+            _wait_in_request(server, len(polls))
+        try:
+            assert _healthz(server) == 200
+            with raw_client(server, api_key="tml-bob-0123456789ab") as bob:
+                assert bob.get("/api/v1/sessions").status_code == 200
+            ended = [s for s in polls if _readable(s)]
+            assert ended, "no long-poll made room"
+            for s in ended:
+                answer = _answered_by(s)
+                assert answer.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in answer.lower(), answer[:300]
+        finally:
+            for s in polls:
+                s.close()
+            service.close("success").result()
+
+
+def _readable(s: socket.socket) -> bool:
+    """Whether the server sent something on ``s`` or closed it (without waiting or reading)."""
+    s.setblocking(False)
+    try:
+        s.recv(1, socket.MSG_PEEK)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
     finally:
-        for s in polls:
+        s.setblocking(True)
+
+
+def _served_healthz_within_hang(srv) -> None:
+    """A new connection's /healthz is answered (retried while the server has no room yet)."""
+    import httpx
+
+    deadline = time.monotonic() + HANG
+    while True:
+        try:
+            if _healthz(srv) == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "no connection was ever made room for"
+        time.sleep(0.1)
+
+
+def test_connections_that_never_read_their_answers_make_room_and_are_dropped(srv):
+    """Issue 41, item 1. Before: connections that each sent 400 pipelined requests in one write
+    (a 4 KiB receive buffer) and never read locked every new client out, key or no key, for as
+    long as they stayed open: a connection whose request had arrived was never dropped and
+    nothing bounded the write. Now one whose answer goes unread makes room for a newcomer, and
+    is dropped after ``send_timeout_s`` anyway."""
+    pipelined = b"GET /console/console.js HTTP/1.1\r\nHost: x\r\n\r\n" * 400
+    socks = []
+    try:
+        for _ in range(12):  # the whole cap
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(HANG)
+            s.connect(("127.0.0.1", srv.port))
+            s.sendall(pipelined)
+            socks.append(s)
+        _served_healthz_within_hang(srv)
+        assert _wait_closed(socks, len(socks)) == len(socks)  # the send timeout (1 s here) dropped the rest
+    finally:
+        for s in socks:
             s.close()
-        service.close("success").result()
+
+
+def test_a_client_that_does_not_take_its_answers_gets_no_more_computed(srv):
+    """Issue 41, item 1: h11's backpressure. Before: uvicorn computed the answer to every
+    pipelined request as long as its own buffer was under 64 KiB, and the kernel takes
+    megabytes for a client that never reads (1010 such connections kept the server busy for a
+    minute and a half, every newcomer timing out). Now the next request waits until the client
+    has taken (acknowledged) the previous answer: one answer, then nothing until it reads."""
+    state = srv.server.server_state
+    before = state.total_requests
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(HANG)
+    try:
+        s.connect(("127.0.0.1", srv.port))
+        s.sendall(b"GET /console/console.js HTTP/1.1\r\nHost: x\r\n\r\n" * 400)
+        deadline = time.monotonic() + HANG
+        while not any(getattr(c, "_held", False) for c in list(state.connections)):
+            assert time.monotonic() < deadline, "the connection was never held"
+            time.sleep(0.01)
+        assert state.total_requests - before <= 2
+    finally:
+        s.close()
+
+
+def test_a_connection_may_pipeline_only_so_many_requests(srv):
+    """Issue 41, item 1: after ``max_pipelined_requests`` (32) requests sent before their answers
+    were read, the connection is closed after the next answer (before: 400 were all answered)."""
+    s = _connect(srv, b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 400)
+    try:
+        answers = _answered_by(s).count(b"HTTP/1.1 200")
+    finally:
+        s.close()
+    assert answers == 33  # the first, then 32 that had arrived before it was answered
 
 
 def test_the_in_flight_body_budget_answers_503(srv):
@@ -248,7 +360,7 @@ def test_accept_failures_are_logged_once_per_interval(caplog):
     passed: list[dict] = []
     loop.set_exception_handler(lambda lp, ctx: passed.append(ctx))
     install_accept_log_limiter(loop, every_s=3600)
-    with caplog.at_level(logging.WARNING, logger="skyrl_sdk.server.edge"):
+    with caplog.at_level(logging.WARNING, logger="skyrl_sdk.server.http.edge"):
         for _ in range(500):
             loop.call_exception_handler({"message": "socket.accept() out of system resource",
                                          "exception": OSError(24, "Too many open files")})

@@ -18,7 +18,7 @@ from tinker import types as tt
 from _limits import HANG_S
 from _server_harness import ServerThread
 from skyrl_sdk.errors import DatumError, InputError, NotFoundError, PluginError
-from skyrl_sdk.server.futures import Result
+from skyrl_sdk.server.compute.futures import Result
 
 
 def _category(exc: BaseException) -> tuple[str, str]:
@@ -66,7 +66,7 @@ def test_backend_exceptions_reach_the_client_by_type(trainer, monkeypatch, exc, 
     def fail(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr(backend, "forward_backward", fail)
+    monkeypatch.setattr(backend, "forward_backward_steps", fail)  # what the server's job runs
     with pytest.raises(tinker.RequestFailedError) as err:
         tc.forward_backward([_datum()], "cross_entropy").result(timeout=HANG_S)
     assert err.value.category == category

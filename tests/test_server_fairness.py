@@ -1,10 +1,12 @@
 """The compute executor: one thread for every client of a device, turns round-robin by owner
-then client, small jobs between a big job's micro-batches, a stop that fails what has not run;
-and on a real shared base, nested turns that leave every client's numbers exactly a solo
-Backend's. Orders are checked, never durations (events hold jobs where a test needs them)."""
+then client, small jobs between a big job's micro-batches (each on a stack of its own, the big
+one paused), a stop that fails what has not run; and on a real shared base, calls paused between
+micro-batches while others run, leaving every client's numbers exactly a solo Backend's. Orders
+are checked, never durations (events hold jobs where a test needs them)."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
@@ -14,8 +16,8 @@ import torch
 
 from skyrl_sdk import Backend, SharedBase
 from skyrl_sdk.engines import turns
-from skyrl_sdk.server.executor import SHUTDOWN_MESSAGE, Executor
-from skyrl_sdk.server.futures import Job, Result
+from skyrl_sdk.server.compute.executor import SHUTDOWN_MESSAGE, Executor
+from skyrl_sdk.server.compute.futures import Job, Result
 from skyrl_sdk.testing import make_sft_data, weights_of
 
 HANG = 60  # seconds: only a hang takes this long
@@ -65,19 +67,32 @@ def test_turns_go_round_robin_by_owner_then_by_client():
 
 
 def test_small_jobs_of_other_clients_run_between_the_micro_batches_of_a_big_one():
+    """The big job is a stepped call: it yields at each micro-batch boundary and the executor,
+    from its own loop, gives each other queue with a small job one turn, then resumes it. A job
+    run in the gap has a stack of its own: the big call's frames are not on it (before: it ran
+    inside the big call's micro-batch loop)."""
     ex, log = Executor("t", turn_tokens=100), []
     a, b, c, d = (ex.queue(n, owner) for n, owner in (("a", "alice"), ("b", "bob"), ("c", "carol"), ("d", "dave")))
+    inside_big: list[bool] = []
+
+    def small(name, cost=1):
+        def run():
+            inside_big.append(any(f.function == "big" for f in inspect.stack()))
+            log.append(name)
+            return Result.json({"name": name})
+        return _job(log, name, cost=cost, run=run)
 
     def big():
         for i in range(4):
             log.append(f"a{i}")
             if i == 0:  # others' work arrives while the big job runs
-                b.put(_job(log, "b1"))
-                b.put(_job(log, "b2"))
-                c.put(_job(log, "c1", cost=100))
-                d.put(_job(log, "d1", cost=101))  # too big to run in between: waits for its own turn
-                a.put(_job(log, "a-next"))  # the same client's next job never runs inside its own
-            turns.between_micro_batches()
+                b.put(small("b1"))
+                b.put(small("b2"))
+                c.put(small("c1", cost=100))
+                d.put(small("d1", cost=101))  # too big to run in between: waits for its own turn
+                a.put(small("a-next"))  # the same client's next job never runs inside its own
+            if i < 3:
+                yield  # a micro-batch boundary
         return Result.json({})
 
     a.put(_job(log, "big", cost=10**6, run=big))
@@ -85,8 +100,40 @@ def test_small_jobs_of_other_clients_run_between_the_micro_batches_of_a_big_one(
     # one turn for each other small queue per micro-batch boundary, in turn order
     assert log[:7] == ["a0", "b1", "c1", "a1", "b2", "a2", "a3"]
     assert sorted(log[7:]) == ["a-next", "d1"]
-    nested = {name for _, name, inner in ex.history if inner}
-    assert nested == {"b", "c"}
+    in_gaps = {name for _, name, in_gap in ex.history if in_gap}
+    assert in_gaps == {"b", "c"}
+    assert inside_big == [False] * 5  # every small job ran on its own stack, none inside the big call
+    ex.stop()
+
+
+def test_a_job_in_a_gap_runs_to_its_end_and_a_failing_step_fails_only_its_job():
+    """A stepped job run in another's gap does not give way again (its boundaries pass without
+    turns); a step that raises fails its own job with the error, and the executor goes on."""
+    ex, log = Executor("t", turn_tokens=100), []
+    a, b, c = ex.queue("a", "alice"), ex.queue("b", "bob"), ex.queue("c", "carol")
+    results: dict[str, Result] = {}
+
+    def stepped(name, steps, fail_at=None):
+        def run():
+            for i in range(steps):
+                log.append(f"{name}{i}")
+                if i == fail_at:
+                    raise RuntimeError(f"{name} broke")
+                if i + 1 < steps:
+                    yield
+            return Result.json({})
+        return _job(log, name, cost=1 if name != "a" else 10**6, run=run,
+                    done=lambda r: results.__setitem__(name, r))
+
+    release = _held(ex, log)
+    a.put(stepped("a", 3, fail_at=1))
+    b.put(stepped("b", 3))
+    c.put(stepped("c", 2))
+    release.set()
+    _settle(log, 7)
+    assert log == ["a0", "b0", "b1", "b2", "c0", "c1", "a1"]  # a's gap: b then c, each whole
+    assert results["a"].failed and "a broke" in results["a"].body.decode()
+    assert not results["b"].failed and not results["c"].failed
     ex.stop()
 
 
@@ -133,11 +180,16 @@ def test_stop_fails_queued_jobs_and_stops_the_running_one_at_its_next_micro_batc
     results: dict[str, Result] = {}
     started = threading.Event()
 
+    cleaned: list[bool] = []
+
     def endless():
         started.set()
-        for _ in range(10**6):
-            time.sleep(0.001)
-            turns.between_micro_batches()
+        try:
+            for _ in range(10**6):
+                time.sleep(0.001)
+                yield
+        finally:
+            cleaned.append(True)  # the stop is thrown in at the boundary: the call cleans up
         return Result.json({})
 
     q, other = ex.queue("q", "alice"), ex.queue("o", "bob")
@@ -151,6 +203,7 @@ def test_stop_fails_queued_jobs_and_stops_the_running_one_at_its_next_micro_batc
     late: list[Result] = []
     q.put(_job(log, "late", done=late.append))  # after the stop: refused at once
     assert late and late[0].failed and "queued" not in log and "late" not in log
+    assert cleaned == [True]
 
 
 def test_a_job_may_close_its_own_queue_and_wait():
@@ -168,32 +221,27 @@ def test_a_job_may_close_its_own_queue_and_wait():
     ex.stop()
 
 
-# ---- nested turns on a real shared base ------------------------------------------------------------
-def test_turns_nested_between_micro_batches_leave_every_client_exactly_solo():
-    """Client A's forward_backward gives way after its first micro-batch; there client B trains a
-    step and the base answers a forward (adapters disabled). A's outputs, gradients and next step,
-    and B's, equal solo Backends' bit for bit: each nested turn switches the active adapter (or
-    disables them all) and hands A's back."""
+# ---- calls paused between micro-batches on a real shared base -------------------------------------
+def test_calls_run_while_another_is_paused_leave_every_client_exactly_solo():
+    """Client A's forward_backward pauses after its first micro-batch (a stepped call, driven by
+    hand as the executor does); meanwhile client B trains a step and the base answers a forward
+    (adapters disabled). A's outputs, gradients and next step, and B's, equal solo Backends' bit
+    for bit: each of A's steps takes its own turn and makes its adapter active again."""
     engine = {"micro_batch_tokens": 16}
     data_a, data_b = make_sft_data([7, 6, 7, 5], seed=1), make_sft_data([6, 4], seed=2)
     adam = {"learning_rate": 1e-2}
     with SharedBase("tiny", engine) as base:
         a, b = base.backend({"rank": 8, "seed": 3}), base.backend({"rank": 4, "seed": 4})
         reader = base.base_backend()
-        inner: dict = {}
-
-        def hook():
-            if not inner:
-                inner["b"] = b.forward_backward(data_b, "cross_entropy")
-                inner["b_step"] = b.optim_step(adam)
-                inner["base"] = reader.forward(data_b, "cross_entropy")
-
-        with turns.on_micro_batch(hook):
-            out_a = a.forward_backward(data_a, "cross_entropy")
-        assert inner, "the call has more than one micro-batch, so the hook ran"
+        call = a.forward_backward_steps(data_a, "cross_entropy")
+        next(call)  # A's first micro-batch; A is paused at its first boundary
+        assert base.shared.gate._owner is None  # a paused call holds no turn
+        inner = {"b": b.forward_backward(data_b, "cross_entropy"), "b_step": b.optim_step(adam),
+                 "base": reader.forward(data_b, "cross_entropy")}
+        out_a = turns.run_to_end(call)
         a.optim_step(adam)
         shared = {"a": (out_a, weights_of(a)), "b": (inner["b"], weights_of(b))}
-        base_out, base_alone = inner["base"], reader.forward(data_b, "cross_entropy")  # nested vs a turn alone
+        base_out, base_alone = inner["base"], reader.forward(data_b, "cross_entropy")  # in A's gap vs alone
 
     solo_a = Backend("tiny", lora={"rank": 8, "seed": 3}, engine_config=engine)
     solo_b = Backend("tiny", lora={"rank": 4, "seed": 4}, engine_config=engine)
@@ -212,27 +260,33 @@ def test_turns_nested_between_micro_batches_leave_every_client_exactly_solo():
         np.testing.assert_array_equal(g["logprobs"].to_numpy(), w["logprobs"].to_numpy())
 
 
-def test_a_nested_turn_never_offloads_the_adapter_it_interrupts(tmp_path):
-    """With room for one adapter in memory, B's nested turn must not push A (mid-call) to disk."""
+def test_a_paused_call_keeps_its_adapter_in_memory(tmp_path):
+    """With room for one adapter in memory, B's turn while A's call is paused must not push A
+    (mid-call: its gradients held apart) to disk."""
     data = make_sft_data([7, 6, 7], seed=1)
     with SharedBase("tiny", {"micro_batch_tokens": 16}, max_lora_adapters=1, offload_dir=tmp_path) as base:
         a, b = base.backend({"rank": 4, "seed": 1}), base.backend({"rank": 4, "seed": 2})
-        ran: list[bool] = []
-
-        def hook():
-            if not ran:  # once (B's own micro-batches come here too)
-                ran.append(None)
-                b.forward(data, "cross_entropy")
-                ran[0] = a.engine.adapter.offloaded is None and b.engine.adapter.offloaded is None
-
-        with turns.on_micro_batch(hook):
-            a.forward_backward(data, "cross_entropy")
-        assert ran == [True]  # both in memory during the nested turn (one more than max_lora_adapters)
+        call = a.forward_backward_steps(data, "cross_entropy")
+        next(call)
+        b.forward(data, "cross_entropy")
+        assert a.engine.adapter.offloaded is None and b.engine.adapter.offloaded is None  # one over the cap
+        turns.run_to_end(call)
         assert a.engine.runner.has_pending_grads()
+        base.backend({"rank": 4, "seed": 3})  # a new adapter: the others go to disk, A too now its call ended
+        assert a.engine.adapter.offloaded is not None and b.engine.adapter.offloaded is not None
 
 
-def test_no_hook_outside_an_executor():
-    turns.between_micro_batches()  # a plain thread: nothing installed, nothing happens
+def test_turns_never_nest():
+    """A turn asked for by the thread that holds one is refused, not granted again (before: the
+    gate re-entered, which is how a client's call ran inside another's)."""
+    gate = turns.FairGate()
+    with gate.turn("a"):
+        with pytest.raises(RuntimeError, match="turns never nest"):
+            with gate.turn("b"):
+                pass
+    with gate.turn("b"):  # the refusal left the gate as it was
+        pass
+    assert list(gate.history) == ["a", "b"]
 
 
 # ---- through the server, with the tinker client ------------------------------------------------------
@@ -243,28 +297,37 @@ def _tinker(d):
                     loss_fn_inputs={k: tt.TensorData.from_numpy(v.to_numpy()) for k, v in d.loss_fn_inputs.items()})
 
 
-def test_another_owners_small_call_runs_inside_a_big_call_on_one_compute_thread(tmp_path, monkeypatch):
-    """Alice's forward_backward of many micro-batches holds the base; Bob's 4-token forward, sent
-    meanwhile, is answered between two of her micro-batches (before her call ends), and every
-    client of the server computes on one thread. Alice's numbers equal a solo Backend's."""
+def _micro_batch_loops_on_the_stack() -> int:
+    """How many calls' micro-batch loops (``ModelRunner.run`` / ``steps``) the stack holds."""
+    from skyrl_sdk.engines import runner
+
+    return sum(f.filename == runner.__file__ and f.function in ("run", "steps") for f in inspect.stack(0))
+
+
+def test_another_owners_small_call_runs_between_a_big_calls_micro_batches_on_one_thread(tmp_path, monkeypatch):
+    """Alice's forward_backward of many micro-batches holds the device; Bob's 4-token forward, sent
+    meanwhile, is answered between two of her micro-batches (before her call ends), on its own
+    stack: every micro-batch of both runs with exactly one call's loop on the stack (before: Bob's
+    ran inside Alice's), and every client of the server computes on one thread. Alice's numbers
+    equal a solo Backend's."""
     pytest.importorskip("tinker")
     pytest.importorskip("fastapi")
     from _server_harness import ServerThread
-    from skyrl_sdk.engines import runner
+    from skyrl_sdk.engines.runner import ModelRunner
 
     engine = {"micro_batch_tokens": 16}
     keys = {"tml-alice-0123456789": "alice", "tml-bob-0123456789ab": "bob"}
     reached, go = threading.Event(), threading.Event()
-    real = runner.between_micro_batches
+    real = ModelRunner._run_micro_batch
+    threads, loops = set(), []
 
-    threads = set()
-
-    def held_once():  # Alice's call stops at its first boundary until Bob's request is queued
+    def held_once(self, *args, **kwargs):  # Alice's call stops after its first micro-batch until Bob's is queued
         threads.add(threading.current_thread())
+        loops.append(_micro_batch_loops_on_the_stack())
+        real(self, *args, **kwargs)
         if not reached.is_set():
             reached.set()
             assert go.wait(HANG)
-        real()
 
     big, small = make_sft_data([7] * 12, seed=5), make_sft_data([4], seed=6)
     with ServerThread(tmp_path / "state", api_key=None, api_keys=keys, engine_config=engine) as srv:
@@ -275,7 +338,7 @@ def test_another_owners_small_call_runs_inside_a_big_call_on_one_compute_thread(
         shared = srv.runtime.executors.shared
         assert srv.runtime.executors.all() == [shared]  # one executor, not one per client
         assert {m.worker.executor for m in srv.runtime.models.values()} == {shared}
-        monkeypatch.setattr(runner, "between_micro_batches", held_once)
+        monkeypatch.setattr(ModelRunner, "_run_micro_batch", held_once)
         alice, bob = clients["alice"][1], clients["bob"][1]
         fut_a = alice.forward_backward([_tinker(d) for d in big], "cross_entropy")
         assert reached.wait(HANG)
@@ -289,8 +352,9 @@ def test_another_owners_small_call_runs_inside_a_big_call_on_one_compute_thread(
         fut_b.result(timeout=HANG)
         out_a = fut_a.result(timeout=HANG)
         history = list(shared.history)
-        assert ("bob", bob.model_id, True) in history  # ran nested, inside Alice's call
+        assert ("bob", bob.model_id, True) in history  # ran in a gap of Alice's call
         assert threads == {shared._thread}  # every micro-batch of both ran on the one compute thread
+        assert len(loops) >= 3 and set(loops) == {1}  # ... each with one call's loop on the stack
         for sc, _ in clients.values():
             sc.close("success").result()
     solo = Backend("tiny", lora={"rank": 4, "seed": 7}, engine_config=engine)

@@ -78,8 +78,8 @@ def test_skipped_optim_step_reaches_the_real_client(srv):
 
 
 def test_result_json_is_strict():
-    from skyrl_sdk.server.futures import Result
-    from skyrl_sdk.server.wire import optim_step_json
+    from skyrl_sdk.server.compute.futures import Result
+    from skyrl_sdk.server.wire.envelopes import optim_step_json
 
     body = Result.json({"a": float("nan"), "b": [float("inf"), 1.5], "c": {"d": -float("inf")}}).body
     assert json.loads(body) == {"a": None, "b": [None, 1.5], "c": {"d": None}}
@@ -111,8 +111,8 @@ def test_sequence_length_limit(srv, model):
 
 
 def test_sequence_limit_defaults_to_the_models_positions():
+    from skyrl_sdk.server.compute.served import ServedModels
     from skyrl_sdk.server.config import ServerConfig
-    from skyrl_sdk.server.served import ServedModels
 
     assert ServedModels(ServerConfig()).max_seq_len("tiny") == 2048  # tiny's max_position_embeddings
     assert ServedModels(ServerConfig(max_seq_len=100)).max_seq_len("tiny") == 100
@@ -140,7 +140,7 @@ def test_sample_request_validated_before_num_samples(srv):
         for fields, says in (({"base_model": 7}, "base_model: expected a string, got int"),
                              ({"model_path": ["tinker://x"]}, "model_path: expected a string, got list"),
                              ({"sampling_session_id": 5}, "sampling_session_id: expected a string, got int"),
-                             ({"base_model": "tiny", "seq_id": "1"}, "seq_id: expected an integer >= 0, got '1'")):
+                             ({"base_model": "tiny", "seq_id": "1"}, "seq_id: expected an integer in 0..")):
             answer = http.post("/api/v1/asample", json={"prompt": [1, 2], **fields}).json()
             assert says in _user_error(http, answer), fields
         session = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}}).json()["session_id"]
@@ -152,10 +152,10 @@ def test_sample_request_validated_before_num_samples(srv):
 def test_unknown_keys_are_refused_over_http(srv, model):
     """A misspelt key is refused over HTTP as in process, in the same words (a ``temprature``
     once sampled at the default temperature); an envelope's unknown key too."""
-    from skyrl_sdk.inputs.sample import sample_call
+    from skyrl_sdk.inputs.sample import sample_request_from_any
 
     with pytest.raises(ValueError) as in_process:
-        sample_call([[1, 2]], {"temprature": 0.5})
+        sample_request_from_any([[1, 2]], {"temprature": 0.5})
     with raw_client(srv) as http:
         answer = http.post("/api/v1/asample", json={"base_model": "tiny", "prompt": [1, 2],
                                                     "sampling_params": {"temprature": 0.5}}).json()
@@ -230,9 +230,11 @@ def test_checkpoint_name_fullmatch_and_tinker_paths_in_errors(srv, model):
 @pytest.mark.parametrize("route, body, says", [
     ("save_weights_for_sampler", {}, "needs a path (a name) or a sampling_session_seq_id"),
     ("save_weights_for_sampler", {"sampling_session_seq_id": "1"},
-     "sampling_session_seq_id: expected an integer >= 0, got '1'"),
+     f"sampling_session_seq_id: expected an integer in 0..{2**63 - 1}, got '1'"),
     ("save_weights_for_sampler", {"sampling_session_seq_id": 1, "kind": "frozen"}, "unknown kind 'frozen'"),
-    ("save_weights_for_sampler", {"path": "x", "ttl_seconds": 0}, "ttl_seconds: expected a value > 0, got 0"),
+    ("save_weights_for_sampler", {"path": "x", "ttl_seconds": 0}, "ttl_seconds: expected an integer in 3600..315360000"),
+    ("save_weights", {"path": "x", "ttl_seconds": 10**12}, "ttl_seconds: expected an integer in 3600..315360000"),
+    ("save_weights_external", {"path": "x", "ttl_seconds": 7200.5}, "ttl_seconds: expected an integer in 3600.."),
     ("load_weights", {"path": "tinker://x/weights/y", "optimizer": "yes"}, "optimizer: expected true or false"),
     ("load_weights", {"path": 3}, "expected a tinker:// path, got 3"),
 ])
@@ -240,6 +242,76 @@ def test_bad_save_and_load_fields_are_user_errors_naming_them(srv, model, route,
     with raw_client(srv) as http:
         answer = http.post(f"/api/v1/{route}", json={"model_id": model[1], **body}).json()
         assert says in _user_error(http, answer)
+
+
+def test_a_save_ttl_far_in_the_future_is_refused_and_every_listing_answers(srv, model):
+    """Issue 41, item 13. Before: ttl_seconds=1e12 on a save was acknowledged (a save took any
+    positive number), then every listing of the owner was a 500 ("year 33715 is out of
+    range"). Now saves and PUT .../ttl share one rule: whole seconds, one hour to ten years."""
+    with raw_client(srv) as http:
+        answer = http.post("/api/v1/save_weights", json={"model_id": model[1], "path": "far", "ttl_seconds": 1e12}).json()
+        assert "ttl_seconds: expected an integer in 3600..315360000, got 1000000000000.0" in _user_error(http, answer)
+        for path in ("/api/v1/checkpoints", "/api/v1/training_runs", f"/api/v1/training_runs/{model[1]}/checkpoints",
+                     "/console/api/runs"):
+            assert http.get(path).status_code == 200, path
+        assert http.post("/api/v1/sessions/search", json={}).status_code == 200
+        assert "far" not in str(http.get("/api/v1/checkpoints").json())
+
+
+#: an integer of 400 digits, as JSON text (json.dumps writes Python's big integers as they are)
+HUGE = 10**400
+
+
+def test_integers_of_309_digits_and_more_are_refused_naming_the_field(srv, model):
+    """Issue 41, item 15. Before: each was a bare 500 (math.isfinite overflows on an integer
+    past 1e308) where a smaller bad value got a 400 or a user error naming its field."""
+    sid, model_id = model
+    with raw_client(srv) as http:
+        saved = http.post("/api/v1/save_weights", json={"model_id": model_id, "path": "ttl-target"}).json()
+        wait_result(http, saved["request_id"])
+        ttl = http.put(f"/api/v1/training_runs/{model_id}/checkpoints/weights/ttl-target/ttl",
+                       json={"ttl_seconds": HUGE})
+        assert ttl.status_code == 400 and ttl.json()["detail"].startswith("ttl_seconds: expected an integer in 3600.."), \
+            ttl.text
+        search = http.post("/api/v1/sessions/search", json={"limit": HUGE})
+        assert search.status_code == 400 and search.json()["detail"].startswith("limit: expected an integer in 1..200")
+        sampling = http.post("/api/v1/create_sampling_session", json={"session_id": sid, "base_model": "tiny",
+                                                                       "sampling_session_seq_id": HUGE})
+        assert sampling.status_code == 400, sampling.text
+        assert sampling.json()["detail"].startswith("sampling_session_seq_id: expected an integer in 0..")
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+        sample = {"base_model": "tiny", "prompt": prompt, "num_samples": 1}
+        for route, body, says in (
+                ("optim_step", {"model_id": model_id, "seq_id": HUGE}, "seq_id: expected an integer in "),
+                ("optim_step", {"model_id": model_id, "adam_params": {"learning_rate": HUGE}},
+                 "AdamParams.learning_rate: expected a finite number"),
+                ("create_model", {"session_id": sid, "model_seq_id": HUGE, "base_model": "tiny"},
+                 "model_seq_id: expected an integer in "),
+                ("create_model", {"session_id": sid, "model_seq_id": 9, "base_model": "tiny",
+                                  "lora_config": {"rank": HUGE}}, "LoraConfig.rank: expected an integer in 1.."),
+                ("create_model", {"session_id": sid, "model_seq_id": 9, "base_model": "tiny",
+                                  "lora_config": {"rank": 2, "seed": HUGE}}, "LoraConfig.seed: expected an integer in "),
+                ("asample", {**sample, "sampling_params": {"max_tokens": 1}, "seq_id": -HUGE},
+                 "seq_id: expected an integer in "),
+                ("asample", {**sample, "sampling_params": {"max_tokens": 1, "stop": [HUGE]}},
+                 "SamplingParams.stop[0]: expected an integer in "),
+                ("asample", {**sample, "sampling_params": {"max_tokens": HUGE}},
+                 "SamplingParams.max_tokens: expected an integer in ")):
+            answer = http.post(f"/api/v1/{route}", json=body)
+            assert answer.status_code == 200, (route, answer.text)
+            assert _user_error(http, answer.json()).startswith(says), route
+        assert len(str(HUGE)) == 401 and len(ttl.text) < 400  # the value is never echoed whole
+
+
+@pytest.mark.parametrize("statuses", [["active"], "active", [None], 5, {"type": "active"}, [],
+                                      [{"type": "paused"}], [{"type": "active", "reasons": ["success"]}],
+                                      [{"type": "client_finished", "reasons": "success"}]])
+def test_a_malformed_session_search_status_is_a_400_naming_it(srv, statuses):
+    """Issue 41, item 16. Before: each of these was a 500 (the search read them as objects)."""
+    with raw_client(srv) as http:
+        answer = http.post("/api/v1/sessions/search", json={"statuses": statuses})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["detail"].startswith("statuses"), answer.text
 
 
 def test_retry_after_its_record_expired_is_refused(srv, model):
@@ -265,7 +337,7 @@ def test_retry_after_its_record_expired_is_refused(srv, model):
 def test_expired_retry_keys_stay_bounded():
     """The keys of swept records are remembered within a horizon and up to a cap, not forever."""
     from skyrl_sdk.errors import InputError
-    from skyrl_sdk.server.futures import FutureStore, Result
+    from skyrl_sdk.server.compute.futures import FutureStore, Result
 
     loop = asyncio.new_event_loop()
     store = FutureStore(loop, retention_s=0.0, expired_horizon_s=3600.0, max_expired=50)
@@ -381,7 +453,7 @@ def test_the_tinker_client_cuts_a_big_batch_below_the_token_limit(srv):
 
 
 def test_an_owners_queue_bound_refuses_up_front_and_spares_other_owners(tmp_path):
-    from skyrl_sdk.server.futures import Job, Result
+    from skyrl_sdk.server.compute.futures import Job, Result
 
     keys = {"tml-bob-0123456789abc": "bob"}
     with ServerThread(tmp_path / "state", max_queued_requests=3, api_keys=keys) as server:
@@ -424,7 +496,7 @@ def test_errors_quote_at_most_about_100_characters_of_a_value(srv):
 
 def test_failed_results_kept_are_bounded_in_bytes():
     from skyrl_sdk.errors import InputError
-    from skyrl_sdk.server.futures import FutureStore, Result
+    from skyrl_sdk.server.compute.futures import FutureStore, Result
 
     async def main():
         store = FutureStore(asyncio.get_running_loop(), max_failed_bytes=10 * (FutureStore.RECORD_BYTES + 200))

@@ -5,7 +5,9 @@ publishes the other can read but never list, change or delete."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -19,9 +21,9 @@ from _limits import HANG_S
 from _server_harness import ServerThread, next_token_datum
 from skyrl_sdk import Backend
 from skyrl_sdk.models.loading import quiet_peft_wrap
+from skyrl_sdk.server.compute.exports import DownloadLinks
 from skyrl_sdk.server.config import read_api_keys
-from skyrl_sdk.server.exports import DownloadLinks
-from skyrl_sdk.server.tinker_paths import TinkerPath
+from skyrl_sdk.server.wire.tinker_paths import TinkerPath
 
 #: the client marks some RestClient calls experimental; calling them is what these tests are for
 pytestmark = pytest.mark.filterwarnings("ignore::tinker.ExperimentalWarning")
@@ -122,11 +124,75 @@ def test_download_links_are_checked(world):
         assert caught.value.code == 404
     with pytest.raises(tinker.NotFoundError):  # Bob cannot sign links to Alice's export
         world["rest_b"].get_external_weights_urls(path).result(timeout=HANG_S)
-    links = DownloadLinks(ttl_s=-1.0)  # an expired link answers 404 like an unknown one
-    signed = links.sign(world["srv"].runtime.store.checkpoint_dir(TinkerPath.parse(path)), "http://x")
-    token = signed["urls"]["config.json"].split("/")[-2]
-    with pytest.raises(Exception, match="unknown or expired download link"):
+    rt = world["srv"].runtime
+    links = DownloadLinks(rt.catalog.link_record, rt.downloads.directory, ttl_s=-1.0)  # an expired link: 404
+    target = asyncio.run_coroutine_threadsafe(rt.catalog.export_target("alice", path), rt.loop).result(HANG_S)
+    token = links.sign(target, "http://x")["urls"]["config.json"].split("/")[-2]
+    with pytest.raises(Exception, match="this download link has expired"):
         links.file(token, "config.json")
+    with pytest.raises(Exception, match="unknown or expired download link"):  # another process's key
+        rt.downloads.file(token, "config.json")
+
+
+def _fetch(url: str) -> int:
+    """The status of a GET of ``url`` (a download link: no key)."""
+    try:
+        with urllib.request.urlopen(url) as answer:
+            answer.read()
+            return answer.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_link_dies_with_its_export_when_it_expires_or_is_made_again(world):
+    """Issue 41, items 11 and 12. Before: an expired export's signed links still downloaded (6 of
+    6) while every listing answered 404, and a link signed for an export kept serving after the
+    export was deleted and made again under its name (the new content). Now a link names the
+    export as it was when signed and is checked against the catalog when used."""
+    trainer, rest_a, store = world["trainer"], world["rest_a"], world["srv"].runtime.store
+    path = trainer.save_weights_external("short-export").result(timeout=HANG_S).path
+    urls = rest_a.get_external_weights_urls(path).result(timeout=HANG_S).urls
+    assert {_fetch(url) for url in urls.values()} == {200}
+    rest_a.set_checkpoint_ttl_from_tinker_path(path, 3600).result(timeout=HANG_S)
+    store.update_checkpoint(TinkerPath.parse(path), expires_at=time.time() - 1)  # the hour has passed, not swept yet
+    assert path not in {c.tinker_path for c in rest_a.list_user_checkpoints().result(timeout=HANG_S).checkpoints}
+    assert {_fetch(url) for url in urls.values()} == {404}
+
+    path = trainer.save_weights_external("again").result(timeout=HANG_S).path
+    old = rest_a.get_external_weights_urls(path).result(timeout=HANG_S).urls["config.json"]
+    assert _fetch(old) == 200
+    rest_a.delete_checkpoint_from_tinker_path(path).result(timeout=HANG_S)
+    assert trainer.save_weights_external("again").result(timeout=HANG_S).path == path  # made again, same name
+    assert _fetch(old) == 404
+    new = rest_a.get_external_weights_urls(path).result(timeout=HANG_S).urls["config.json"]
+    assert new != old and _fetch(new) == 200
+
+
+def test_signing_links_keeps_nothing_in_memory(world):
+    """Issue 41, item 6. Before: every external_weights_urls call kept its link (~2 KiB) for an
+    hour, with no cap: 3000 calls held 6.1 MB. Links are now stateless (signed, checked against
+    the catalog when used): asking for 1000 keeps no memory in the server."""
+    import gc
+    import tracemalloc
+
+    import httpx
+
+    path = world["trainer"].save_weights_external("many-links").result(timeout=HANG_S).path
+    tp = TinkerPath.parse(path)
+    route = f"/api/v1/training_runs/{tp.run_id}/checkpoints/external_weights/{tp.name}/external_weights_urls"
+    with httpx.Client(base_url=world["srv"].url, headers={"X-API-Key": ALICE}, timeout=HANG_S) as http:
+        assert http.get(route).status_code == 200
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.take_snapshot()
+            for _ in range(1000):
+                http.get(route).raise_for_status()
+            gc.collect()
+            grown = sum(d.size_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename"))
+        finally:
+            tracemalloc.stop()
+    assert grown < 256 * 1024, grown
 
 
 def test_publishing_lets_other_owners_read_but_never_list_or_change(world):

@@ -5,6 +5,8 @@ same numbers on both paths. And record_stability_info's sequence ids."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -96,7 +98,10 @@ def test_recorded_samples_get_their_ids_and_ad_hoc_ones_are_refused(srv, service
     out = recording.sample(tt.ModelInput.from_ints(PROMPT), 3, tt.SamplingParams(max_tokens=3)).result(timeout=HANG_S)
     ids = [s.sequence_id for s in out.sequences]
     assert len(set(ids)) == 3
-    records = srv.runtime.sequence_records[service.holder.get_session_id()]
+    # the one id format, in process too (tests/test_sample_request.py): the request's id and the index
+    assert [re.fullmatch(r"sample-[0-9a-f]{32}:(\d)", i).group(1) for i in ids] == ["0", "1", "2"]
+    assert len({i.split(":")[0] for i in ids}) == 1
+    records = srv.runtime.recorded.sessions[service.holder.get_session_id()]
     used = records.use(ids)
     assert [used[i].tokens.tolist() for i in ids] == [list(s.tokens) for s in out.sequences]
     assert used[ids[0]].prompt.tolist() == PROMPT

@@ -24,9 +24,9 @@ from tinker.proto import tinker_public_pb2 as pb
 from _probes import Probes
 from _server_harness import ServerThread, raw_client, wait_result
 from skyrl_sdk.errors import InputError
-from skyrl_sdk.server.compat import NOT_SERVED_PREFIX, ROWS
 from skyrl_sdk.server.config import ServerConfig, read_api_keys
-from skyrl_sdk.server.guard import OPEN_PATHS, OPEN_PREFIXES
+from skyrl_sdk.server.http.guard import OPEN_PATHS, OPEN_PREFIXES
+from skyrl_sdk.server.wire.compat import NOT_SERVED_PREFIX, ROWS
 
 ALICE, BOB = "tml-alice", "tml-bob"
 #: the client routes this server declines (one 404 each, behind the key like every route)

@@ -16,8 +16,8 @@ import pytest
 
 from _limits import HANG_S
 from _server_harness import ServerThread, next_token_datum
-from skyrl_sdk.server.executor import Executor
-from skyrl_sdk.server.futures import Job, Result, Sequencer
+from skyrl_sdk.server.compute.executor import Executor
+from skyrl_sdk.server.compute.futures import Job, Result, Sequencer
 
 
 def _recorder():
@@ -112,3 +112,39 @@ def test_a_request_the_client_could_not_send_does_not_stall_the_next(server):
     assert trainer.optim_step(tt.AdamParams(learning_rate=1e-3)).result(timeout=HANG_S).metrics["grad_norm"] > 0
     model = server.runtime.models[trainer.model_id]
     assert model.sequencer.next_seq == 5 and not model.sequencer._waiting
+
+
+def test_seq_id_rules_are_one_for_json_and_protobuf(server):
+    """Issue 41, item 18. Before: JSON seq_id 0 on a fresh model failed as a "server" error
+    saying it "arrived after later requests ran" (none had), and a protobuf seq_id of -5 ran
+    outside the order where JSON refused -1. Now both forms refuse any seq_id but 1..int64 as a
+    user error naming the field, and the model's order is untouched (the next request, 1, runs)."""
+    import numpy as np
+    from tinker.proto import tinker_public_pb2 as pb
+
+    from _server_harness import raw_client, wait_result
+
+    with raw_client(server) as http:
+        sid = http.post("/api/v1/create_session", json={}).json()["session_id"]
+        fut = http.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": "tiny",
+                                                       "lora_config": {"rank": 2}}).json()
+        model_id = wait_result(http, fut["request_id"]).json()["model_id"]
+        errors = []
+        for seq_id in (0, -1):
+            answer = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": seq_id}).json()
+            errors.append(wait_result(http, answer["request_id"]).json())
+        msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=-5, loss_fn="cross_entropy")
+        datum = msg.data.add()
+        datum.model_input.add().encoded_text.tokens = np.arange(1, 4, dtype=np.int32).tobytes()
+        datum.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(dense=np.arange(2, 5).tobytes(), dtype=pb.DTYPE_INT64,
+                                                                 shape=[3]))
+        answer = http.post("/api/v1/forward_backward", content=msg.SerializeToString(),
+                           headers={"Content-Type": "application/x-protobuf"}).json()
+        errors.append(wait_result(http, answer["request_id"]).json())
+        for error, seq_id in zip(errors, (0, -1, -5), strict=True):
+            assert error["category"] == "user", error
+            assert error["error"].startswith(f"seq_id: expected an integer in 1..{2**63 - 1}, got {seq_id} "), error
+        assert server.runtime.models[model_id].sequencer.next_seq == 1  # nothing ran, nothing was skipped
+        answer = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1}).json()
+        assert "metrics" in wait_result(http, answer["request_id"]).json()
+        http.post(f"/api/v1/sessions/{sid}/finish", json={})

@@ -17,7 +17,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from _limits import HANG_S
 from _server_harness import ServerThread, raw_client, wait_result
 from skyrl_sdk import Backend, types
-from skyrl_sdk.server.memory import weight_bytes
+from skyrl_sdk.server.compute.memory import weight_bytes
 from skyrl_sdk.testing import make_sft_data
 
 RANK, SEED = 4, 7
@@ -212,11 +212,12 @@ def test_full_fine_tuning_snapshot_is_the_full_weights_in_memory(tmp_path):
 def test_snapshot_memory_flag():
     from skyrl_sdk.cli.commands import build_parser
     from skyrl_sdk.errors import InputError
-    from skyrl_sdk.server.config import DEFAULT_SNAPSHOT_MEMORY, ServerConfig
+    from skyrl_sdk.server import settings
+    from skyrl_sdk.server.config import ServerConfig
 
     parse = build_parser().parse_args
     assert ServerConfig.from_args(parse(["serve", "--snapshot-memory", "64MiB"])).snapshot_memory == 64 * 2**20
-    assert ServerConfig.from_args(parse(["serve"])).snapshot_memory == DEFAULT_SNAPSHOT_MEMORY == 2 * 2**30
+    assert ServerConfig.from_args(parse(["serve"])).snapshot_memory == settings.default("snapshot_memory") == 2 * 2**30
     for bad in ("lots", "0", "-1GiB"):
         with pytest.raises(InputError, match="--snapshot-memory"):
             ServerConfig.from_args(parse(["serve", f"--snapshot-memory={bad}"]))

@@ -23,8 +23,8 @@ from tinker import types as tt
 
 from _limits import HANG_S
 from _server_harness import API_KEY, ServeProcess, ServerThread, free_port, next_token_datum
-from skyrl_sdk.server.statedir import StateDirError, StateDirLock
-from skyrl_sdk.server.store import Store
+from skyrl_sdk.server.state.statedir import StateDirError, StateDirLock
+from skyrl_sdk.server.state.store import Store
 
 
 # ---- one server at a time ---------------------------------------------------------------------------
@@ -77,6 +77,13 @@ def _cannot_start(state, preexec_fn=None) -> str:
     return proc.stdout + proc.stderr
 
 
+def _refusal(out: str) -> str:
+    """The one line of a refused start, after the lines saying what serve was doing (no traceback)."""
+    *progress, last = out.strip().splitlines()
+    assert all(p.startswith("skyrl-sdk serve: ") and "cannot" not in p for p in progress), out
+    return last
+
+
 @pytest.mark.slow  # a server process
 def test_a_read_only_state_dir_is_one_line_at_start(tmp_path):
     """Before: the server started and answered every write with a 500."""
@@ -84,14 +91,14 @@ def test_a_read_only_state_dir_is_one_line_at_start(tmp_path):
     state.mkdir()
     with _read_only(state):
         out = _cannot_start(state)
-    assert out.count("\n") == 1 and out.startswith(f"skyrl-sdk serve: cannot start: state dir {state}")
+    assert _refusal(out).startswith(f"skyrl-sdk serve: cannot start: state dir {state}")
 
 
 @pytest.mark.slow  # a server process
 def test_a_full_disk_is_one_line_at_start(tmp_path):
     """Before: a raw traceback."""
     out = _cannot_start(tmp_path / "state", preexec_fn=_almost_full)
-    assert out.count("\n") == 1 and out.startswith(f"skyrl-sdk serve: cannot start: state dir {tmp_path / 'state'}")
+    assert _refusal(out).startswith(f"skyrl-sdk serve: cannot start: state dir {tmp_path / 'state'}")
     assert "Traceback" not in out
 
 
@@ -143,11 +150,165 @@ def test_a_save_whose_record_fails_leaves_nothing_and_can_be_retried(tmp_path):
     assert names == {retried}
 
 
+# ---- a delete or an expiry a crash cut short ------------------------------------------------------------------
+class _Killed(BaseException):
+    """The process died here (kill -9): nothing after it runs."""
+
+
+def _saved_store(state):
+    """A store holding one complete training checkpoint (weights, optimizer, marker) of a run."""
+    from skyrl_sdk.models.checkpoint import OPTIMIZER_FILE, atomic_directory
+    from skyrl_sdk.server.wire.tinker_paths import TinkerPath
+
+    store = Store(state)
+    store.tidy()
+    store.add_run("run-a", "alice", None, "tiny", None, None)
+    tp = TinkerPath("run-a", "training", "ckpt")
+
+    def write(directory):
+        with atomic_directory(directory) as tmp:
+            for name in ("model.safetensors", OPTIMIZER_FILE, "skyrl_state.json"):
+                (tmp / name).write_bytes(b"x" * 100)
+
+    store.save_recorded(tp, write)
+    return store, tp
+
+
+def _killed_while_removing(monkeypatch):
+    """``shutil.rmtree`` removes the optimizer's file, then the process dies (the marker, a dot
+    file, is among the last a removal reaches)."""
+    from skyrl_sdk.models.checkpoint import OPTIMIZER_FILE
+
+    def partial(path, *args, **kwargs):
+        for f in sorted(os.walk(path))[0][2]:
+            if f == OPTIMIZER_FILE:
+                os.unlink(os.path.join(path, f))
+        raise _Killed
+
+    monkeypatch.setattr(shutil, "rmtree", partial)
+
+
+@pytest.mark.parametrize("how", ["delete", "expiry"])
+def test_a_delete_cut_short_by_a_crash_never_brings_the_checkpoint_back(tmp_path, monkeypatch, how):
+    """Issue 41, item 8. Before: the record was deleted first and the files removed in place, so
+    a kill -9 during the removal left a directory the next start adopted again (``expires_at``
+    null), without its optimizer file: loading it with the optimizer failed. Now the directory
+    is moved aside in one rename before anything is removed: after the crash and a restart the
+    checkpoint is gone, everywhere."""
+    import time
+
+    store, tp = _saved_store(tmp_path / "state")
+    _killed_while_removing(monkeypatch)
+    with pytest.raises(_Killed):
+        if how == "delete":
+            store.delete_checkpoint(tp)
+        else:
+            store.update_checkpoint(tp, expires_at=time.time() - 1)
+            store.delete_expired()
+    monkeypatch.undo()
+    store.close()  # (the dead process's lock: released)
+    restarted = Store(tmp_path / "state")
+    restarted.tidy()
+    assert restarted.list_checkpoints("alice")[0] == [] and not restarted.checkpoint_dir(tp).exists()
+    assert not (tmp_path / "state" / "quarantine").exists() and not (tmp_path / "state" / "scratch").exists()
+    restarted.close()
+
+
+def test_a_crash_between_the_move_and_the_record_finishes_the_delete_at_start(tmp_path, monkeypatch):
+    """The other moment a crash can cut a delete: its directory is gone, its record is not. The
+    next start deletes the record (the checkpoint is not listed with its files gone)."""
+    store, tp = _saved_store(tmp_path / "state")
+    real = store._exec
+
+    def dies_at_the_record(sql, params=()):
+        if sql.startswith("DELETE FROM checkpoints"):
+            raise _Killed
+        return real(sql, params)
+
+    monkeypatch.setattr(store, "_exec", dies_at_the_record)
+    with pytest.raises(_Killed):
+        store.delete_checkpoint(tp)
+    monkeypatch.undo()
+    store.close()
+    restarted = Store(tmp_path / "state")
+    restarted.tidy()
+    assert restarted.list_checkpoints("alice")[0] == [] and not restarted.checkpoint_dir(tp).exists()
+    restarted.close()
+
+
+def test_a_record_whose_files_are_missing_for_another_reason_is_kept(tmp_path):
+    """Only a delete's own leftovers finish a delete at start-up: records whose directories are
+    missing otherwise (a disk not mounted yet) are kept, not deleted wholesale."""
+    store, tp = _saved_store(tmp_path / "state")
+    directory = store.checkpoint_dir(tp)
+    store.close()
+    os.replace(directory, tmp_path / "elsewhere")
+    restarted = Store(tmp_path / "state")
+    restarted.tidy()
+    assert [c["tinker_path"] for c in restarted.list_checkpoints("alice")[0]] == [str(tp)]
+    restarted.close()
+
+
+def test_the_start_empties_scratch_left_by_a_crashed_export(tmp_path):
+    """Issue 41, item 9. Before: a crashed export's merged model copy
+    (``scratch/exports/<id>/model``) stayed on disk forever: the start cleared only
+    ``scratch/offload``."""
+    left = tmp_path / "state" / "scratch" / "exports" / "0123abcd" / "model"
+    left.mkdir(parents=True)
+    (left / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "state" / "scratch" / "snapshots" / "run-x" / "v1").mkdir(parents=True)
+    with ServerThread(tmp_path / "state") as srv:
+        assert srv.runtime is not None
+        assert not (tmp_path / "state" / "scratch" / "exports").exists()
+        assert not (tmp_path / "state" / "scratch" / "snapshots").exists()
+
+
+# ---- a save running at shutdown ------------------------------------------------------------------------------
+def test_a_save_running_when_the_server_stops_is_reported_as_what_happened(tmp_path):
+    """Issue 41, item 10. Before: at SIGTERM every unfinished request was answered "did not run
+    to the end" at once, the running save too, which then committed: after the restart the
+    checkpoint the client was told did not run was listed. Now the shutdown waits (up to
+    ``shutdown_s``) for the running job, and its long-poll answers with its real result."""
+    import threading
+
+    srv = ServerThread(tmp_path / "state").start()
+    stopper = threading.Thread(target=srv.stop)
+    try:
+        service = srv.service_client()
+        trainer = service.create_lora_training_client(base_model="tiny", rank=2).result(timeout=HANG_S)
+        backend = srv.runtime.models[trainer.model_id].backend
+        started, release, real = threading.Event(), threading.Event(), backend.save_state
+
+        def held_save(*args, **kwargs):
+            started.set()
+            release.wait(HANG_S)
+            return real(*args, **kwargs)
+
+        backend.save_state = held_save
+        future = trainer.save_state("at-shutdown")
+        assert started.wait(HANG_S)
+        stopper.start()  # what SIGTERM does (uvicorn's should_exit), with the save running
+        while srv.runtime.stopping is None:
+            assert stopper.is_alive()
+            started.wait(0.01)
+        release.set()
+        path = future.result(timeout=HANG_S).path  # (before: RequestFailedError "shutting down")
+    finally:
+        release.set()
+        if stopper.ident is None:  # (failed before the stop began)
+            srv.stop()
+        else:
+            stopper.join(HANG_S)
+    with ServerThread(tmp_path / "state") as again:
+        listed = {c.tinker_path for c in again.rest_client().list_user_checkpoints().result(timeout=HANG_S).checkpoints}
+    assert listed == {path}
+
+
 # ---- acknowledged steps survive kill -9 ------------------------------------------------------------------------
 @pytest.mark.slow  # a server process
 def test_every_acknowledged_step_is_in_the_history_after_kill_9(tmp_path):
     """Before: written once a second, so a kill -9 right after an acknowledged step lost it."""
-    from skyrl_sdk.server.history import History
+    from skyrl_sdk.server.state.history import History
 
     state = tmp_path / "state"
     with ServeProcess(state, "--api-key", API_KEY) as srv:

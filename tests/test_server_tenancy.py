@@ -12,7 +12,7 @@ from tinker import types as tt
 
 from _server_harness import API_KEY, ServerThread, raw_client, wait_result
 from skyrl_sdk import Backend, types
-from skyrl_sdk.server.memory import weight_bytes
+from skyrl_sdk.server.compute.memory import weight_bytes
 from skyrl_sdk.testing import make_sft_data
 
 BOB = "tml-bob"

@@ -46,3 +46,30 @@ def test_sampling_clients_of_tiny_load_their_tokenizer_offline(tmp_path, no_hub)
         assert len(by_name.sample(tt.ModelInput.from_ints(want), 1, tt.SamplingParams(max_tokens=2))
                    .result(timeout=HANG_S).sequences) == 1
         service.close("success").result()
+
+
+def test_a_sampling_client_named_tiny_by_hand_fails_at_once_offline_as_the_banner_says(tmp_path, monkeypatch):
+    """``create_sampling_client(base_model="tiny")`` holds the name typed, which the client's
+    get_tokenizer() looks up on the model hub (~50 s of retries without network). The banner
+    says to export HF_HUB_OFFLINE=1 without network: then it fails with no network attempt."""
+    import socket
+
+    from skyrl_sdk.cli.serve import banner
+    from skyrl_sdk.server.config import ServerConfig
+
+    assert "export HF_HUB_OFFLINE=1" in banner(ServerConfig())
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with ServerThread(tmp_path / "state") as srv:
+        service = srv.service_client()
+        by_hand = service.create_sampling_client(base_model="tiny").result(timeout=HANG_S)
+        lookups = []
+        real = socket.getaddrinfo
+        monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: lookups.append(host) or real(host, *a, **k))
+        with pytest.raises(OSError):  # transformers: no such repo or directory, offline
+            by_hand.get_tokenizer()
+        monkeypatch.setattr(socket, "getaddrinfo", real)
+        assert [h for h in lookups if "huggingface" in str(h)] == []
+        service.close("success").result()

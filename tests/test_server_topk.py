@@ -14,8 +14,8 @@ from tinker.proto import tinker_public_pb2 as pb
 from _limits import HANG_S
 from _server_harness import ServerThread, raw_client, wait_result
 from skyrl_sdk import Backend, types
-from skyrl_sdk.server.proto import TOPK_EMPTY_LOGPROB, sample_output_to_proto
-from skyrl_sdk.server.wire import MAX_TOPK_PROMPT_LOGPROBS
+from skyrl_sdk.server.wire.envelopes import MAX_TOPK_PROMPT_LOGPROBS
+from skyrl_sdk.server.wire.proto import TOPK_EMPTY_LOGPROB, sample_output_to_proto
 
 PROMPT = [72, 101, 108, 108, 111, 32, 119]
 

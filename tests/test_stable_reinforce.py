@@ -197,8 +197,30 @@ def test_provenance_is_checked_against_the_records(make_backend):
     with pytest.raises(DatumError, match="sampled_mask.*computed from the datum's provenance"):
         backend.forward_backward([variant(good, sampled_mask=np.ones(len(tokens), np.float32))], "stable_reinforce")
     other = make_backend(lora={"rank": 4})  # another Backend's records do not hold these ids
-    with pytest.raises(InputError, match="sequence_id 'seq-.*names no recorded sequence"):
+    with pytest.raises(InputError, match="sequence_id 'sample-.*names no recorded sequence"):
         other.forward_backward([good], "stable_reinforce")
+
+
+@pytest.mark.parametrize("key, position", [("logprobs", 0), ("logprobs", -1), ("advantages", 0), ("advantages", -1)])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_non_finite_inputs_are_refused_as_every_loss_refuses_them(make_backend, key, position, value):
+    """Issue 41, item 17. Before: NaN logprobs at a prompt position passed the comparison with
+    the records (NaN * 0 is NaN, and NaN > tolerance is false) and were then replaced, so
+    stable_reinforce trained on them where importance_sampling refuses them; a NaN advantage at
+    a prompt position was refused as "a nonzero advantage". Now both get the message every loss
+    gives."""
+    backend = make_backend(lora={"rank": 4})
+    data, _ = recorded_data(backend)
+    values = data[0].loss_fn_inputs[key].to_numpy().copy()
+    values[position] = value
+    flat = position % values.size
+    plain = Datum(model_input=data[0].model_input, loss_fn_inputs={**data[0].loss_fn_inputs, key: values})
+    with pytest.raises(DatumError) as refused_is:
+        backend.forward_backward([plain], "importance_sampling")
+    with pytest.raises(DatumError) as refused_sr:
+        backend.forward_backward([variant(data[0], **{key: values})], "stable_reinforce")
+    assert str(refused_sr.value) == str(refused_is.value)
+    assert f"expected finite values, got {value} at flat position {flat}" in str(refused_sr.value)
 
 
 def test_refused_calls_leave_no_gradient(make_backend):
@@ -242,3 +264,50 @@ def test_provenance_type_checks():
         d.with_provenance([SampledProvenanceSpan("s", 3)], [{"kind": "output", "sequence_id": "s", "length": 3}])
     with pytest.raises(InputError, match="length"):
         SampledProvenanceSpan("s", -1)
+
+
+def _cookbook_rl_loop_provenance():
+    """tinker-cookbook's ``recipes/rl_loop.py`` ``with_sampled_provenance``, taken from the
+    installed file (importing the module needs the math-rl extras it imports at the top)."""
+    import ast
+    import importlib.util
+
+    tinker = pytest.importorskip("tinker")
+    spec = importlib.util.find_spec("tinker_cookbook.recipes.rl_loop")
+    if spec is None:
+        pytest.skip("pip install --no-deps tinker-cookbook (see docs/server.md)")
+    tree = ast.parse(open(spec.origin).read())
+    func = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "with_sampled_provenance")
+    namespace = {"types": tinker.types}
+    exec(compile(ast.Module(body=[func], type_ignores=[]), spec.origin, "exec"), namespace)
+    return namespace["with_sampled_provenance"], tinker.types
+
+
+def test_tinker_cookbooks_rl_loop_datums_train_as_the_same_datums_with_prompt_targets(make_backend):
+    """tinker-cookbook's rl_loop recipe (default loss: stable_reinforce) sends 0 as the target of
+    every prompt position while its spans name the prompt there. Those positions train nothing
+    (advantage 0), so they are not compared: its datums give the loss of the same datums with
+    the prompt's tokens as targets (they used to be refused: "position 0 is token 0 but the span
+    names token 5"); a sampled target that is not the recorded one is still refused."""
+    with_sampled_provenance, tt = _cookbook_rl_loop_provenance()
+    backend = make_backend(lora={"rank": 4})
+    prompt = [5, 6, 7, 8]
+    out = backend.sample([prompt], {"max_tokens": 5, "seed": 2, "stop": []}, num_samples=2, record_stability_info=True)
+    cookbook, ours = [], []
+    for seq, advantage in zip(out[0].sequences, [1.0, -1.0], strict=True):
+        ob_len = len(prompt) - 1
+        model_input = tt.ModelInput.from_ints(prompt).append(tt.EncodedTextChunk(tokens=list(seq.tokens[:-1])))
+        datum = tt.Datum(model_input=model_input, loss_fn_inputs={   # the recipe's layout
+            "target_tokens": [0] * ob_len + list(seq.tokens), "logprobs": [0.0] * ob_len + list(seq.logprobs),
+            "advantages": [0.0] * ob_len + [advantage] * len(seq.tokens)})
+        cookbook.append(with_sampled_provenance(datum, len(prompt), len(seq.tokens), seq.sequence_id))
+        ours.append(rl.datum_from_sample(prompt, seq, advantage))
+    theirs = backend.forward_backward(cookbook, "stable_reinforce").metrics
+    backend.zero_grad()
+    assert theirs["loss:sum"] == backend.forward_backward(ours, "stable_reinforce").metrics["loss:sum"]
+    assert theirs["num_loss_tokens:sum"] == 10.0
+    backend.zero_grad()
+    targets = ours[0].loss_fn_inputs["target_tokens"].to_numpy().copy()
+    targets[-1] = (targets[-1] + 1) % 200
+    with pytest.raises(DatumError, match=r"loss_fn_input_spans: position \d+ is token .* but the span names"):
+        backend.forward_backward([variant(ours[0], target_tokens=targets)], "stable_reinforce")

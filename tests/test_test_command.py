@@ -77,3 +77,30 @@ def test_the_suites_split_a_selection_without_overlap():
     assert main and server and all(re.match(r"tests/test_server\w*\.py::", t) for t in server)
     assert not any("test_server" in t.split("::")[0] for t in main)
     assert collected("--suite=server", "tests/test_docs.py") == []  # exit 0, not "no tests ran"
+
+
+def _commands(section: str, key: str) -> list[str]:
+    """tox's ``key`` of ``section`` as the commands it runs: ``{[env]key}`` references expanded."""
+    config = configparser.ConfigParser(interpolation=None)
+    config.read(ROOT / "tox.ini")
+
+    def expand(text: str) -> str:
+        return re.sub(r"\{\[([\w:]+)\](\w+)\}", lambda m: expand(config[m.group(1)][m.group(2)]), text)
+
+    lines = [line.strip() for line in expand(config[section][key]).splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+@pytest.mark.parametrize("section", ["testenv", "testenv:vllm", "testenv:ray"])
+def test_a_passing_tox_run_prints_no_pip_error(section):
+    """After an install *with* dependencies pip checks every installed package's requirements and
+    prints ``ERROR: pip's dependency resolver ...`` for tinker-cookbook, installed ``--no-deps``
+    (its tml-renderers is on no index): so the ``--no-deps`` install comes after every other. The
+    ray environment installs no cookbook at all."""
+    installs = [c for c in _commands(section, "commands_pre") if re.search(r"pip install\b", c)]
+    no_deps = [i for i, c in enumerate(installs) if "--no-deps" in c]
+    if section == "testenv:ray":
+        assert installs and not no_deps and "tinker-cookbook" not in " ".join(installs), installs
+        return
+    assert no_deps and installs[no_deps[0]].endswith("tinker-cookbook==0.6.1")
+    assert all("--no-deps" in c for c in installs[no_deps[0]:]), installs

@@ -161,7 +161,7 @@ def test_our_noise_is_silenced_and_the_users_warnings_are_not(tmp_path, capfd):
 
 
 def test_server_adam_params_suggest_the_close_key_in_the_in_process_words():
-    from skyrl_sdk.server.wire import parse_adam_params
+    from skyrl_sdk.server.wire.envelopes import parse_adam_params
 
     for fields in ({"learning_rat": 1e-4}, {"bta1": 0.9, "bta2": 0.99}):
         with pytest.raises(InputError) as in_process:
@@ -199,3 +199,59 @@ def test_a_missing_ref_logprobs_says_how_to_get_them():
         ref = reference.forward(data, "cross_entropy")
         out = policy.forward_backward(rl.with_ref_logprobs(data, ref), "ppo", {"kl_coef": 0.05})
         assert out.metrics["kl_loss:sum"] == pytest.approx(0.0, abs=1e-6)  # the reference is the policy itself
+
+
+@pytest.mark.parametrize("dialect", ["tinker", "native"])
+def test_kl_coef_sent_to_stable_reinforce_suggests_its_own_kl_coeff(dialect):
+    """``kl_coef`` is every loss's KL term to a reference model (it needs ``ref_logprobs``);
+    stable_reinforce's own key is ``kl_coeff``. The missing-input error says which was meant,
+    and lists the inputs a caller sends (not ``sampled_mask``, which provenance writes)."""
+    from skyrl_sdk import Backend
+    from skyrl_sdk.rl import datum_from_sample
+
+    with Backend(model="tiny", seed=0, dialect=dialect) as backend:
+        out = backend.sample([[1, 5, 6]], {"max_tokens": 3, "stop": [], "seed": 0}, record_stability_info=True)
+        data = [datum_from_sample([1, 5, 6], out[0].sequences[0], 1.0)]
+        with pytest.raises(DatumError) as exc:
+            backend.forward_backward(data, "stable_reinforce", {"kl_coef": 0.1})
+        message = str(exc.value)
+        assert "requires input 'ref_logprobs' (required: ['target_tokens', 'advantages', 'ref_logprobs'])" in message
+        assert "did you mean this loss's own 'kl_coeff'?" in message and "sampled_mask" not in message
+        assert backend.forward_backward(data, "stable_reinforce", {"kl_coeff": 0.1}).metrics["loss:sum"] != 0
+        # a loss without a close key of its own gets no such guess
+        with pytest.raises(DatumError) as exc:
+            backend.forward_backward(data, "importance_sampling", {"kl_coef": 0.1})
+        assert "did you mean" not in str(exc.value)
+
+
+def test_install_hints_name_the_checkout_and_doctor_never_a_package_on_no_index():
+    """None of skyrl-sdk's packages is on a package index: a hint to ``pip install skyrl-sdk-fsdp``
+    or ``'skyrl-sdk-vllm[gpu]'`` failed for a newcomer. Every string in the code that tells a
+    user to pip install one of ours installs it from the checkout (``-e``), and the hints point
+    at ``skyrl-sdk doctor``."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from skyrl_sdk.errors import INSTALL_COMMANDS, install_hint
+
+    root = Path(__file__).resolve().parents[1]
+    ours = re.compile(r"pip install\s+(?!-e\b)['\"]?skyrl-sdk")
+    bad = []
+    for path in [*root.glob("src/skyrl_sdk/**/*.py"), *root.glob("plugins/*/src/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and ours.search(node.value):
+                bad.append(f"{path.relative_to(root)}:{node.lineno}: {node.value[:80]!r}")
+    assert not bad, bad
+    for piece, command in INSTALL_COMMANDS.items():
+        assert command.startswith("pip install -e "), piece
+        assert install_hint(piece).endswith("(in the skyrl-sdk checkout; `skyrl-sdk doctor` checks the environment)")
+
+
+def test_a_missing_plugin_names_its_folder_and_doctor():
+    from skyrl_sdk import Backend
+
+    with pytest.raises(UnknownNameError) as exc:
+        Backend(model="tiny", sampler="vllm")
+    message = str(exc.value)
+    assert 'pip install -e ".[lora,server]" -e "plugins/skyrl-sdk-vllm[gpu]"' in message and "skyrl-sdk doctor" in message

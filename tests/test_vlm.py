@@ -15,9 +15,12 @@ import pytest
 import torch
 
 import skyrl_sdk
+import vlm_helpers
+from skyrl_sdk.engines.turns import run_to_end
 from skyrl_sdk.errors import DatumError, InputError, ModelLoadError
 from skyrl_sdk.models.tiny_vlm import FAMILIES, make_tiny_vlm
 from skyrl_sdk.models.vlm import mrope_positions
+from skyrl_sdk.testing import grads_of
 from skyrl_sdk.types import Datum, EncodedTextChunk, ImageChunk, ModelInput
 from vlm_helpers import image_input, image_tokens, png, processor, reference_logprobs, sft_datum
 
@@ -67,7 +70,7 @@ def test_mrope_positions_equal_get_rope_index(vlm_dir):
     with skyrl_sdk.Backend(model=str(vlm_dir)) as b:
         image_id = b.engine.loaded.config.image_token_id
         data = _image_data(vlm_dir, image_id)
-        prepared = b.engine.images.prepare([d.model_input for d in data], lambda i, m: DatumError(m, index=i))
+        prepared = run_to_end(b.engine.images.prepare_steps([d.model_input for d in data], lambda i, m: DatumError(m, index=i)))
     model = AutoModel.from_pretrained(str(vlm_dir))
     for mi in prepared:
         ids = torch.from_numpy(mi.to_numpy())[None]
@@ -90,7 +93,7 @@ def test_image_chunk_takes_the_positions_tinker_cookbook_counts(qwen2_vl_dir):
         assert isinstance(ours.chunks[1], ImageChunk) and ours.length == theirs.length
         with skyrl_sdk.Backend(model=str(qwen2_vl_dir)) as b:
             assert b.engine.images.count_tokens(*size) == chunk.expected_tokens
-            prepared = b.engine.images.prepare([ours], lambda i, m: DatumError(m, index=i))[0]
+            prepared = run_to_end(b.engine.images.prepare_steps([ours], lambda i, m: DatumError(m, index=i)))[0]
         assert prepared.length == theirs.length and len(prepared.to_numpy()) == theirs.length
     import sys
 
@@ -170,6 +173,75 @@ def test_bad_or_oversized_images_are_refused_before_compute(qwen2_vl_dir, case, 
         b.forward_backward([good], "cross_entropy")  # the Backend still works
 
 
+def _image_call(model_dir, images: list[tuple[bytes, str]]) -> Datum:
+    """One datum holding ``images`` ((bytes, format) each) between tokens."""
+    proc = processor(model_dir)
+    chunks = [EncodedTextChunk([1, 2])]
+    for data, fmt in images:
+        chunks += [ImageChunk(data, fmt, image_tokens(proc, data)), EncodedTextChunk([3])]
+    mi = ModelInput(chunks)
+    return Datum(model_input=mi, loss_fn_inputs={"target_tokens": np.ones(mi.length, np.int64),
+                                                 "weights": np.ones(mi.length, np.float32)})
+
+
+@pytest.mark.parametrize("case,match", [
+    ("scans", r"datum 0: model_input.chunks\[1\]: the JPEG has 4\d scans, over the limit of 32 scans per image "
+              r"\(max_jpeg_scans"),
+    ("call_pixels", r"the 3 distinct images of this call are 7200 pixels together, over the limit of 5000 decoded "
+                    r"pixels per call \(max_image_pixels_per_call\)"),
+])
+def test_decoding_work_is_bounded_before_anything_is_decoded(qwen2_vl_dir, case, match):
+    """Issue 41, items 2 and 3. Before: a progressive JPEG repeating its last scan (a pass over
+    every pixel each: 600 of them on 4096x4096, 115 KB, took 13 s on the one compute thread) was
+    decoded, and the limits bounded image positions, not pixels (16 distinct 4096x4096 PNGs
+    in a datum took 6.7 s; 4096 such images per request were allowed). Now a JPEG's scans and
+    the pixels of a call's distinct images are counted from the headers first."""
+    from vlm_helpers import progressive_jpeg
+
+    images = {"scans": [(progressive_jpeg(64, 48, repeat_last_scan=35), "jpeg")],
+              "call_pixels": [(png(60, 40, seed=s), "png") for s in (1, 2, 3)]}[case]
+    config = {"max_image_pixels_per_call": 5000} if case == "call_pixels" else {}
+    with skyrl_sdk.Backend(model=str(qwen2_vl_dir), lora={"rank": 2}, engine_config=config) as b:
+        decoded = []
+        original = b.engine.images._decode
+        b.engine.images._decode = lambda *a: decoded.append(1) or original(*a)
+        with pytest.raises(InputError, match=match):
+            b.forward([_image_call(qwen2_vl_dir, images)], "cross_entropy")
+        assert decoded == []
+        # within the limits: 10 scans; the same image three times is one decode of 2400 pixels
+        b.forward([_image_call(qwen2_vl_dir, [(progressive_jpeg(64, 48), "jpeg")])], "cross_entropy")
+        b.forward([_image_call(qwen2_vl_dir, [(png(60, 40, seed=1), "png")] * 3)], "cross_entropy")
+        assert decoded == [1, 1]
+    assert progressive_jpeg(64, 48).count(b"\xff\xda") == 10
+
+
+def test_an_image_past_its_decoding_time_fails_the_call_by_name(qwen2_vl_dir):
+    """Issue 41, item 2: a time budget per image, checked as the bytes are fed to the decoder
+    (a budget no decoder can meet: the refusal does not depend on this machine's speed)."""
+    datum = _image_call(qwen2_vl_dir, [(png(60, 40, seed=1), "png")])
+    with skyrl_sdk.Backend(model=str(qwen2_vl_dir), lora={"rank": 2},
+                           engine_config={"max_image_decode_s": 1e-9}) as b:
+        with pytest.raises(InputError, match=r"datum 0: model_input.chunks\[1\]: decoding the image took more than "
+                                             r"1e-09 s, the limit per image \(max_image_decode_s\)"):
+            b.forward([datum], "cross_entropy")
+    with pytest.raises(InputError, match=r"engine_config\['max_image_decode_s'\]: expected a value > 0.0, got 0.0"):
+        skyrl_sdk.Backend(model=str(qwen2_vl_dir), engine_config={"max_image_decode_s": 0})
+
+
+def test_a_call_gives_way_between_its_images(qwen2_vl_dir):
+    """Issue 41, item 3: between two decodes the stepped call pauses (yields), where the
+    server's compute thread gives other clients their turns (as between micro-batches)."""
+    order = []
+    datum = _image_call(qwen2_vl_dir, [(png(60, 40, seed=s), "png") for s in (1, 2, 1, 3)])
+    with skyrl_sdk.Backend(model=str(qwen2_vl_dir), lora={"rank": 2}) as b:
+        original = b.engine.images._decode
+        b.engine.images._decode = lambda *a: order.append("decode") or original(*a)
+        steps = b.forward_steps([datum], "cross_entropy")
+        for _ in steps:  # the call pauses here: the server's compute thread gives others their turns
+            order.append("turn")
+    assert order == ["decode", "turn", "decode", "turn", "decode"]  # 3 distinct images, one micro-batch
+
+
 def test_images_refused_by_name_where_not_read(qwen2_vl_dir):
     import tinker
 
@@ -195,3 +267,81 @@ def test_other_vision_language_families_are_refused_by_name(tmp_path):
     LlavaConfig().save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="'llava' is a vision-language model skyrl-sdk does not support"):
         skyrl_sdk.Backend(model=str(tmp_path))
+
+
+# ---- what a newcomer needs: counting an image, making a tiny model, the targets at image positions ---------
+def test_image_tokens_is_the_public_count_of_an_images_positions(qwen2_vl_dir):
+    """``Backend.image_tokens`` equals tinker-cookbook's count for the same image, from bytes, a
+    chunk (ours or tinker's) or a size, checks the image as a call would, and a text model refuses."""
+    import tinker
+    from PIL import Image
+    from tinker_cookbook.renderers.base import image_to_chunk
+
+    proc = processor(qwen2_vl_dir)
+    with skyrl_sdk.Backend(model=str(qwen2_vl_dir)) as b:
+        for size in [(60, 40), (50, 90), (300, 200)]:
+            theirs = image_to_chunk(Image.new("RGB", size, (10, 200, 30)), proc)
+            data = png(*size, seed=3)
+            assert b.image_tokens(data) == b.image_tokens(ImageChunk(data, "png")) == b.image_tokens(size) \
+                == b.image_tokens(theirs) == theirs.expected_tokens
+            assert ModelInput([ImageChunk(data, "png", b.image_tokens(data))]).length == theirs.expected_tokens
+        for bad, match in [(b"GIF89a....", "not a PNG or JPEG"), ((0, 5), "two positive integers"),
+                           ("a.png", "expected an ImageChunk")]:
+            with pytest.raises(InputError, match=match):
+                b.image_tokens(bad)
+        with pytest.raises(InputError, match="image: the image is 5000x5000 = 25000000 pixels, over the limit"):
+            b.image_tokens(png(5000, 5000))
+    with skyrl_sdk.Backend(model="tiny") as text, pytest.raises(InputError, match="'tiny' reads no images"):
+        text.image_tokens((60, 40))
+    assert tinker  # the duck-typed chunk above is the tinker client's
+
+
+def test_targets_at_image_positions_do_not_matter_at_weight_zero(qwen2_vl_dir):
+    """docs/backend.md: at an image position (but its last) nothing is predicted; any target id
+    there (tinker-cookbook sends 0) gives the same loss and gradient when its weight is 0."""
+    proc = processor(qwen2_vl_dir)
+    with skyrl_sdk.Backend(model=str(qwen2_vl_dir)) as b:
+        image_id = b.engine.loaded.config.image_token_id
+        mi = image_input(proc, [[1, 2, 3], png(60, 40, seed=1), [4, 5, 6, 7]])
+        ids = np.asarray(vlm_helpers.expanded_ids(mi, image_id)[1:] + [8])
+        in_image = np.asarray(vlm_helpers.expanded_ids(mi, image_id)[1:] + [8]) == image_id
+        weights = (~in_image).astype(np.float32)
+        results = []
+        for fill in (0, image_id, 77):
+            targets = np.where(in_image, fill, ids)
+            out = b.forward_backward([Datum(model_input=mi, loss_fn_inputs={"target_tokens": targets,
+                                                                            "weights": weights})], "cross_entropy")
+            grads = {k: v.clone() for k, v in grads_of(b).items()}
+            b.zero_grad()
+            results.append((out.metrics["loss:sum"], grads))
+    assert results[0][0] == results[1][0] == results[2][0] and results[0][1]
+    for _, grads in results[1:]:
+        assert all(torch.equal(grads[k], results[0][1][k]) for k in grads)
+
+
+def test_make_tiny_vlm_needs_pillow_not_pytest_and_writes_whole_or_nothing(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    # importable and usable without pytest
+    script = ("import sys; sys.modules['pytest'] = None; from skyrl_sdk.models.tiny_vlm import make_tiny_vlm; "
+              f"print(make_tiny_vlm({str(tmp_path / 'nopytest')!r}, 'qwen2_vl'))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "nopytest" / "preprocessor_config.json").is_file()
+    # without Pillow: refused by name before anything is written
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    with pytest.raises(ModelLoadError, match=r"make_tiny_vlm needs Pillow .*pip install -e \".\[vision\]\""):
+        make_tiny_vlm(tmp_path / "nopil", "qwen2_vl")
+    assert not (tmp_path / "nopil").exists()
+    monkeypatch.delitem(sys.modules, "PIL")
+    # a failure half way leaves no directory behind (nor a temporary one)
+    import skyrl_sdk.models.tiny_vlm as tiny_vlm
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tiny_vlm, "tiny_vlm_tokenizer", lambda: type("T", (), {"save_pretrained": broken})())
+    with pytest.raises(Exception, match="disk full"):
+        make_tiny_vlm(tmp_path / "half", "qwen2_vl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nopytest"]

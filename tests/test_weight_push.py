@@ -73,6 +73,7 @@ def test_a_sender_that_is_not_one_is_refused_by_name():
 def test_a_source_that_cannot_push_says_so():
     class Plain(skyrl_sdk.sampling.WeightsSource):
         model_name = "m"
+        version = 0
 
         def export_base(self, directory):
             pass

@@ -29,6 +29,18 @@ def png(width: int, height: int, seed: int = 0, color: tuple[int, int, int] | No
     return buf.getvalue()
 
 
+def progressive_jpeg(width: int, height: int, repeat_last_scan: int = 0) -> bytes:
+    """A progressive JPEG (about 10 scans) whose last scan is repeated ``repeat_last_scan`` more
+    times: each repeat is one more pass of the decoder over every pixel, in a few bytes."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (90, 120, 30)).save(buf, format="JPEG", progressive=True, quality=50)
+    data = buf.getvalue()
+    last = data.rfind(b"\xff\xda")
+    return data[:-2] + data[last:-2] * repeat_last_scan + b"\xff\xd9"
+
+
 def processor(model_dir: str | Path):
     from transformers import AutoImageProcessor
 

@@ -97,8 +97,9 @@ def check(args, model: str, lora: dict | None) -> dict:
                            num_samples=args.samples)
             rollout_s = time.perf_counter() - t
             sync = dict(b.sampler.last_sync or {})
-            request = skyrl_sdk.sampling.SampleRequest([np.asarray(p, dtype=np.int64) for p in prompts[:2]],
-                                                       types.SamplingParams(max_tokens=16, seed=step), num_samples=2)
+            request = skyrl_sdk.sampling.SampleRequest(
+                prompts=[np.asarray(p, dtype=np.int64) for p in prompts[:2]],
+                sampling_params=types.SamplingParams(max_tokens=16, seed=step), num_samples=2)
             diffs = {}
             for slot in b.sampler.fleet.slots:  # every engine's own samples against forward
                 worst = 0.0

@@ -21,26 +21,27 @@ import numpy as np
 
 from .builtin_plugins import get_registry
 from .engines import call_grads
-from .errors import CheckpointError, CriticExportWarning, DatumError, InputError
-from .inputs.coerce import adam_params_from_any, data_from_any, lora_config_from_any
-from .inputs.sample import sample_call
+from .engines.turns import Steps, run_to_end
+from .errors import CheckpointError, CriticExportWarning, InputError
+from .inputs.coerce import adam_params_from_any, lora_config_from_any
+from .inputs.sample import sample_request_from_any
+from .losses.calls import CallModel, prepare_call, prepare_sample
 from .losses.metrics import MetricAccumulator
-from .losses.resolve import ResolvedLoss, reading_values
+from .losses.resolve import ResolvedLoss
 from .losses.run import add_prepared_inputs
-from .losses.stability import SequenceRecords, resolve_provenance
-from .losses.validation import check_call, check_prompts, check_target_ids, inputs_for_forward
+from .losses.stability import SequenceRecords
 from .models.checkpoint import atomic_directory, read_json, reject_symlinks, write_json
 from .models.value_head import critic_export_note, write_critic_card
-from .plugins.samplers import Sampler, SampleRequest, check_sampler
+from .plugins.samplers import Sampler, check_sampler
 from .types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
     LoadStateOutput,
     ModelInfo,
-    ModelInput,
     OptimStepOutput,
     SampleOutput,
+    SampleRequest,
     SamplingParams,
     SaveStateOutput,
     SaveWeightsForSamplerOutput,
@@ -94,7 +95,6 @@ class Backend:
         self.sampler_name = sampler
         self._sampler_config = dict(sampler_config or {})
         self._sampler = None  # built on the first sample(): a sampler may hold a second model
-        self._source = None  # what the sampler reads: the engine's weights_source(), built with it
         self.model_name = str(model)
         self.role = role
         self.dialect = dialect
@@ -156,55 +156,47 @@ class Backend:
         return get_registry().resolve(loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
 
     def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config,
-                 backward: bool = True) -> tuple[list[Datum], ResolvedLoss]:
+                 backward: bool = True) -> Steps[tuple[list[Datum], ResolvedLoss]]:
+        """(stepped: a loss's ``prepare`` runs a forward first) A call's datums and loss, checked."""
         resolved = self.resolve(loss_fn, loss_fn_config)
-        datums = data_from_any(data)
-        inputs = self._read_images([d.model_input for d in datums], lambda i, msg: DatumError(msg, index=i))
-        datums = [d if mi is d.model_input else attrs.evolve(d, model_input=mi)
-                  for d, mi in zip(datums, inputs, strict=True)]
-        if resolved.spec.needs_provenance:  # the recorded sampler logprobs, named by each datum's provenance
-            datums = resolve_provenance(datums, self.sequences)
-        if not backward:  # no gradient: take the inputs this loss reads, leave the other losses' alone
-            known = {k for spec in get_registry().losses.values() for k in spec.required_inputs + spec.optional_inputs}
-            datums = inputs_for_forward(datums, resolved.spec, known)
-            if datums:  # a critic's datums without values/returns: read the values
-                resolved = reading_values(resolved, set(datums[0].loss_fn_inputs))
-        resolved = check_call(datums, resolved, self.vocab_size, self.engine.info.max_positions)  # before compute
+        datums, resolved = yield from prepare_call(data, resolved, self._call_model(), backward=backward,
+                                        losses=get_registry().losses)  # checked: nothing computed yet
         if resolved.spec.prepare is not None and not resolved.scores_only:
-            datums = add_prepared_inputs(datums, resolved, self.engine.run(datums, resolved, backward=False).outputs)
+            prepared = yield from self.engine.run_steps(datums, resolved, backward=False)
+            datums = add_prepared_inputs(datums, resolved, prepared.outputs)
         return datums, resolved
 
-    def _read_images(self, inputs: list[ModelInput], error) -> list[ModelInput]:
-        """``inputs`` with their images read by the model's image processor (checked against the
-        image limits first, then decoded), or refused by name when the model reads no images."""
-        if not any(mi.has_images for mi in inputs):
-            return inputs
-        images = getattr(self.engine, "images", None)
-        if images is None:
-            i = next(i for i, mi in enumerate(inputs) if mi.has_images)
-            raise error(i, f"model_input holds an image, but model {self.model_name!r} reads no images (it is not "
-                           f"a vision-language model: Qwen2-VL, Qwen2.5-VL or Qwen3-VL)")
-        return images.prepare(inputs, error)
+    def _call_model(self) -> CallModel:
+        """What this Backend's calls are completed and checked against (:mod:`skyrl_sdk.losses.calls`)."""
+        info = self.engine.info
+        return CallModel(name=self.model_name, vocab_size=info.vocab_size, max_positions=info.max_positions,
+                         images=self.engine.images, sequences=self.sequences)
 
     @staticmethod
     def _outputs(result) -> ForwardBackwardOutput:
         outputs = [{k: TensorData(np.ascontiguousarray(v)) for k, v in o.items()} for o in result.outputs]
         acc = MetricAccumulator()
         acc.merge([result.metric_state])
-        return ForwardBackwardOutput(
-            loss_fn_output_type=LOSS_FN_OUTPUT_TYPE, loss_fn_outputs=outputs, metrics=acc.result()
-        )
+        return ForwardBackwardOutput(loss_fn_output_type=LOSS_FN_OUTPUT_TYPE, loss_fn_outputs=outputs,
+                                     metrics=acc.result())
 
     def forward_backward(
         self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
     ) -> ForwardBackwardOutput:
         """Score ``data`` with ``loss_fn`` and add the gradient of the summed loss."""
+        return run_to_end(self.forward_backward_steps(data, loss_fn, loss_fn_config))
+
+    def forward_backward_steps(
+        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
+    ) -> Steps[ForwardBackwardOutput]:
+        """:meth:`forward_backward` as a stepped call (``engines.turns``), yielding at micro-batch
+        boundaries; it holds the Backend throughout: drive it to its end on the thread that started it."""
         with self._lock:
             self._check_open()
-            datums, resolved = self._prepare(data, loss_fn, loss_fn_config)
+            datums, resolved = yield from self._prepare(data, loss_fn, loss_fn_config)
             t0 = time.perf_counter()
             try:
-                result = self.engine.run(datums, resolved, backward=True)
+                result = yield from self.engine.run_steps(datums, resolved, backward=True)
             except BaseException as exc:
                 self._after_failed_call(exc)
                 raise
@@ -237,10 +229,16 @@ class Backend:
         The datums may carry inputs of other losses (a policy's ``logprobs``, ``advantages``,
         ``ref_logprobs``): a reference model's ``forward(data, "cross_entropy")`` scores the
         policy's datums as they are. Keys no loss uses are refused as in ``forward_backward``."""
+        return run_to_end(self.forward_steps(data, loss_fn, loss_fn_config))
+
+    def forward_steps(
+        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
+    ) -> Steps[ForwardBackwardOutput]:
+        """:meth:`forward` as a stepped call (see :meth:`forward_backward_steps`)."""
         with self._lock:
             self._check_open()
-            datums, resolved = self._prepare(data, loss_fn, loss_fn_config, backward=False)
-            return self._outputs(self.engine.run(datums, resolved, backward=False))
+            datums, resolved = yield from self._prepare(data, loss_fn, loss_fn_config, backward=False)
+            return self._outputs((yield from self.engine.run_steps(datums, resolved, backward=False)))
 
     def optim_step(self, adam_params: Any = None) -> OptimStepOutput:
         """Apply AdamW with exactly ``adam_params`` to the accumulated gradients, then clear them."""
@@ -251,7 +249,8 @@ class Backend:
             if self.grad_accumulation == "mean" and self._calls_since_step > 1:
                 scale = 1.0 / self._calls_since_step
             metrics = self.engine.optim_step(params, scale)
-            self.weights_changed()
+            if not metrics.get("skipped"):  # a skipped step changed nothing
+                self.engine.weights_changed()
             metrics["num_forward_backward_calls"] = float(self._calls_since_step)
             self._calls_since_step = 0
             return OptimStepOutput(metrics=metrics)
@@ -290,31 +289,24 @@ class Backend:
         sampler does not serve is refused by name. The sampler is built on the first call
         with the engine's weights (``Engine.weights_source()``).
         """
-        call = sample_call(prompts, sampling_params, num_samples, prompt_logprobs, topk_prompt_logprobs,
-                           record_stability_info, topk_sample_logprobs, target_prompt_logprobs, prompt_alt_tokens_k)
-        params = call.sampling_params
-        prompts = list(call.prompts)
-        where = [i for i, p in enumerate(prompts) if isinstance(p, ModelInput)]
-        if where:  # decoded here, in the caller's thread (the server's compute thread)
-            read = self._read_images([prompts[i] for i in where],
-                                     lambda k, msg: InputError(f"prompt {where[k]}: {msg}"))
-            for i, model_input in zip(where, read, strict=True):
-                prompts[i] = model_input
-        check_prompts([p.to_numpy() if isinstance(p, ModelInput) else p for p in prompts], self.vocab_size,
-                      self.engine.info.max_positions, params.max_tokens)
-        check_target_ids(call.target_prompt_logprobs, self.vocab_size)
-        request = SampleRequest(prompts, params, call.num_samples, call.prompt_logprobs, call.topk_prompt_logprobs,
-                                call.topk_sample_logprobs, call.target_prompt_logprobs, call.prompt_alt_tokens_k)
+        return self.sample_request(sample_request_from_any(
+            prompts, sampling_params, num_samples=num_samples, prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs, record_stability_info=record_stability_info,
+            topk_sample_logprobs=topk_sample_logprobs, target_prompt_logprobs=target_prompt_logprobs,
+            prompt_alt_tokens_k=prompt_alt_tokens_k))
+
+    def sample_request(self, request: SampleRequest) -> list[SampleOutput]:
+        """Serve one :class:`~skyrl_sdk.types.SampleRequest` (built by :meth:`sample`, or the server from Tinker's
+        JSON): images read, prompts checked, then sampled; ``record_stability_info`` records each sequence in
+        :attr:`sequences`, which then carries its ``sequence_id``."""
+        self._check_open()
+        request = prepare_sample(request, self._call_model())  # images decoded in the caller's thread
         outs = self._sample(request)
-        if not call.record_stability_info:
-            return outs
-        return [self._recorded(p, out) for p, out in zip(call.prompts, outs, strict=True)]
+        return self.sequences.record_outputs(request.prompts, outs) if request.record_stability_info else outs
 
     def _sample(self, request: SampleRequest) -> list[SampleOutput]:
-        """A sampler that runs apart from the trainer samples outside the lock (a training call
-        does not delay it), its weights synced under the lock first when they moved."""
-        sampler = self._sampler
-        if sampler is None or not sampler.runs_apart:
+        """A sampler that runs apart (devices of its own) samples outside the lock, its weights synced under it."""
+        if (sampler := self._sampler) is None or not sampler.runs_apart:
             with self._lock:
                 self._check_open()
                 sampler = self._built_sampler()
@@ -326,13 +318,6 @@ class Backend:
                 self._check_open()
                 sampler.sync_weights()
         return sampler.sample(request)
-
-    def _recorded(self, prompt: np.ndarray, out: SampleOutput) -> SampleOutput:
-        """Record the samples of ``prompt`` in :attr:`sequences`; they carry their ``sequence_id``."""
-        ids = self.sequences.new_ids(len(out.sequences))
-        self.sequences.record(prompt, out.sequences, ids)
-        return attrs.evolve(out, sequences=[attrs.evolve(s, sequence_id=i)
-                                            for s, i in zip(out.sequences, ids, strict=True)])
 
     @property
     def sampler(self) -> Sampler | None:
@@ -346,16 +331,21 @@ class Backend:
             factory = get_registry().sampler_spec(self.sampler_name).factory
             source = self.engine.weights_source()
             sampler = check_sampler(factory(source=source, config=dict(self._sampler_config)), self.sampler_name)
-            self._source, self._sampler = source, sampler
+            self._sampler = sampler
             logger.info("sampler of %s: %s", self.model_name, sampler.describe())
         return self._sampler
 
+    @property
+    def weights_version(self) -> int:
+        """The engine's weights version (``Engine.weights_version``): it moves whenever the weights
+        change, and the sampler reloads a copy of them when it moved."""
+        return self.engine.weights_version
+
     def weights_changed(self) -> None:
-        """Tell the sampler the engine's weights changed, so it samples the new ones. ``optim_step``
-        and ``load_state`` call it; call it after changing the weights any other way."""
+        """Say the engine's weights changed, so the sampler samples the new ones. ``optim_step`` and
+        ``load_state`` do it themselves; call it after changing the weights any other way."""
         with self._lock:
-            if self._source is not None:
-                self._source.weights_changed()
+            self.engine.weights_changed()
 
     # ---- saving -----------------------------------------------------------------------
     def save_weights_for_sampler(
@@ -426,9 +416,21 @@ class Backend:
                         f"{mine.get(key)!r} here"
                     )
             self.engine.load_state(directory, meta["engine_state"], optimizer)
-            self.weights_changed()
+            self.engine.weights_changed()
             self._calls_since_step = 0
             return LoadStateOutput(path=str(directory.resolve()), optimizer_loaded=optimizer)
+
+    def image_tokens(self, image: Any) -> int:
+        """Positions ``image`` takes in this model's sequences (Tinker's ``expected_tokens``, and
+        what ``ModelInput.length`` counts for it): an ``ImageChunk`` (ours or the tinker client's),
+        PNG or JPEG bytes, or a ``(width, height)``. Its header is checked against the image
+        limits as a call's would be. A text model reads no images: refused by name."""
+        self._check_open()
+        images = getattr(self.engine, "images", None)
+        if images is None:
+            raise InputError(f"image_tokens: model {self.model_name!r} reads no images (it is not a vision-language "
+                             f"model: Qwen2-VL, Qwen2.5-VL or Qwen3-VL)")
+        return images.tokens_of(image)
 
     def get_info(self) -> ModelInfo:
         info = self.engine.info
@@ -444,7 +446,5 @@ class Backend:
             sampler=self.sampler_name,
             num_parameters=info.num_parameters,
             num_trainable_parameters=info.num_trainable_parameters,
-            # an in-process engine's runner knows it now (its self-test runs at the first call)
-            prefix_sharing=getattr(getattr(self.engine, "runner", None), "prefix_status", None)
-            or getattr(info, "prefix_sharing", "off"),
+            prefix_sharing=self.engine.prefix_sharing,
         )

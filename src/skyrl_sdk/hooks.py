@@ -3,10 +3,14 @@
 Each hook receives a ``register`` callback, so a plugin never touches registry internals.
 The built-in losses, dialects, the local engine and the transformers sampler are registered
 through these very hooks. The decorators at the end (``register_loss`` and its siblings) are
-sugar over them: they declare a registration that the plugin manager makes.
-Hooks are called once per process, the first time the registry is needed (each FSDP rank
-included), through pluggy: ``tryfirst`` / ``trylast`` and hook wrappers behave as pluggy
-documents, and each ``register`` call is filed under the plugin whose implementation made it.
+sugar over them: they declare a registration, and the plugin manager makes it through the
+same hooks (a module's declarations are hook implementations of its plugin).
+Each hook implementation is called once per process (each FSDP rank included), through
+pluggy: the first time the registry is needed, every one; a declaration made after that, its
+own module's alone (the rest are not called again); all again only after
+``skyrl_sdk.plugins.reset()`` or for a new value of ``SKYRL_SDK_PLUGINS``. ``tryfirst`` /
+``trylast`` and hook wrappers behave as pluggy documents, and each ``register`` call is filed
+under the plugin whose implementation made it.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from typing import Any, NamedTuple
 
 import pluggy
 
-hookspec = pluggy.HookspecMarker("skyrl_sdk")
-hookimpl = pluggy.HookimplMarker("skyrl_sdk")
+#: pluggy's project name for these hooks (the entry-point group too)
+PROJECT = "skyrl_sdk"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec

@@ -21,10 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import install_hint
+
 try:
     import pytest
 except ImportError as exc:  # pytest is not a runtime dependency
-    raise ImportError("skyrl_sdk.testing needs pytest: pip install 'skyrl-sdk[testing]'") from exc
+    raise ImportError(f"skyrl_sdk.testing needs pytest: {install_hint('testing')}") from exc
 
 from . import types
 from .models.tiny_vlm import make_tiny_vlm  # noqa: F401  (a tiny random vision-language model, offline)
@@ -141,14 +143,9 @@ def count_micro_batches() -> Iterator[list[int]]:
     A test that claims a result does not depend on micro-batching checks with it that more
     than one micro-batch ran (engines computing in other processes, such as ``fsdp``, add none).
     """
-    from .engines.turns import on_micro_batch
+    from .engines.turns import count_boundaries
 
-    seen = [0]
-
-    def count() -> None:
-        seen[0] += 1
-
-    with on_micro_batch(count):
+    with count_boundaries() as seen:
         yield seen
 
 

@@ -55,8 +55,9 @@ def _backend(cluster, lora=None, sampler=True):
 
 def _each_engine_matches_forward(backend) -> None:
     """Every engine samples every prompt itself; its logprobs equal forward's."""
-    request = skyrl_sdk.sampling.SampleRequest([np.asarray(p, dtype=np.int64) for p in PROMPTS],
-                                               types.SamplingParams(max_tokens=8, seed=3), num_samples=2)
+    request = skyrl_sdk.sampling.SampleRequest(prompts=[np.asarray(p, dtype=np.int64) for p in PROMPTS],
+                                               sampling_params=types.SamplingParams(max_tokens=8, seed=3),
+                                               num_samples=2)
     fleet = backend.sampler.fleet
     assert len(fleet.slots) == 2 and all(s.handle is not None for s in fleet.slots)
     for slot in fleet.slots:

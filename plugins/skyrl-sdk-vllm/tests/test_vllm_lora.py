@@ -49,7 +49,7 @@ def test_clients_of_a_shared_base_share_one_engine_and_keep_their_own_versions()
     (max_cpu_loras=1) every switch drops the other's, which comes back from memory. A snapshot
     sampler (what the server builds for save_weights_and_get_sampling_client) is one more
     adapter version on the same engine, and keeps sampling the version it was made from."""
-    from skyrl_sdk.server.snapshots import load_tensors, take_tensors
+    from skyrl_sdk.server.compute.snapshots import load_snapshot, take_snapshot
 
     config = {**SMALL, "max_loras": 1, "max_cpu_loras": 1}
     with skyrl_sdk.SharedBase(model="tiny") as base:
@@ -63,9 +63,9 @@ def test_clients_of_a_shared_base_share_one_engine_and_keep_their_own_versions()
         assert engines.engines_running() == running + 1  # the engine the first one started
         assert alice.sampler.engine is bob.sampler.engine is reader.sampler.engine
         assert alice.sampler.engine.max_lora_rank == 64
-        tensors, _ = take_tensors(alice, 2**30)
+        snap = take_snapshot("alice", alice, 2**30)
         snapshot = base.backend({"rank": 4}, seed=1, **opts)
-        load_tensors(snapshot, tensors)
+        load_snapshot(snapshot, snap.tensors)
         pinned = snapshot.sample([PROMPT], {"max_tokens": 8, "seed": 9})[0].sequences[0]
         train(alice)
         train(bob, steps=1)

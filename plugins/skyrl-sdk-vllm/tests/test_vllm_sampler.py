@@ -136,16 +136,19 @@ def test_refusals_name_the_option(pair):
 
     @attrs.frozen(eq=False)
     class WithNewOption(SampleRequest):  # an option a later skyrl-sdk adds, which this sampler does not know
-        topk_sample_logprobs: int = 0
+        future_option: int = 0
 
-    with pytest.raises(errors.InputError, match=r"the 'vllm' sampler cannot serve topk_sample_logprobs; of the "
-                                                 r"options it serves params.max_tokens, params.temperature"):
-        b.sampler.sample(WithNewOption([np.array(PROMPT)], types.SamplingParams(), topk_sample_logprobs=2))
-    assert b.sampler.sample(WithNewOption([np.array(PROMPT)], types.SamplingParams(max_tokens=2)))[0].sequences
+    with pytest.raises(errors.InputError, match=r"the 'vllm' sampler cannot serve topk_sample_logprobs, future_option; "
+                                                 r"of the options it serves sampling_params.max_tokens, "
+                                                 r"sampling_params.temperature"):
+        b.sampler.sample(WithNewOption(prompts=[np.array(PROMPT)], topk_sample_logprobs=2, future_option=1))
+    assert b.sampler.sample(WithNewOption(prompts=[np.array(PROMPT)],
+                                          sampling_params=types.SamplingParams(max_tokens=2)))[0].sequences
     # the Backend hands a prompt with images over as a ModelInput (its images read): not served here
+    image = types.ModelInput([types.EncodedTextChunk([1]), types.ImageChunk(b"\x89PNG", "png", 4)])
     with pytest.raises(errors.InputError, match=r"prompt 1 holds images: the 'vllm' sampler serves token prompts "
                                                  r"only; sample a vision-language model with Backend\(sampler="):
-        b.sampler.sample(SampleRequest([np.array(PROMPT), types.ModelInput.from_ints([1, 2])], types.SamplingParams()))
+        b.sampler.sample(SampleRequest(prompts=[np.array(PROMPT), image]))
 
 
 def test_sleep_gives_the_memory_back_between_calls_on_a_gpu_and_is_refused_on_cpu():

@@ -93,3 +93,13 @@ def test_lora_clients_sample_through_vllm_and_stay_in_sync(server):
         assert (limits["sampler"], limits["sampler_config"]) == ("vllm", SMALL)
     text = "".join(log)
     assert "; sampler: vllm 0.32" in text or "; sampler: vllm 0.33" in text, text  # the banner says what serves
+
+
+def test_vllms_start_up_lines_are_behind_v(server):
+    """Before the banner, only serve's own lines (and one line torch's C++ prints itself): vLLM's
+    ~30 INFO and routine WARNING lines, and its FutureWarnings, come with -v only."""
+    _, log = server
+    before = log[:next(i for i, line in enumerate(log) if "listening on" in line)]
+    noise = [line for line in before if not line.startswith("skyrl-sdk serve: ")
+             and not (line.startswith("[W") and "utils.cpp" in line)]
+    assert noise == [], noise

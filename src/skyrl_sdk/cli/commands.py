@@ -9,41 +9,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-import json
 import logging
 import os
-import shutil
 import sys
-import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
-
-from ..errors import SkyrlError, did_you_mean
+from ..errors import SkyrlError, did_you_mean, install_hint
 from ..version import __version__
+from .output import print_json, print_table
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "SKYRL_SDK_API_KEY"
 DESCRIPTION = "skyrl-sdk: train Hugging Face causal LMs behind Tinker's API, in-process or over HTTP."
 EPILOG = "Start with: skyrl-sdk demo. Each command has its own --help."
-
-
-# ---- output helpers -----------------------------------------------------------------------
-
-
-def _print_json(doc: Any) -> None:
-    # repr() keeps odd config defaults (e.g. an enum) printable instead of crashing.
-    print(json.dumps(doc, indent=2, sort_keys=False, default=repr))
-
-
-def _print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Left-aligned columns, two spaces apart; the last column is not padded."""
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    for row in [headers, *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths[:-1], strict=True)] + [str(row[-1])]
-        print("  ".join(cells).rstrip())
 
 
 # ---- plugins ------------------------------------------------------------------------------
@@ -59,9 +38,9 @@ def plugin_rows() -> list[dict[str, Any]]:
 def cmd_plugins(args: argparse.Namespace) -> int:
     rows = plugin_rows()
     if args.json:
-        _print_json(rows)
+        print_json(rows)
         return 0
-    _print_table(
+    print_table(
         ("NAME", "PACKAGE", "VERSION", "BUILTIN", "REGISTERED"),
         [
             (
@@ -71,110 +50,6 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             for r in rows
         ],
     )
-    return 0
-
-
-# ---- losses -------------------------------------------------------------------------------
-
-
-def dialect_names(dialect: Any, spec: Any) -> list[str]:
-    """The names a client of ``dialect`` calls ``spec`` by.
-
-    Asks the dialect's own converter (its ``convert.names`` lists the names it maps), so the
-    tables stay in the dialect; a native name the dialect does not claim falls through
-    to the registry and is callable as it is.
-    """
-    names = []
-    for name in getattr(dialect.convert, "names", ()):
-        try:
-            converted = dialect.convert(name, None, spec.role)
-        except Exception:  # a name that needs a config is still listed by its owner's docs
-            continue
-        if converted is not None and converted[0] == spec.name:
-            names.append(name)
-    try:
-        shadowed = dialect.convert(spec.name, None, spec.role) is not None
-    except Exception:
-        shadowed = True
-    if not shadowed and spec.name not in names:
-        names.append(spec.name)
-    return names
-
-
-def config_defaults(spec: Any) -> dict[str, Any]:
-    """Default config values, as an instance built with no arguments holds them (factories run)."""
-    if spec.config_cls is None:
-        return {}
-    return attrs.asdict(spec.config_cls(), recurse=False)
-
-
-def loss_rows(dialect: str | None = None) -> list[dict[str, Any]]:
-    """One dict per registered loss, sorted by name."""
-    from ..builtin_plugins import get_registry
-
-    registry = get_registry()
-    dialects = registry.dialects if dialect is None else {dialect: registry.dialect_spec(dialect)}
-    rows = []
-    for name in sorted(registry.losses):
-        spec = registry.losses[name]
-        rows.append({
-            "name": spec.name,
-            "plugin": registry.owners.get(("loss", name)),
-            "role": spec.role,
-            "dialect_names": {d: dialect_names(ds, spec) for d, ds in dialects.items()},
-            "required_inputs": list(spec.required_inputs),
-            "optional_inputs": list(spec.optional_inputs),
-            "outputs": list(spec.outputs),
-            "config": config_defaults(spec),
-            "accepts_topk_targets": spec.accepts_topk_targets,
-            "description": spec.description,
-        })
-    return rows
-
-
-def _loss_text(row: dict[str, Any]) -> tuple[str, ...]:
-    names = "; ".join(f"{d}: {', '.join(n) or '-'}" for d, n in row["dialect_names"].items())
-    inputs = ", ".join(row["required_inputs"])
-    if row["optional_inputs"]:
-        inputs += " [" + ", ".join(row["optional_inputs"]) + "]"
-    config = ", ".join(f"{k}={v!r}" for k, v in row["config"].items()) or "-"
-    return (row["name"], row["role"], names, inputs, config, row["description"])
-
-
-def _print_loss_records(rows: Sequence[dict[str, Any]], width: int) -> None:
-    """One block per loss, every line wrapped to ``width`` columns."""
-    for i, row in enumerate(rows):
-        name, role, names, inputs, config, description = _loss_text(row)
-        if i:
-            print()
-        print(f"{name} ({role})")
-        for label, text in (("called as", names), ("inputs", inputs), ("config", config), ("", description)):
-            if not text:
-                continue
-            lead = f"  {label}: " if label else "  "
-            print(textwrap.fill(text, width=width, initial_indent=lead, subsequent_indent=" " * len(lead),
-                                break_on_hyphens=False))
-
-
-def cmd_losses(args: argparse.Namespace) -> int:
-    from ..builtin_plugins import get_registry
-    from ..errors import UnknownNameError
-
-    if args.dialect is not None:
-        try:
-            get_registry().dialect_spec(args.dialect)
-        except UnknownNameError as exc:
-            print(f"skyrl-sdk: {exc}", file=sys.stderr)
-            return 2
-    rows = loss_rows(args.dialect)
-    if args.json:
-        _print_json(rows)
-        return 0
-    if args.wide:
-        _print_table(("NAME", "ROLE", "CALLED AS", "INPUTS [optional]", "CONFIG DEFAULTS", "DESCRIPTION"),
-                     [_loss_text(r) for r in rows])
-    else:
-        _print_loss_records(rows, width=min(100, shutil.get_terminal_size((100, 24)).columns))
     return 0
 
 
@@ -193,7 +68,7 @@ def cmd_version(args: argparse.Namespace) -> int:
         print(f"skyrl-sdk {__version__}")
         return 0
     deps = ("torch", "transformers", "pluggy", "attrs", "tinker")
-    _print_json({
+    print_json({
         "skyrl_sdk": __version__,
         "python": sys.version.split()[0],
         **{d: _dist_version(d) for d in deps},
@@ -218,16 +93,6 @@ def _lazy(module: str, func: str, hint: str) -> Callable[[argparse.Namespace], i
         return int(result or 0)
 
     return handler
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 def _command(sub: Any, common: argparse.ArgumentParser, name: str, summary: str, **kwargs: Any):
@@ -255,7 +120,7 @@ def _add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--short", action="store_true", help="a tiny run (for tests)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     _add_threads(p)
-    p.set_defaults(func=_lazy("skyrl_sdk.cli.demo", "main", "is skyrl-sdk fully installed?"))
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.demo", "main", "skyrl-sdk doctor says what is missing"))
 
 
 SERVE_EPILOG = """\
@@ -271,62 +136,14 @@ status 2 and the reason. See docs/server.md.
 def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     p = _command(sub, common, "serve", "serve models over Tinker's HTTP API for the tinker client and the cookbook",
                  epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000,
-                   help="port (default 8000; 0 picks a free one, printed in the 'listening on' line)")
-    p.add_argument("--model", action="append", default=None, dest="model",
-                   help="a model to serve: 'tiny' or a local HF directory; repeatable (default: tiny)")
-    p.add_argument("--engine", default="local", help="engine name (default local)")
-    p.add_argument("--engine-config", type=_json_object, default=None, metavar="JSON",
-                   help='engine options as a JSON object, e.g. \'{"device": "cpu"}\'')
-    p.add_argument("--sampler", default="transformers",
-                   help="what serves the sampling clients: 'transformers' (built in, default) or a sampler "
-                        "plugin's name, e.g. 'vllm' (pip install 'skyrl-sdk-vllm[gpu]')")
-    p.add_argument("--sampler-config", type=_json_object, default=None, metavar="JSON",
-                   help='sampler options as a JSON object, e.g. \'{"gpu_memory_utilization": 0.4}\'')
-    p.add_argument("--state-dir", default="./skyrl-server-state",
-                   help="checkpoints and saved weights (default ./skyrl-server-state)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"required X-API-Key (default: ${API_KEY_ENV}; unset accepts any key)")
-    # owners and limits (docs/server.md)
-    p.add_argument("--api-keys", default=None, metavar="FILE",
-                   help="API keys with owners, one 'KEY [OWNER [operator]]' per line: each owner sees only its "
-                        "own things; a key without OWNER is an owner of its own; a third column 'operator' lets "
-                        "that owner see the whole server in the console (docs/server.md, Owners)")
-    p.add_argument("--session-timeout", type=float, default=None, metavar="SECONDS",
-                   help="free the models of a session without heartbeat for this long (default 300)")
-    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
-                   help="longest sequence accepted (default: each model's max_position_embeddings)")
-    p.add_argument("--max-num-samples", type=int, default=None, metavar="N",
-                   help="most samples one sample request may ask for (default 256)")
-    p.add_argument("--share-base", action=argparse.BooleanOptionalAction, default=None,
-                   help="LoRA clients of a model share one copy of its weights (default: on; "
-                        "--no-share-base gives each client its own copy; docs/server.md)")
-    p.add_argument("--max-lora-adapters", type=int, default=None, metavar="N",
-                   help="LoRA adapters per shared base kept in memory; the least recently used beyond N "
-                        "wait on disk (default: no limit)")
-    p.add_argument("--max-memory", default=None, metavar="SIZE",
-                   help="memory the loaded models may take, e.g. 8GiB (default: no limit)")
-    p.add_argument("--snapshot-memory", default=None, metavar="SIZE",
-                   help="memory for in-memory weight snapshots of ephemeral sampling clients, least "
-                        "recently used evicted beyond it (default 2GiB)")
-    p.add_argument("--max-tokens-per-request", type=int, default=None, metavar="N",
-                   help="tokens one forward/forward_backward request may hold (default 524288)")
-    p.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
-                   help="requests one owner may have queued or running; more are refused (default 1024)")
-    p.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
-                   help="a connection must send its request headers within this (default 10)")
-    p.add_argument("--max-connections", type=int, default=None, metavar="N",
-                   help="open connections; beyond N the oldest idle one is closed (default: 1000, "
-                        "at most half the open-file limit)")
-    p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
-                   help="without an API key the server answers only requests whose Host is a loopback name or "
-                        "--host: allow this name too ('*': any); repeatable (docs/server.md)")
+    from ..server.settings import add_flags  # the server's settings, declared once (no server import)
+
+    add_flags(p)
     p.add_argument("--lazy", action="store_true",
                    help="check models and engine config without loading the weights at start "
                         "(big models: they load when a client first asks)")
     _add_threads(p)
-    p.set_defaults(func=_lazy("skyrl_sdk.cli.serve", "serve", "pip install 'skyrl-sdk[server]'"))
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.serve", "serve", install_hint("server")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -348,12 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--dialect", default=None, help="show only the names of this dialect")
     p.add_argument("--wide", action="store_true", help="one line per loss (a wide table) instead of wrapped blocks")
-    p.set_defaults(func=cmd_losses)
+    p.set_defaults(func=_lazy("skyrl_sdk.cli.losses", "cmd_losses", "skyrl-sdk doctor says what is missing"))
 
     p = _command(sub, common, "version", "print the version (with --json, also key dependencies)")
     p.add_argument("--json", action="store_true", help="also the versions of key dependencies, as JSON")
     p.set_defaults(func=cmd_version)
 
+    from .doctor import add_parser as add_doctor
+
+    add_doctor(sub, common, _command)
     _add_demo(sub, common)
     _add_serve(sub, common)
     parser.commands = sub.choices  # name -> the command's own parser (see parse_args)
@@ -390,8 +210,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:  # bare `skyrl-sdk`: show what there is to do
         parser.print_help()
         return 0
-    if getattr(args, "model", "absent") is None:
-        args.model = ["tiny"]  # an append default would be appended to, so fill it here
     _setup_logging(args.verbose)
     try:
         code = args.func(args)

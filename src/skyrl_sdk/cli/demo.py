@@ -202,11 +202,11 @@ def summary(result: dict[str, Any]) -> str:
 
 def main(args) -> int:
     steps, rl_steps, batch = args.steps, args.rl_steps, 32
-    if getattr(args, "short", False):
+    if args.short:
         steps, rl_steps, batch = min(steps, 12), min(rl_steps, 2), 8
     if not args.json:
         print(intro(steps, rl_steps), flush=True)
-    threads = apply_threads(getattr(args, "threads", None))
+    threads = apply_threads(args.threads)
     if not args.json:
         print(f"  torch: {threads}", flush=True)
     result = run_demo(steps=steps, rl_steps=rl_steps, out_dir=args.out, seed=args.seed or 0,

@@ -7,10 +7,16 @@ locked for this server and written once (docs/server.md, "State dir"); a problem
 status 2 and one ``cannot start: ...`` line; the banner is printed once the port is bound. An
 abnormal end (a fatal signal, an exception that ends the server or a thread) leaves a line in
 the log.
+
+It says what it is doing from its first moment: a line before anything heavy is imported, the
+port checked at once (a busy one is refused before torch loads), a line per model it loads
+and how long that took, and the time to ready in the banner. This module imports nothing
+heavy itself: the HTTP app (fastapi, uvicorn, torch) is imported after the first checks.
 """
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import logging
 import os
@@ -18,14 +24,14 @@ import shutil
 import socket
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, SkyrlError
-from ..server import edge  # uvicorn: the [server] extra, imported here so `skyrl-sdk serve` can say what to install
-from ..server.app import create_app
+from ..errors import InputError, SkyrlError, install_hint
 from ..server.config import API_KEY_ENV, ServerConfig, is_loopback
-from ..server.statedir import StateDirLock, check_writable
+from ..server.state.statedir import StateDirLock, check_writable
 from .threads import apply as apply_threads
 
 logger = logging.getLogger(__name__)
@@ -37,6 +43,24 @@ EXIT_FATAL = 3
 
 class CannotServe(SkyrlError, ValueError):
     """A served model, the engine, the sampler or a config fails the start-up check."""
+
+
+def say(message: str) -> None:
+    """A start-up line on stderr, at once (stdout is for the caller's pipes)."""
+    print(f"skyrl-sdk serve: {message}", file=sys.stderr, flush=True)
+
+
+def server_modules() -> tuple[Any, Callable[..., Any]]:
+    """The HTTP edge and ``create_app`` (the ``server`` extra: fastapi, uvicorn), imported once the
+    cheap checks passed; a missing extra is refused naming the module and what to install."""
+    try:
+        from ..server.http import edge
+        from ..server.http.app import create_app
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").startswith("skyrl_sdk"):
+            raise
+        raise CannotServe(f"cannot import {exc.name!r} ({install_hint('server')})") from None
+    return edge, create_app
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
@@ -72,7 +96,10 @@ def check_port(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             probe.bind(address)
     except OSError as exc:
-        raise InputError(f"--host/--port: cannot bind {host}:{port}: {(exc.strerror or str(exc)).lower()}") from None
+        busy = "; another server may hold it: another --port, or --port 0 for a free one" \
+            if exc.errno == errno.EADDRINUSE else ""
+        raise InputError(f"--host/--port: cannot bind {host}:{port}: {(exc.strerror or str(exc)).lower()}{busy}") \
+            from None
 
 
 def check_model_files(model: str) -> None:
@@ -95,14 +122,14 @@ def trial_backend(model: str, config: Any) -> str:
         return backend.sampler.describe()
 
 
-def preflight(config: Any, lazy: bool) -> str:
+def preflight(config: Any, lazy: bool, progress: Callable[[str], None] | None = None) -> str:
     """Raise :class:`CannotServe` naming the first problem; cheap checks run first. Returns
     what the sampler says of itself, for the log.
 
     Without ``lazy`` every model is loaded once with the engine (and a plugin sampler samples a
     token from it). With ``lazy`` the engine, the sampler and their configs are tried on the
     built-in ``tiny`` model instead, and the served models' files are only inspected, so a big
-    model's weights load once, when a client asks.
+    model's weights load once, when a client asks. ``progress`` hears a line per model loaded.
     """
     try:
         check_engine(config.engine)
@@ -113,12 +140,18 @@ def preflight(config: Any, lazy: bool) -> str:
         raise CannotServe(str(exc)) from None
     said = config.sampler
     for model in ("tiny",) if lazy else config.models:
+        started = time.monotonic()
+        if progress is not None:
+            why = " (--lazy: the engine and sampler on tiny; the served models load when a client asks)" if lazy else ""
+            progress(f"loading {model} on engine {config.engine} and sampling a token with {config.sampler}{why} ...")
         try:
             said = trial_backend(model, config)
         except Exception as exc:  # whatever stops a Backend now would stop the first client later
             where = (f"engine {config.engine!r} and sampler {config.sampler!r} with these configs" if lazy
                      else f"model {model!r} on engine {config.engine!r} with sampler {config.sampler!r}")
             raise CannotServe(f"{where}: {type(exc).__name__}: {exc}") from None
+        if progress is not None:
+            progress(f"{model} ready ({time.monotonic() - started:.1f} s)")
     return said
 
 
@@ -136,7 +169,10 @@ def client_hint(url: str, api_key: str | None, key_from_env: bool = False, keys_
         key, note = "tml-local", "tml-<anything>: the client insists on the prefix; this server checks no key"
     return (f"  point the tinker client here:\n"
             f"    export TINKER_BASE_URL={url} TINKER_API_KEY={key}   # {note}\n"
-            f"    or in Python: tinker.ServiceClient(base_url=\"{url}\", api_key=...)")
+            f"    or in Python: tinker.ServiceClient(base_url=\"{url}\", api_key=...)\n"
+            f"    without network, also export HF_HUB_OFFLINE=1: the tokenizers this server names are local "
+            f"directories; any other name (base_model=\"tiny\" typed by hand) then fails at once instead of after "
+            f"~50 s of model-hub retries")
 
 
 def console_hint(url: str, needs_key: bool) -> str:
@@ -157,16 +193,17 @@ def bound_port(server: Any) -> int | None:
 
 
 def banner(config: Any, key_from_env: bool = False, keys_file: str | None = None, port: int | None = None,
-           sampler: str | None = None) -> str:
+           sampler: str | None = None, ready_s: float | None = None) -> str:
     """What ``serve`` prints once bound; ``port`` is the bound one (default ``config.port``);
     ``sampler``: what the sampler said of itself at the start-up check (its ``describe()``),
-    else its name."""
+    else its name; ``ready_s``: seconds from the command's start."""
     port = config.port if port is None else port
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
     url = f"http://{host}:{port}"
+    ready = f"ready in {ready_s:.1f} s; " if ready_s is not None else ""
     return (f"skyrl-sdk serve: listening on http://{config.host}:{port} "
-            f"(models: {', '.join(config.models)}; engine: {config.engine}; sampler: {sampler or config.sampler}; "
-            f"state: {config.state_dir})\n"
+            f"({ready}models: {', '.join(config.models)}; engine: {config.engine}; "
+            f"sampler: {sampler or config.sampler}; state: {config.state_dir})\n"
             f"{client_hint(url, config.api_key, key_from_env, keys_file)}\n"
             f"{console_hint(url, config.owners() is not None)}\n  Ctrl-C stops it.")
 
@@ -209,21 +246,27 @@ def install_crash_reports() -> None:
 
 def serve(args: Any) -> int:
     """The ``serve`` subcommand: validate, bind, announce, run until Ctrl-C / SIGTERM."""
+    started = time.monotonic()
+    host, port = args.host, args.port
+    say(f"starting on {host}:{port} (models: {', '.join(args.models or ['tiny'])}; engine: {args.engine}; "
+        f"sampler: {args.sampler}): checking the port, then loading each model once ...")
     try:
-        check_port(getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000))
+        check_port(host, port)
         config = ServerConfig.from_args(args)
-        sampler = preflight(config, lazy=bool(getattr(args, "lazy", False)))
+        say("the port is free; importing torch, transformers and the HTTP server ...")
+        edge, create_app = server_modules()
+        sampler = preflight(config, lazy=args.lazy, progress=say)
         state_lock = claim_state_dir(config)
     except SkyrlError as exc:
         print(f"skyrl-sdk serve: cannot start: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    logger.info("torch uses %s", apply_threads(getattr(args, "threads", None)))
+    logger.info("torch uses %s", apply_threads(args.threads))
     if not is_loopback(config.host) and not config.owners():
         logger.warning("serving on %s without an API key: anyone who can reach it can train and read "
                        "checkpoints (pass --api-key or set SKYRL_SDK_API_KEY)", config.host)
     env_key = os.environ.get(API_KEY_ENV)
     key_from_env = bool(env_key) and config.api_key == env_key
-    keys_file = getattr(args, "api_keys", None)
+    keys_file = args.api_keys
     edge.raise_fd_limit()
     app = create_app(config, state_lock)
 
@@ -231,8 +274,8 @@ def serve(args: Any) -> int:
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:  # bound and listening; a failed bind has exited already
-                print(banner(config, key_from_env, keys_file, bound_port(self), sampler), file=sys.stderr,
-                      flush=True)
+                print(banner(config, key_from_env, keys_file, bound_port(self), sampler,
+                             time.monotonic() - started), file=sys.stderr, flush=True)
 
     server = AnnouncingServer(edge.server_config(app, config))
     install_crash_reports()

@@ -27,6 +27,7 @@ from .export import export_hf_directory, lora_unties_head, save_peft_adapter
 from .local import LocalEngine
 from .pool import Adapter, AdapterPool, solo_name
 from .state import StateLayout, check_engine_metadata, check_state_files
+from .turns import Steps, each_step
 from .weights import EngineWeights
 
 
@@ -106,11 +107,15 @@ class _OnSharedBase(LocalEngine):
     def _key(self) -> str | None:
         return self.adapter.name if self.adapter is not None else None
 
+    def turn(self):
+        """This adapter's turn on the shared base (the bare base's for the read-only engine)."""
+        return self.shared.using(self.adapter)
+
     def weights_source(self) -> EngineWeights:
         """This adapter (or the bare base) on the shared base: its base key is the pool, so a
         sampler may serve all of the pool's adapters from one copy of the base."""
         return EngineWeights(self, module=self.shared.loaded.module, peft=self.shared.module, adapter=self._key(),
-                             base_key=self.shared, turn=lambda: self.shared.using(self.adapter))
+                             base_key=self.shared, turn=self.turn)
 
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         with self.shared.using(self.adapter):
@@ -125,6 +130,18 @@ class _OnSharedBase(LocalEngine):
                 image_processor=self.images and self.images.processor,
             )
 
+    def _save_adapter(self, module, directory: Path) -> None:
+        """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            save_peft_adapter(module, tmp, self.adapter.name)
+            sub = Path(tmp) / self.adapter.name  # peft puts a non-default adapter's files in a subfolder
+            items = [p for p in Path(tmp).iterdir() if p != sub] + (list(sub.iterdir()) if sub.is_dir() else [])
+            for item in items:
+                shutil.move(str(item), directory / item.name)
+        for files in (self.tokenizer, self.images and self.images.processor):
+            if files is not None:
+                files.save_pretrained(str(directory))
+
 
 class AdapterEngine(_OnSharedBase):
     """One client's LoRA adapter on a shared base, with the local engine's API and arithmetic."""
@@ -134,9 +151,12 @@ class AdapterEngine(_OnSharedBase):
         self.runner = adapter.runner
 
     # ---- compute ----------------------------------------------------------------------------------
-    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
-        with self.shared.using(self.adapter):
-            return super().run(data, loss, backward=backward)
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
+        """One turn on the base per step: between its micro-batches the call holds no turn, and its
+        adapter stays in memory (:meth:`~.pool.AdapterPool.calling`)."""
+        with self.shared.calling(self.adapter):
+            return (yield from each_step(lambda: self.shared.using(self.adapter),
+                                         self.runner.steps(data, loss, backward=backward)))
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         with self.shared.using(self.adapter):
@@ -182,18 +202,6 @@ class AdapterEngine(_OnSharedBase):
             self.runner.zero_grad()
             self.runner.optimizer.restore(checked.moments if optimizer else None, step)
 
-    def _save_adapter(self, module, directory: Path) -> None:
-        """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            save_peft_adapter(module, tmp, self.adapter.name)
-            sub = Path(tmp) / self.adapter.name  # peft puts a non-default adapter's files in a subfolder
-            items = [p for p in Path(tmp).iterdir() if p != sub] + (list(sub.iterdir()) if sub.is_dir() else [])
-            for item in items:
-                shutil.move(str(item), directory / item.name)
-        for files in (self.tokenizer, self.images and self.images.processor):
-            if files is not None:
-                files.save_pretrained(str(directory))
-
     def close(self) -> None:
         self.shared.remove_adapter(self.adapter)
 
@@ -209,11 +217,10 @@ class ReadOnlyBaseEngine(_OnSharedBase):
         return InputError(f"{what}: this Backend is the shared base model {self.shared.model_name}, which is "
                           f"read-only (its clients train LoRA adapters on it); train a LoRA Backend instead")
 
-    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
         if backward:
             raise self._read_only("forward_backward")
-        with self.shared.using(None):
-            return super().run(data, loss, backward=False)
+        return (yield from each_step(lambda: self.shared.using(None), self.runner.steps(data, loss, backward=False)))
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         raise self._read_only("optim_step")
@@ -226,6 +233,12 @@ class ReadOnlyBaseEngine(_OnSharedBase):
 
     def load_state(self, directory: Path, metadata: dict[str, Any], optimizer: bool) -> None:
         raise self._read_only("load_state")
+
+    def copy_trainable(self, max_bytes: int) -> None:
+        return None  # nothing trained
+
+    def load_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
+        raise self._read_only("load_trainable")
 
     def close(self) -> None:
         pass  # the pool owns the base

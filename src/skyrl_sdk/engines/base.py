@@ -33,6 +33,7 @@ from ..models.vlm import is_vision_language
 from ..plugins.samplers import WeightsSource
 from ..types import AdamParams, Datum
 from .config import EngineConfig
+from .turns import Steps, one_step
 
 
 @attrs.frozen(eq=False)
@@ -57,7 +58,7 @@ class EngineInfo:
     #: the longest sequence the model accepts (``max_position_embeddings``; None: no limit known)
     max_positions: int | None = None
     #: whether datums sharing a head are computed with it once, and why not (a status line; an
-    #: in-process engine's ``runner.prefix_status`` is read live instead)
+    #: in-process engine answers live: ``Engine.prefix_sharing``)
     prefix_sharing: str = "off"
 
     @classmethod
@@ -92,6 +93,27 @@ class Engine(abc.ABC):
     #: A vision-language model's image processor and image limits (:func:`image_inputs`); None:
     #: the model reads no images, and the Backend refuses image chunks by name.
     images: ImageInputs | None = None
+    _weights_version = 0
+
+    @property
+    def weights_version(self) -> int:
+        """How many times this engine's weights changed: the one version of them. Samplers read
+        it through :meth:`weights_source` (a copy of the weights reloads when it moved) and the
+        server pins snapshots by it. :meth:`weights_changed` moves it."""
+        return self._weights_version
+
+    def weights_changed(self) -> None:
+        """Move :attr:`weights_version` on (never back). The Backend calls it after each call of
+        its that changed the weights (an ``optim_step`` not skipped, ``load_state``); an engine
+        calls it itself where it changes them otherwise (:meth:`load_trainable`)."""
+        self._weights_version += 1
+
+    @property
+    def prefix_sharing(self) -> str:
+        """Whether datums sharing a head are computed with it once, and why not, as of now
+        (``get_info().prefix_sharing``): ``info.prefix_sharing``, or what the engine knows live
+        (an in-process runner's self-test runs at its first call)."""
+        return self.info.prefix_sharing
 
     @abc.abstractmethod
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
@@ -100,6 +122,14 @@ class Engine(abc.ABC):
         A backward call that raises leaves the pending gradients as they were (``ModelRunner``
         keeps them with :mod:`.call_grads`) or says it dropped them (``call_grads.DROPPED`` on the
         exception, so the Backend resets its call count)."""
+
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
+        """:meth:`run` as a stepped call (:mod:`.turns`): a generator that yields at each micro-batch
+        boundary and returns :meth:`run`'s result, so a scheduler (the server's executor) gives
+        other calls the device between micro-batches without running them inside this one. The
+        default is one step (an engine that computes in other processes cannot pause); an
+        in-process engine returns its runner's :meth:`~.runner.ModelRunner.steps`."""
+        return (yield from one_step(self.run, data, loss, backward=backward))
 
     @abc.abstractmethod
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
@@ -120,6 +150,19 @@ class Engine(abc.ABC):
     def export_weights(self, directory: Path, *, merge_lora: bool = True) -> None:
         """Write a Hugging Face model directory (config, safetensors, tokenizer)."""
         raise self.unsupported("export weights")
+
+    def copy_trainable(self, max_bytes: int) -> dict[str, torch.Tensor] | None:
+        """CPU copies of the tensors the optimizer trains (a LoRA model's adapter, else every
+        weight), by name: what :meth:`load_trainable` of an engine built alike needs to hold these
+        weights. None when they come to more than ``max_bytes`` (nothing is copied then) or the
+        engine keeps no copies in memory (the default): the server then snapshots through
+        ``save_state`` / ``export_weights``, on disk."""
+        return None
+
+    def load_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` (:meth:`copy_trainable` of an engine built alike) into this engine's
+        trained tensors, and move :attr:`weights_version`."""
+        raise self.unsupported("load trained tensors from memory")
 
     def weights_source(self) -> WeightsSource:
         """The current weights as a sampler sees them (``skyrl_sdk.sampling.WeightsSource``): built
@@ -152,7 +195,9 @@ def image_inputs(model: str, config: EngineConfig) -> ImageInputs | None:
     if not is_vision_language(hf_config):
         return None
     limits = ImageLimits(max_pixels=config.max_image_pixels, max_tokens_per_datum=config.max_image_tokens_per_datum,
-                         max_tokens_per_call=config.max_image_tokens_per_call)
+                         max_tokens_per_call=config.max_image_tokens_per_call,
+                         max_pixels_per_call=config.max_image_pixels_per_call, max_jpeg_scans=config.max_jpeg_scans,
+                         max_decode_s=config.max_image_decode_s)
     return ImageInputs.load(directory, hf_config, limits)
 
 

@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from ..errors import InputError, did_you_mean
-from ..types.numbers import check_number
+from ..types.numbers import check_number, to_float
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Compute dtypes the engines run. float16 would need a dynamic loss scaler (its 5-bit
@@ -19,6 +19,10 @@ _COMPUTE_DTYPES = ("float32", "bfloat16")
 
 def _positive(instance, attribute, value):
     check_number(f"engine_config[{attribute.name!r}]", value, low=1, integer=True)
+
+
+def _positive_seconds(instance, attribute, value):
+    check_number(f"engine_config[{attribute.name!r}]", value, low=0.0, low_open=True)
 
 
 def _bool(instance, attribute, value):
@@ -55,6 +59,10 @@ class EngineConfig:
       before it is decoded.
     - ``max_image_tokens_per_datum`` / ``max_image_tokens_per_call``: the most positions the
       images of one datum (or prompt) / of one call take; refused before any compute.
+    - ``max_image_pixels_per_call``: the most pixels the distinct images of one call have
+      together (their decoding work), read from their headers.
+    - ``max_jpeg_scans``: the most scans one JPEG may have (each is a pass over every pixel).
+    - ``max_image_decode_s``: seconds one image's decoding may take; past it the call is refused.
     """
 
     device: str = "auto"
@@ -73,6 +81,9 @@ class EngineConfig:
     max_image_pixels: int = attrs.field(default=4096 * 4096, validator=_positive)
     max_image_tokens_per_datum: int = attrs.field(default=16384, validator=_positive)
     max_image_tokens_per_call: int = attrs.field(default=65536, validator=_positive)
+    max_image_pixels_per_call: int = attrs.field(default=4 * 4096 * 4096, validator=_positive)
+    max_jpeg_scans: int = attrs.field(default=32, validator=_positive)
+    max_image_decode_s: float = attrs.field(default=10.0, converter=to_float, validator=_positive_seconds)
     extra: dict = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:

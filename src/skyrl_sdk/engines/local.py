@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import InputError
+from ..errors import EngineError, InputError
 from ..hooks import hookimpl
 from ..losses.resolve import ResolvedLoss
 from ..models.activation_checkpointing import enable_activation_checkpointing
@@ -28,6 +30,7 @@ from .export import (
 from .pool import SOLO_ADAPTER
 from .runner import ModelRunner
 from .state import StateLayout, check_engine_metadata, check_state_files
+from .turns import Steps, run_to_end
 from .weights import EngineWeights
 
 logger = logging.getLogger(__name__)
@@ -58,9 +61,16 @@ class LocalEngine(Engine):
         self.tokenizer = self.loaded.tokenizer
         self.images = image_inputs(model, self.config)
 
+    @property
+    def prefix_sharing(self) -> str:
+        return self.runner.prefix_status
+
     # ---- compute ----------------------------------------------------------------------
     def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
-        return self.runner.run(data, loss, backward=backward)
+        return run_to_end(self.run_steps(data, loss, backward=backward))
+
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
+        return (yield from self.runner.steps(data, loss, backward=backward))
 
     def optim_step(self, params: AdamParams, grad_scale: float = 1.0) -> dict[str, float]:
         return self.runner.optimizer.step(params, grad_scale)
@@ -103,6 +113,30 @@ class LocalEngine(Engine):
             untie_embeddings=self.loaded.lora is not None and lora_unties_head(module),
             image_processor=self.images and self.images.processor,
         )
+
+    # ---- the trained tensors in memory (the server's weight snapshots) ----------------
+    def turn(self) -> AbstractContextManager:
+        """Entered around a read or write of the weights: nothing here; an adapter's turn on a
+        shared base (which reloads it if offloaded) for the engines there."""
+        return contextlib.nullcontext()
+
+    def copy_trainable(self, max_bytes: int) -> dict[str, torch.Tensor] | None:
+        with self.turn():
+            params = self.runner.named_trainable()
+            if sum(p.numel() * p.element_size() for _, p in params) > max_bytes:
+                return None
+            return {name: p.detach().to("cpu", copy=True) for name, p in params}
+
+    def load_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
+        with self.turn(), torch.no_grad():
+            params = dict(self.runner.named_trainable())
+            if params.keys() != tensors.keys():
+                missing, extra = sorted(params.keys() - tensors.keys()), sorted(tensors.keys() - params.keys())
+                raise EngineError(f"these trained tensors do not fit engine {self.name!r}: missing {missing[:3]}, "
+                                  f"unexpected {extra[:3]}")
+            for name, p in params.items():
+                p.copy_(tensors[name])
+        self.weights_changed()
 
     # ---- sampling ---------------------------------------------------------------------
     def weights_source(self) -> EngineWeights:

@@ -16,7 +16,15 @@ from ..errors import PluginError
 from ..losses.base import LossSpec
 from ..losses.resolve import ResolvedLoss
 from ..losses.terms import LossTerms
-from ..types import Datum, EncodedTextChunk, ModelInput, PreparedImageChunk, TensorData
+from ..types import (
+    Datum,
+    EncodedTextChunk,
+    ModelInput,
+    PreparedImageChunk,
+    SampleRequest,
+    SamplingParams,
+    TensorData,
+)
 
 
 def loss_to_plain(loss: ResolvedLoss) -> dict[str, Any]:
@@ -85,3 +93,20 @@ def datums_from_plain(items: Sequence[tuple[tuple, dict[str, np.ndarray]]]) -> l
         Datum(model_input=model_input_from_plain(plain), loss_fn_inputs={k: TensorData(v) for k, v in inputs.items()})
         for plain, inputs in items
     ]
+
+
+def sample_request_to_plain(request: SampleRequest) -> dict[str, Any]:
+    """A :class:`~skyrl_sdk.types.SampleRequest` as its fields: the prompts as
+    :func:`model_input_to_plain` gives them (a prompt's prepared images travel as their
+    pixels), ``sampling_params`` as its fields, the rest as they are (numbers, flags, arrays)."""
+    plain = {f.name: getattr(request, f.name) for f in attrs.fields(SampleRequest)}
+    plain["prompts"] = [model_input_to_plain(p) if isinstance(p, ModelInput) else (p,) for p in request.prompts]
+    plain["sampling_params"] = attrs.asdict(request.sampling_params)
+    return plain
+
+
+def sample_request_from_plain(plain: Mapping[str, Any]) -> SampleRequest:
+    """The request :func:`sample_request_to_plain` describes (checked again as it is built)."""
+    prompts = [model_input_from_plain(p) if len(p) > 1 else np.asarray(p[0], dtype=np.int64)
+               for p in plain["prompts"]]
+    return SampleRequest(**{**plain, "prompts": prompts, "sampling_params": SamplingParams(**plain["sampling_params"])})

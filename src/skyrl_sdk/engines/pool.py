@@ -2,10 +2,12 @@
 
 The base is loaded once and wrapped with peft; every client is one peft adapter of its own
 (``add_adapter``), with its own LoRA tensors, :class:`AdapterRunner` (AdamW state, step
-count, pending gradients). A call runs inside :meth:`AdapterPool.using`: a round-robin turn
+count, pending gradients). Compute runs inside :meth:`AdapterPool.using`: a round-robin turn
 on the base (:class:`~.turns.FairGate`), the client's adapter made the only active one
-(``set_adapter``), then the compute. Only the active adapter takes part in a forward pass,
-so another client's pending gradients are never touched.
+(``set_adapter``), then the compute. A forward or backward call takes one turn per
+micro-batch (:func:`~.turns.each_step`): between two of them another client's turn may run,
+and the next turn makes the call's adapter active again. Only the active adapter takes part in
+a forward pass, so another client's pending gradients are never touched.
 
 Why peft's multi-adapter support rather than swapping tensors into one adapter slot: each
 adapter keeps its own rank, alpha and target modules (clients may differ), and the forward
@@ -21,6 +23,7 @@ read back when its client next calls.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -135,8 +138,10 @@ class AdapterPool:
         self._active: str | None = None
         #: whether peft's adapter layers are enabled (a base-only turn disables them)
         self._adapters_enabled: bool | None = True
-        #: the adapters of the turns in progress on the holder's thread, innermost last
-        self._stack: list[Adapter | None] = []
+        #: the adapter of the turn in progress (None: none, or the base alone)
+        self._holder: Adapter | None = None
+        #: adapters with a call in progress (paused between micro-batches or computing) -> how many
+        self._calls: collections.Counter[str] = collections.Counter()
 
     # ---- the module -------------------------------------------------------------------------------
     @property
@@ -217,27 +222,37 @@ class AdapterPool:
 
     @contextlib.contextmanager
     def using(self, adapter: Adapter | None) -> Iterator[None]:
-        """A turn on the base with exactly ``adapter`` active (None: the base alone).
-
-        Turns nest on the thread that holds one (the server's executor runs other clients'
-        short turns between a long call's micro-batches): an inner turn activates its own
-        adapter, and on leaving gives the outer turn its adapter (or the bare base) back."""
+        """A turn on the base with exactly ``adapter`` active (None: the base alone). Turns never
+        nest (:class:`~.turns.FairGate`): a call paused between micro-batches holds none."""
         with self.gate.turn(adapter.name if adapter is not None else "base"):
             self._check_open()
             if adapter is not None and adapter.closed:
                 raise InputError(f"adapter {adapter.label} was removed from its shared base")
-            self._stack.append(adapter)
+            self._holder = adapter
             try:
                 self._activate(adapter)
                 yield
             finally:
-                self._stack.pop()
+                self._holder = None
                 if adapter is not None:
                     adapter.resident_bytes = offload.adapter_bytes(adapter.runner)
-                if self._stack and not self.closed:  # a nested turn ended: the outer one's adapter back
-                    self._activate(self._stack[-1])
-                elif not self.closed:  # outside turns, adapters are enabled (as peft leaves them)
+                if not self.closed:  # outside turns, adapters are enabled (as peft leaves them)
                     self._enable_adapters(True)
+
+    @contextlib.contextmanager
+    def calling(self, adapter: Adapter) -> Iterator[None]:
+        """A call of ``adapter`` in progress, from its first step to its last: while it lasts the
+        adapter is never offloaded (its gradients are held apart by the call, :mod:`.call_grads`),
+        even while the call is paused and other clients' turns load theirs."""
+        with self._lock:
+            self._calls[adapter.name] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls[adapter.name] -= 1
+                if self._calls[adapter.name] <= 0:
+                    del self._calls[adapter.name]
 
     def _activate(self, adapter: Adapter | None) -> None:
         """(holding the turn) Make ``adapter`` the only active one, or disable every adapter."""
@@ -269,8 +284,9 @@ class AdapterPool:
     def _evict_beyond_capacity(self, keep: Adapter) -> None:
         if self.max_adapters is None:
             return
-        busy = {id(a) for a in self._stack}  # a turn in progress (an outer one included) keeps its tensors
-        resident = sorted((a for a in self.in_memory() if a is not keep and id(a) not in busy),
+        with self._lock:  # the turn's adapter, and every adapter with a call in progress, keep their tensors
+            busy = set(self._calls) | ({self._holder.name} if self._holder is not None else set())
+        resident = sorted((a for a in self.in_memory() if a is not keep and a.name not in busy),
                           key=lambda a: a.last_used)
         while resident and len(resident) + 1 > self.max_adapters:
             self._offload(resident.pop(0))

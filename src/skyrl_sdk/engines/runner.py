@@ -24,7 +24,7 @@ from .batching import make_micro_batches, pack_inputs
 from .call_grads import call_gradients
 from .optimizer import Optimizer, total_norm
 from .sharing import PrefixSharing
-from .turns import between_micro_batches
+from .turns import Steps, run_to_end
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,15 @@ class ModelRunner:
         self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None
     ) -> EngineResult:
         """Score ``data``; ``batches`` is a precomputed :meth:`plan` (sharded engines count it first)."""
+        return run_to_end(self.steps(data, loss, backward=backward, batches=batches))
+
+    def steps(
+        self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None
+    ) -> Steps[EngineResult]:
+        """:meth:`run` as a stepped call (:mod:`.turns`): it yields after every micro-batch but the
+        last, with no graph alive and the finished micro-batches' gradients accumulated (kept apart
+        from the pending ones until the call ends, :mod:`.call_grads`), so whoever drives it may run
+        other calls there, or throw an exception in to stop it (the call then fails as on any error)."""
         spec = loss.spec
         batches = self.plan(data) if batches is None else batches
         outputs: list[dict[str, np.ndarray] | None] = [None] * len(data)
@@ -133,7 +142,7 @@ class ModelRunner:
             for i, mb in enumerate(progress):
                 self._run_micro_batch(data, mb, loss, backward, outputs, acc)
                 if i + 1 < len(batches):
-                    between_micro_batches()  # a scheduler may give others a turn here, or stop the call
+                    yield  # a boundary: the driver may run other calls now, or stop this one
         acc.add({"num_tokens:sum": Metric(float(sum(d.model_input.length for d in data)))})
         logger.debug("%s: %d datums in %d micro-batches", spec.name, len(data), len(batches))
         return EngineResult(outputs=outputs, metric_state=acc.state())  # type: ignore[arg-type]

@@ -1,17 +1,23 @@
-"""Round-robin turns: :class:`RoundRobin`, the one turn order (the server's compute executor
-uses it too), and :class:`FairGate`, turns on one shared resource (a base model that several
-clients compute on).
+"""Turns and steps: how calls share one device without ever running inside each other.
 
-A plain lock lets whichever thread the OS wakes first win, so a client that queues calls
-back to back can starve the others. :class:`FairGate` instead hands the resource to the
-waiting *keys* (clients) in rotation: after a key's turn it goes to the back of the line,
-so with k clients waiting each gets one turn in every k. Within one key, turns are granted
-in arrival order (each client's own request order is kept).
+A *stepped call* (:data:`Steps`) is a call cut at its micro-batch boundaries: a generator
+that computes one step (a micro-batch, or the checks and planning before the first one) each
+time it is resumed, yields at each boundary with no graph alive (the gradients of the finished
+micro-batches accumulated), and returns the call's result. Whoever drives it decides at every
+boundary what runs next, as vLLM's engine core decides between its steps: the server's compute
+executor (``server.compute.executor``) runs other clients' short calls there, from its own
+loop, each on a stack of its own, then resumes the paused call; :func:`run_to_end` drives a
+call with nobody in between (what ``Backend.forward_backward`` does in process). A call is
+never run inside another call's stack, and a turn is never taken inside a turn.
 
-:func:`between_micro_batches` is the one place a long call can give way: the micro-batch loop
-calls it after every micro-batch but the last, and whoever runs the call on that thread (the
-server's compute executor, via :func:`on_micro_batch`) may run other clients' short turns
-there or stop the call. Without a hook installed it does nothing.
+:class:`RoundRobin` is the one turn order (the executor's too), and :class:`FairGate` turns on
+one shared resource (a base model that several clients compute on): a plain lock lets
+whichever thread the OS wakes first win, so a client that queues calls back to back can starve
+the others. :class:`FairGate` instead hands the resource to the waiting *keys* (clients) in
+rotation: after a key's turn it goes to the back of the line, so with k clients waiting each
+gets one turn in every k. Within one key, turns are granted in arrival order. A stepped call
+on a shared base takes one turn per step (:func:`each_step`), so it holds the base only while
+it computes.
 """
 
 from __future__ import annotations
@@ -19,32 +25,74 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Callable, Generator, Hashable, Iterator
+from typing import Any, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 M = TypeVar("M", bound=Hashable)
+T = TypeVar("T")
+#: A stepped call returning ``T``: yields (None) at each micro-batch boundary, returns ``T``.
+#: Drive it to its end (or close it) on the thread that started it.
+Steps = Generator[None, None, T]
 _local = threading.local()
 
 
-def between_micro_batches() -> None:
-    """Called by the micro-batch loop between micro-batches (no graph alive, gradients of the
-    finished ones accumulated): runs this thread's hook, if one is installed. The hook may
-    raise to stop the call (the loop then fails it as any exception does)."""
-    hook = getattr(_local, "hook", None)
-    if hook is not None:
-        hook()
+def run_to_end(steps: Steps[T]) -> T:
+    """Run a stepped call to its end on this thread, giving way to nobody at its boundaries."""
+    counts = getattr(_local, "counts", ())
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+        for count in counts:
+            count[0] += 1
+
+
+def one_step(call: Callable[..., T], *args: Any, **kwargs: Any) -> Steps[T]:
+    """``call(*args, **kwargs)`` as a stepped call of one step (no boundary): for a call that
+    cannot pause, such as one that computes in other processes."""
+    yield from ()
+    return call(*args, **kwargs)
+
+
+def each_step(turn: Callable[[], contextlib.AbstractContextManager[Any]], steps: Steps[T]) -> Steps[T]:
+    """``steps`` with each step inside a turn of its own (``turn()``): the turn is held while a
+    step computes and given back at every boundary, so while the call waits there another call
+    may take it. What the driver throws in at a boundary (a stop, or ``close``) reaches ``steps``
+    inside a turn too, so the call cleans up holding it."""
+    thrown: BaseException | None = None
+    try:
+        while True:
+            with turn():
+                try:
+                    if thrown is None:
+                        next(steps)
+                    else:
+                        steps.throw(thrown)
+                except StopIteration as stop:
+                    return stop.value
+            try:
+                yield
+            except BaseException as exc:  # a stop or a close: handed to the call, which re-raises it
+                thrown = exc
+            else:
+                thrown = None
+    finally:
+        steps.close()  # a no-op once it ended; else (its turn could not be had) it cleans up now
 
 
 @contextlib.contextmanager
-def on_micro_batch(hook: Callable[[], None]) -> Iterator[None]:
-    """Install ``hook`` for calls this thread runs inside the block."""
-    previous = getattr(_local, "hook", None)
-    _local.hook = hook
+def count_boundaries() -> Iterator[list[int]]:
+    """Count the boundaries of the stepped calls this thread runs with :func:`run_to_end` inside
+    the block (the list holds the running total): a call of k micro-batches adds k - 1."""
+    count = [0]
+    before = getattr(_local, "counts", ())
+    _local.counts = (*before, count)
     try:
-        yield
+        yield count
     finally:
-        _local.hook = previous
+        _local.counts = before
 
 
 class RoundRobin(Generic[K, M]):
@@ -102,14 +150,14 @@ class RoundRobin(Generic[K, M]):
 
 
 class FairGate:
-    """A reentrant lock whose turns go round-robin across keys (see the module docstring)."""
+    """A lock whose turns go round-robin across keys (see the module docstring). Turns never
+    nest: the thread that holds one and asks again gets a RuntimeError, not a second turn."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._order = RoundRobin()
         self._granted: object | None = None
         self._owner: int | None = None
-        self._depth = 0
         #: keys in the order their turns were granted (the scheduler test reads it; bounded)
         self.history: collections.deque = collections.deque(maxlen=1024)
 
@@ -122,25 +170,23 @@ class FairGate:
     def turn(self, key: Hashable) -> Iterator[None]:
         me = threading.get_ident()
         with self._cv:
-            if self._owner == me:  # nested call of the thread that holds the turn
-                self._depth += 1
-            else:
-                ticket = object()
-                self._order.add(key, ticket)
-                self._grant()
-                while self._granted is not ticket:
-                    self._cv.wait()
-                self._owner, self._depth = me, 1
-                self.history.append(key)
+            if self._owner == me:
+                raise RuntimeError(f"a turn for {key!r} asked for by the thread that holds one: turns never nest "
+                                   f"(a call runs in its own turn, never inside another's)")
+            ticket = object()
+            self._order.add(key, ticket)
+            self._grant()
+            while self._granted is not ticket:
+                self._cv.wait()
+            self._owner = me
+            self.history.append(key)
         try:
             yield
         finally:
             with self._cv:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._owner = None
-                    self._granted = None
-                    self._grant()
+                self._owner = None
+                self._granted = None
+                self._grant()
 
     def _grant(self) -> None:
         if self._granted is None and (picked := self._order.next()) is not None:

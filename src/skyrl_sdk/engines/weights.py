@@ -53,6 +53,10 @@ class EngineWeights(WeightsSource):
         self.in_process = True
 
     @property
+    def version(self) -> int:
+        return self._engine.weights_version
+
+    @property
     def base_key(self) -> Hashable:
         return self._base_key
 

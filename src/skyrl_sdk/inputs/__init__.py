@@ -7,7 +7,8 @@ path, whether the values come from Python or from ``skyrl-sdk serve``'s wire.
   types, for the HTTP server and for mappings given in process;
 - :mod:`.tinker_proto`: Tinker's protobuf ``ForwardBackwardRequest`` -> our types (needs the
   ``tinker`` package: imported by the server only);
-- :mod:`.sample`: a sample call's arguments -> one typed ``SampleCall``;
+- :mod:`.sample`: a sample call's arguments (in process or Tinker's JSON) -> the one
+  :class:`~skyrl_sdk.types.SampleRequest`;
 - :mod:`.limits`: the length limits, in one wording.
 
 Every reader refuses a key its type does not have, naming it and the nearest known one

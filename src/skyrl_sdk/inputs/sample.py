@@ -1,10 +1,11 @@
-"""A sample call, typed once: ``Backend.sample`` and the server's ``asample`` both build it
-here, so both accept and refuse the same things with the same messages (the server adds its
-bounds on ``num_samples`` and ``topk_prompt_logprobs``).
+"""A sample call's arguments, made the one :class:`~skyrl_sdk.types.SampleRequest`:
+``Backend.sample`` and the server's ``asample`` both build it here, so both accept and refuse
+the same things with the same messages (the server adds its bounds on ``num_samples`` and the
+top-k widths).
 
-A new option of the call goes here, in one place: a field of :class:`SampleCall`, a
-parameter of :func:`sample_call` and its key in :data:`CALL_KEYS` (then the server reads it
-from Tinker's JSON ``SampleRequest`` by the same name).
+The options are the request's fields: :data:`OPTION_KEYS` (its fields but ``prompts``) are
+the keyword arguments :func:`sample_request_from_any` takes and the keys read from Tinker's
+JSON ``SampleRequest``, so a new option is a new field of ``SampleRequest`` and nothing here.
 """
 
 from __future__ import annotations
@@ -16,79 +17,38 @@ import attrs
 import numpy as np
 
 from ..errors import InputError, quoted, refuse_unknown_keys
-from ..types import ImageChunk, ModelInput, SamplingParams
+from ..types import ImageChunk, ModelInput, SampleRequest
 from ..types.arrays import as_numpy
-from ..types.numbers import check_number, check_sample_counts
+from ..types.numbers import check_number
+from ..types.sample_request import MAX_TARGET_PROMPT_IDS, WIDTHS
 from .coerce import prompts_from_any, sampling_params_from_any
 from .tinker_json import TENSOR_KEYS, model_input_from_json
 
-#: the keys of Tinker's JSON ``SampleRequest`` that are arguments of :func:`sample_call`
-#: by the same name (``prompt``, one prompt, is read apart)
-CALL_KEYS = ("sampling_params", "num_samples", "prompt_logprobs", "topk_prompt_logprobs", "record_stability_info",
-             "topk_sample_logprobs", "prompt_alt_tokens_k")
-#: most token ids a ``target_prompt_logprobs`` row may name (its K)
-MAX_TARGET_PROMPT_IDS = 1024
+#: a sample call's options: every field of ``SampleRequest`` but its prompts (Tinker's JSON
+#: ``SampleRequest`` has them by the same names; it has one ``prompt``)
+OPTION_KEYS = tuple(f.name for f in attrs.fields(SampleRequest) if f.name != "prompts")
 
 
-@attrs.frozen(eq=False)
-class SampleCall:
-    """One sample call's checked values."""
-
-    #: each prompt's token ids (1-D int64, at least one token), or its ``ModelInput`` when it
-    #: holds images (the model's image processor reads them before compute)
-    prompts: tuple[np.ndarray | ModelInput, ...]
-    sampling_params: SamplingParams
-    #: continuations per prompt (>= 1)
-    num_samples: int = 1
-    #: whether each prompt token's logprob is returned too
-    prompt_logprobs: bool = False
-    #: per prompt position, this many most likely (token, logprob) pairs (0: none)
-    topk_prompt_logprobs: int = 0
-    #: whether every sampled sequence is recorded for ``stable_reinforce`` (and gets a sequence_id)
-    record_stability_info: bool = False
-    #: per sampled position, this many most likely (token, logprob) pairs (0: none)
-    topk_sample_logprobs: int = 0
-    #: per prompt, an int64 ``[len(prompt) - 1, K]`` array of token ids to score (-1: none), or None
-    target_prompt_logprobs: tuple[np.ndarray | None, ...] | None = None
-    #: draws at every prompt position after the first (0: none)
-    prompt_alt_tokens_k: int = 0
-
-    def scores(self) -> dict[str, Any]:
-        """Tinker's other scores asked for (the sampler's keyword arguments; none by default)."""
-        asked = {"topk_sample_logprobs": self.topk_sample_logprobs, "prompt_alt_tokens_k": self.prompt_alt_tokens_k,
-                 "target_prompt_logprobs": self.target_prompt_logprobs}
-        return {k: (list(v) if k == "target_prompt_logprobs" else v) for k, v in asked.items() if v}
-
-
-def sample_call(prompts: Any, sampling_params: Any = None, num_samples: Any = 1, prompt_logprobs: Any = False,
-                   topk_prompt_logprobs: Any = 0, record_stability_info: Any = False, topk_sample_logprobs: Any = 0,
-                   target_prompt_logprobs: Any = None, prompt_alt_tokens_k: Any = 0, *,
-                   max_num_samples: int | None = None, max_topk: int | None = None) -> SampleCall:
-    """Check a sample call's arguments, the prompts first; values already typed (token-id
-    arrays, a ``SamplingParams``) pass through unchanged. ``max_topk`` bounds every width
-    (top-k prompt and sample logprobs, alternative draws per position)."""
+def sample_request_from_any(prompts: Any, sampling_params: Any = None, *, max_num_samples: int | None = None,
+                            max_topk: int | None = None, **options: Any) -> SampleRequest:
+    """Check a sample call's arguments, the prompts first: ``prompts`` and ``sampling_params``
+    as :mod:`.coerce` reads them (values already typed pass through unchanged), ``options`` by
+    the names of :data:`OPTION_KEYS`. ``max_num_samples`` and ``max_topk`` (every width: top-k
+    prompt and sample logprobs, alternative draws per position) are the caller's bounds."""
+    refuse_unknown_keys("sample", options, OPTION_KEYS)
     arrays = prompts_from_any(prompts)
-    num_samples, topk = check_sample_counts(num_samples, topk_prompt_logprobs, max_num_samples=max_num_samples,
-                                            max_topk=max_topk)
-    params = sampling_params_from_any(sampling_params)
-    for name, flag in (("prompt_logprobs", prompt_logprobs), ("record_stability_info", record_stability_info)):
-        if not isinstance(flag, bool):
-            raise InputError(f"{name}: expected true or false, got {quoted(flag)}")
-    widths = [check_number(name, value, low=0, high=max_topk, integer=True) for name, value in
-              (("topk_sample_logprobs", topk_sample_logprobs), ("prompt_alt_tokens_k", prompt_alt_tokens_k))]
-    targets = _target_ids(arrays, target_prompt_logprobs)
-    images = any(not isinstance(p, np.ndarray) for p in arrays)
-    for name, asked in (("record_stability_info", record_stability_info), ("prompt_alt_tokens_k", widths[1])):
-        if asked and images:
-            raise InputError(f"{name}: not available for a prompt with images")
-    return SampleCall(tuple(arrays), params, num_samples, prompt_logprobs, topk, record_stability_info,
-                         widths[0], targets, widths[1])
+    bounds = {"num_samples": (1, max_num_samples), **{w: (0, max_topk) for w in WIDTHS}}
+    for name, (low, high) in bounds.items():
+        if high is not None and name in options:
+            check_number(name, options[name], low=low, high=high, integer=True)
+    if "target_prompt_logprobs" in options:
+        options["target_prompt_logprobs"] = _target_ids(arrays, options["target_prompt_logprobs"])
+    return SampleRequest(prompts=arrays, sampling_params=sampling_params_from_any(sampling_params), **options)
 
 
-def _target_ids(prompts: list[np.ndarray], value: Any) -> tuple[np.ndarray | None, ...] | None:
-    """``target_prompt_logprobs``: one entry per prompt, an int64 ``[len(prompt) - 1, K]`` array
-    of token ids (-1: none, at least one named) or None. Token ids against the vocabulary are
-    the model's to check."""
+def _target_ids(prompts: list[np.ndarray | ModelInput], value: Any) -> tuple[np.ndarray | None, ...] | None:
+    """``target_prompt_logprobs`` as the request holds it: one entry per prompt, each made an
+    int64 array (or None); None when no entry names ids. The request checks the rest."""
     if value is None:
         return None
     if isinstance(value, np.ndarray) or not isinstance(value, Sequence) or isinstance(value, (str, bytes)) \
@@ -98,23 +58,10 @@ def _target_ids(prompts: list[np.ndarray], value: Any) -> tuple[np.ndarray | Non
     out = []
     for i, (prompt, ids) in enumerate(zip(prompts, value, strict=True)):
         where = f"target_prompt_logprobs[{i}]" if len(prompts) > 1 else "target_prompt_logprobs"
-        if ids is None:
-            out.append(None)
-            continue
-        if not isinstance(prompt, np.ndarray):
+        if ids is not None and isinstance(prompt, ModelInput):
             raise InputError(f"{where}: not available for a prompt with images (its positions are known only "
                              f"once the image processor has read them)")
-        ids = as_numpy(ids, "int64", where)
-        rows = int(prompt.size) - 1
-        if ids.ndim != 2 or ids.shape[0] != rows or not 1 <= ids.shape[1] <= MAX_TARGET_PROMPT_IDS:
-            raise InputError(f"{where}: expected shape [len(prompt) - 1, K] = [{rows}, K] with 1 <= K <= "
-                             f"{MAX_TARGET_PROMPT_IDS}, got {list(ids.shape)}")
-        if (ids < -1).any():
-            r, c = (int(x) for x in np.argwhere(ids < -1)[0])
-            raise InputError(f"{where}[{r}, {c}]: expected a token id or -1 (none), got {int(ids[r, c])}")
-        if not (ids >= 0).any():
-            raise InputError(f"{where}: names no token id (every cell is -1)")
-        out.append(ids)
+        out.append(None if ids is None else as_numpy(ids, "int64", where))
     return tuple(out) if any(a is not None for a in out) else None
 
 
@@ -126,8 +73,8 @@ def declared_length(prompt: np.ndarray | ModelInput) -> int:
     return sum(c.length if not isinstance(c, ImageChunk) else c.expected_tokens or 0 for c in prompt.chunks)
 
 
-def sample_call_from_json(body: Mapping[str, Any], *, max_num_samples: int | None = None,
-                             max_topk: int | None = None) -> SampleCall:
+def sample_request_from_json(body: Mapping[str, Any], *, max_num_samples: int | None = None,
+                             max_topk: int | None = None) -> SampleRequest:
     """The call in Tinker's JSON ``SampleRequest`` (one ``prompt``; a key sent as null takes
     its default). The other keys (where to sample from, how to shape the answer) are the
     caller's to read."""
@@ -137,10 +84,10 @@ def sample_call_from_json(body: Mapping[str, Any], *, max_num_samples: int | Non
         prompt = model_input_from_json(body["prompt"])
     except InputError as exc:
         raise InputError(f"prompt 0: {exc}") from None
-    given = {k: body[k] for k in CALL_KEYS if body.get(k) is not None}
-    if body.get("target_prompt_logprobs") is not None:
-        given["target_prompt_logprobs"] = [target_ids_from_json(body["target_prompt_logprobs"])]
-    return sample_call([prompt], **given, max_num_samples=max_num_samples, max_topk=max_topk)
+    given = {k: body[k] for k in OPTION_KEYS if body.get(k) is not None}
+    if "target_prompt_logprobs" in given:
+        given["target_prompt_logprobs"] = [target_ids_from_json(given["target_prompt_logprobs"])]
+    return sample_request_from_any([prompt], max_num_samples=max_num_samples, max_topk=max_topk, **given)
 
 
 def target_ids_from_json(obj: Any) -> np.ndarray:

@@ -22,6 +22,8 @@ from tinker.proto import tinker_public_pb2 as pb
 from ..errors import DatumError, InputError, refuse_unknown_keys
 from ..types import Datum, ModelInput, densify_csr
 from ..types.model_input import chunk_from_fields
+from ..types.numbers import check_number
+from ..types.provenance import span_count_problem
 from .limits import sequence_length_problem
 
 _PROTO_TO_NUMPY = {
@@ -33,6 +35,22 @@ _PROTO_TO_NUMPY = {
 MAX_VALUES_PER_POSITION = 1024
 #: what the server's sequence limit comes from (in its messages)
 SERVER_LIMIT = "this server's limit: --max-seq-len, or the model's max_position_embeddings"
+#: the largest ``seq_id`` (protobuf's int64)
+MAX_SEQ_ID = 2**63 - 1
+
+
+def check_seq_id(value: Any) -> int | None:
+    """A training request's ``seq_id``, one rule for its JSON and its protobuf form: absent
+    (None) or an integer 1..int64 (the tinker client numbers a model's requests from 1); 0 in
+    a protobuf request is its field's default, so it reads as absent there. Anything else is
+    refused by name, in both forms alike: a request numbered outside the order never runs."""
+    if value is None:
+        return None
+    try:
+        return check_number("seq_id", value, low=1, high=MAX_SEQ_ID, integer=True)
+    except InputError as exc:
+        raise InputError(f"{exc} (a model's requests are numbered from 1 in the order they must run; leave "
+                         f"seq_id out for a request that waits for none)") from None
 
 
 @attrs.frozen(eq=False)
@@ -72,7 +90,9 @@ def forward_backward_from_proto(body: bytes, max_seq_len: Callable[[str], int | 
         config.setdefault(key, value)
     data, error = None, None
     tokens = sum(_declared_tokens(d) for d in msg.data)
+    seq_id = None
     try:
+        seq_id = check_seq_id(msg.seq_id or None)  # 0: the field's default, not sent
         if max_tokens is not None and tokens > max_tokens:
             raise InputError(f"forward_backward: {tokens} tokens in {len(msg.data)} datums; this server accepts at "
                              f"most {max_tokens} tokens per request (--max-tokens-per-request): send the data in "
@@ -85,7 +105,7 @@ def forward_backward_from_proto(body: bytes, max_seq_len: Callable[[str], int | 
         error = str(exc)
     return ForwardBackwardRequest(
         model_id=msg.model_id,
-        seq_id=msg.seq_id if msg.seq_id > 0 else None,
+        seq_id=seq_id,
         loss_fn=msg.loss_fn or "cross_entropy",
         loss_fn_config=config or None,
         forward_only=bool(msg.forward_only),
@@ -141,6 +161,12 @@ def _datum_from_proto(msg: Any, index: int, limit: int | None) -> Datum:
     problem = sequence_length_problem(length, limit, source=SERVER_LIMIT)
     if problem:
         raise DatumError(problem, index=index)
+    targets = msg.loss_fn_inputs["target_tokens"].shape[:1] if "target_tokens" in msg.loss_fn_inputs else [length]
+    targets_length = int(targets[0]) if targets else 1
+    for field, spans, positions in (("model_input_spans", msg.model_input_spans, length),
+                                    ("loss_fn_input_spans", msg.loss_fn_input_spans, targets_length)):
+        if (problem := span_count_problem(field, len(spans), positions)) is not None:
+            raise DatumError(problem, index=index)  # from the counts, before a span is built
     try:
         chunks = [_chunk_from_proto(chunk, f"model_input.chunks[{j}]") for j, chunk in enumerate(msg.model_input)]
     except InputError as exc:

@@ -7,7 +7,8 @@ that turns a client's ``(loss_fn, loss_fn_config)`` into a computed loss.
 - the built-ins: :mod:`.sft`, :mod:`.policy`, :mod:`.critic`; how client names map onto
   them: :mod:`.dialects`;
 - engine-side: :mod:`.resolve` (name + config -> :class:`~.resolve.ResolvedLoss`),
-  :mod:`.validation` (a call's datums checked before compute), :mod:`.terms` and
+  :mod:`.validation` (a call's datums checked before compute), :mod:`.calls` (a call's data
+  on its one way down: made our types, images read, provenance resolved, checked), :mod:`.terms` and
   :mod:`.reduction` (loss_reduction, KL and entropy terms), :mod:`.run` (one micro-batch).
 """
 

@@ -13,8 +13,11 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import attrs
+import numpy as np
 import torch
 
+from ..errors import DatumError
+from ..types import Datum
 from .metrics import Metric
 
 Role = Literal["policy", "critic"]
@@ -166,3 +169,15 @@ LOG_RATIO_CLAMP = 20.0
 def safe_ratio(target_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> torch.Tensor:
     """``exp(lp - q)`` with ``lp - q`` clamped to [-20, 20] for numerical safety."""
     return torch.exp((target_logprobs - sampler_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def check_finite_inputs(datum: Datum, index: int) -> None:
+    """Every loss input of ``datum`` but its token ids holds finite values, else a DatumError
+    naming the first offender. Every loss is held to it, before anything reads the values (a
+    loss whose inputs are replaced from records, as ``stable_reinforce``'s logprobs, too)."""
+    for key, tensor in datum.loss_fn_inputs.items():
+        array = tensor.array
+        if key != "target_tokens" and array.size and not np.isfinite(array).all():
+            bad = int(np.flatnonzero(~np.isfinite(array.reshape(-1)))[0])
+            raise DatumError(f"expected finite values, got {array.reshape(-1)[bad]} at flat position {bad}",
+                             index=index, key=key)

@@ -122,7 +122,23 @@ def convert_native(loss_fn, loss_fn_config, role):
     return None
 
 
+def tinker_config_keys(loss_fn: str, role: str, spec: Any) -> dict[str, Any] | None:
+    """The config keys a Tinker client sends to ``loss_fn`` (resolved to ``spec``), with their
+    defaults (an absolute bound's from the native offset's); None for a name the dialect does
+    not claim (it falls through to the registry with the loss's own keys)."""
+    table = _CRITIC if role == "critic" else _POLICY
+    if loss_fn not in table:
+        return None
+    native, accepted = table[loss_fn]
+    defaults = spec.config_defaults()
+    if native in _OFFSET_KEYS:
+        lo, hi = _OFFSET_KEYS[native]
+        return {"clip_low_threshold": 1.0 - defaults[lo], "clip_high_threshold": 1.0 + defaults[hi]}
+    return {key: defaults.get(key) for key in accepted}
+
+
 convert_tinker.names = tuple(_POLICY)  # type: ignore[attr-defined]
+convert_tinker.config_keys = tinker_config_keys  # type: ignore[attr-defined]
 
 
 @hookimpl

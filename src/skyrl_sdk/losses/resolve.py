@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 
-from ..errors import LossConfigError, UnknownLossError, did_you_mean
+from ..errors import LossConfigError, UnknownLossError, closest, did_you_mean
 from .base import DialectSpec, LossSpec
-from .terms import LossTerms, build_terms, required_inputs, split_terms, term_keys
+from .contract import dialect_config_keys
+from .terms import TERM_KEY_MEANING, TERM_KEY_OF_INPUT, LossTerms, build_terms, required_inputs, split_terms, term_keys
 
 
 def loss_label(requested: str, native: str) -> str:
@@ -31,6 +32,9 @@ class ResolvedLoss:
     terms: LossTerms = attrs.field(factory=LossTerms)
     #: The plugin that registered the loss (named when its output is malformed).
     plugin: str | None = None
+    #: input -> why the call needs it, when a config key probably meant another (named in the
+    #: error that says the input is missing: :func:`term_near_misses`)
+    hints: Mapping[str, str] = attrs.field(factory=dict)
     #: Only the model's per-token scores are wanted (a critic's forward that reads its values,
     #: :func:`reading_values`): the loss function is not run and reports no loss.
     scores_only: bool = False
@@ -71,6 +75,20 @@ def build_config(spec: LossSpec, config: Mapping[str, Any] | None, label: str | 
         raise LossConfigError(f"{label}: invalid loss_fn_config: {exc}") from None
 
 
+def term_near_misses(shared: Mapping[str, Any], terms: LossTerms, own_keys: Iterable[str]) -> dict[str, str]:
+    """Input -> hint, for each input a loss term turned on by a key that is close to one of the
+    loss's own keys: ``kl_coef`` (every loss's KL term to a reference model, which needs
+    ``ref_logprobs``) sent to stable_reinforce, whose own key is ``kl_coeff``."""
+    hints = {}
+    for key in required_inputs(terms):
+        term_key = TERM_KEY_OF_INPUT[key]
+        close = closest(term_key, [k for k in own_keys if k != term_key]) if term_key in shared else None
+        if close:
+            hints[key] = (f"did you mean this loss's own {close!r}? {term_key!r} is {TERM_KEY_MEANING[term_key]} "
+                          f"that every loss takes, which reads {key!r}")
+    return hints
+
+
 def resolve_loss(
     losses: Mapping[str, LossSpec],
     dialect: DialectSpec,
@@ -109,6 +127,7 @@ def resolve_loss(
     return ResolvedLoss(
         spec=spec, config=build_config(spec, config, loss_label(loss_fn, spec.name)), requested_name=loss_fn,
         dialect=dialect.name, terms=terms, plugin=spec.plugin,
+        hints=term_near_misses(shared, terms, dialect_config_keys(dialect, loss_fn, spec)),
     )
 
 

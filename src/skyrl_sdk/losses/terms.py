@@ -136,6 +136,9 @@ def build_terms(shared: Mapping[str, Any], role: str, loss_name: str) -> LossTer
 
 #: Inputs only a loss term reads, and what turns that term on (named when one comes without it).
 TERM_INPUTS = {"ref_logprobs": "kl_coef > 0 (the KL term to a reference model)"}
+#: ... the loss_fn_config key of that term, and what that key is
+TERM_KEY_OF_INPUT = {"ref_logprobs": "kl_coef"}
+TERM_KEY_MEANING = {"kl_coef": "the weight of the KL term to a reference model"}
 #: How a caller gets each term input (said when one is missing).
 TERM_INPUT_SOURCES = {
     "ref_logprobs": "the logprobs a frozen reference model gives the same target_tokens: "

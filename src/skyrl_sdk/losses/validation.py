@@ -17,7 +17,8 @@ from ..errors import DatumError, InputError, LossConfigError, did_you_mean
 from ..inputs.limits import prompt_length_problem, sequence_length_problem
 from ..types import Datum
 from ..types.numbers import check_representable
-from .base import LossSpec
+from .base import LossSpec, check_finite_inputs
+from .contract import caller_inputs
 from .reduction import PER_TOKEN_REDUCTIONS
 from .resolve import ResolvedLoss
 from .terms import TERM_INPUT_SOURCES, TERM_INPUTS, with_call_normalizers
@@ -30,7 +31,8 @@ def check_call(data: Sequence[Datum], resolved: ResolvedLoss, vocab_size: int | 
     positions (:func:`validate_data`), the same keys on every datum, what the loss terms need;
     returns ``resolved`` with the call-level normalizers of its reduction filled in."""
     check_resolved(resolved)
-    validate_data(data, resolved.spec, vocab_size, label=resolved.label, max_positions=max_positions)
+    validate_data(data, resolved.spec, vocab_size, label=resolved.label, max_positions=max_positions,
+                  hints=resolved.hints)
     check_same_keys(data)
     if resolved.terms.kl_coef > 0:
         for i, d in enumerate(data):
@@ -83,7 +85,7 @@ def check_prompts(prompts: Sequence[np.ndarray], vocab_size: int, max_positions:
 
 
 def check_target_ids(targets: Sequence[np.ndarray | None] | None, vocab_size: int) -> None:
-    """A sample call's ``target_prompt_logprobs`` (shapes checked by ``inputs.sample``): every
+    """A sample call's ``target_prompt_logprobs`` (shapes checked by ``SampleRequest``): every
     token id named lies in the model's vocabulary."""
     for i, ids in enumerate(targets or ()):
         if ids is not None and (ids >= vocab_size).any():
@@ -94,8 +96,9 @@ def check_target_ids(targets: Sequence[np.ndarray | None] | None, vocab_size: in
 
 
 def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None, label: str | None = None,
-                  max_positions: int | None = None) -> None:
-    """Validate a whole batch against a loss; raise :class:`DatumError` on the first problem."""
+                  max_positions: int | None = None, hints: Mapping[str, str] | None = None) -> None:
+    """Validate a whole batch against a loss; raise :class:`DatumError` on the first problem
+    (``hints``: see :func:`check_loss_inputs`)."""
     for i, datum in enumerate(data):
         tokens = datum.model_input.to_numpy()
         n = int(tokens.shape[0])
@@ -107,19 +110,14 @@ def validate_data(data: Sequence[Datum], spec: LossSpec, vocab_size: int | None,
         if vocab_size is not None:
             check_token_range(tokens, vocab_size, i, "model_input")
         shapes = {k: v.shape for k, v in datum.loss_fn_inputs.items()}
-        check_loss_inputs(spec, shapes, n, index=i, label=label)
+        check_loss_inputs(spec, shapes, n, index=i, label=label, hints=hints)
+        check_finite_inputs(datum, i)
         for key, tensor in datum.loss_fn_inputs.items():
-            array = tensor.array
             if key == "target_tokens":
                 if vocab_size is not None:
-                    check_token_range(array, vocab_size, i, key)
-            elif array.size and not np.isfinite(array).all():
-                bad = int(np.flatnonzero(~np.isfinite(array.reshape(-1)))[0])
-                raise DatumError(
-                    f"expected finite values, got {array.reshape(-1)[bad]} at flat position {bad}", index=i, key=key
-                )
+                    check_token_range(tensor.array, vocab_size, i, key)
             elif key in _RATIO_BOUNDS:
-                _check_ratio_bound(array, key, i)
+                _check_ratio_bound(tensor.array, key, i)
 
 
 def token_range_problem(tokens: np.ndarray, vocab_size: int) -> str | None:
@@ -182,11 +180,13 @@ def check_same_keys(datums: Sequence[Datum]) -> None:
 
 def check_loss_inputs(
     spec: LossSpec, shapes: Mapping[str, tuple[int, ...]], n: int, *, index: int, need_targets: bool = True,
-    label: str | None = None,
+    label: str | None = None, hints: Mapping[str, str] | None = None,
 ) -> None:
     """Required keys present, no unknown keys, first dimension equal to the datum length.
 
-    ``label`` names the loss as the caller typed it (``ResolvedLoss.label``)."""
+    ``label`` names the loss as the caller typed it (``ResolvedLoss.label``); ``hints`` (the
+    ``ResolvedLoss.hints``) adds to the error of a missing input why the call needs it when a
+    config key probably meant another (``kl_coef`` for the loss's own ``kl_coeff``)."""
     label = label or f"loss {spec.name!r}"
     accepted = set(spec.required_inputs) | set(spec.optional_inputs)
     for key in spec.required_inputs:
@@ -194,11 +194,13 @@ def check_loss_inputs(
             continue
         if key not in shapes:
             source = f"; {key}: {TERM_INPUT_SOURCES[key]}" if key in TERM_INPUT_SOURCES else ""
-            raise DatumError(
-                f"{label} requires input {key!r} (required: {list(spec.required_inputs)}), "
-                f"got keys {sorted(shapes)}{source}",
-                index=index,
-            )
+            if hints and key in hints:
+                source = f"; {hints[key]}{source}"
+            caller = caller_inputs(spec)  # what the caller sends (not what provenance writes)
+            required = [k for k in spec.required_inputs if k in caller.required or k in TERM_INPUTS]
+            sent = sorted(k for k in shapes if k not in caller.never_send)
+            raise DatumError(f"{label} requires input {key!r} (required: {required}), got keys {sent}{source}",
+                             index=index)
     for key, shape in shapes.items():
         if key not in accepted:
             hint = (f"; it is a loss term's input: set {TERM_INPUTS[key]} in loss_fn_config, or drop it"

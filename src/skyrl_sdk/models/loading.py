@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..errors import ModelLoadError, did_you_mean
+from ..errors import ModelLoadError, did_you_mean, install_hint
 from ..types import LoraConfig
 from .value_head import CONFIG_FIELD, VALUE_HEAD, ValueHeadModel, initial_value_head
 from .vlm import (
@@ -259,7 +259,7 @@ def apply_lora(model, lora: LoraConfig, seed: int, train_vision_tower: bool = Fa
     try:
         import peft
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ModelLoadError("LoRA needs peft: pip install 'skyrl-sdk[lora]'") from exc
+        raise ModelLoadError(f"LoRA needs peft: {install_hint('lora')}") from exc
     targets = lora_targets(model, lora, train_vision_tower)
     if not targets:
         raise ModelLoadError("LoRA: no Linear modules matched train_attn/train_mlp/train_unembed")

@@ -5,6 +5,12 @@ safetensors weights from the family's config classes (seeded), a byte-level toke
 Qwen's chat and vision markers (``<|im_start|>``, ``<|vision_start|>``, ``<|image_pad|>``...)
 and the image processor's ``preprocessor_config.json``. Nothing is downloaded: tests, docs
 and the cookbook's ``vlm_classifier`` recipe run against it.
+
+It needs Pillow (the image processor; the ``vision`` extra), not pytest: import it from here
+(``skyrl_sdk.testing`` re-exports it for tests). What it needs is checked before anything is
+written, and the directory appears whole or not at all (written beside it, then renamed): a
+half-written one, without its image processor's settings, would load with the family's
+defaults and wrong image sizes.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..errors import ModelLoadError, install_hint
+from .checkpoint import atomic_directory
 from .loading import build_tiny_tokenizer
 
 #: Qwen's chat and vision markers, ids 256.. after the 256 bytes.
@@ -85,18 +93,32 @@ def perturb_norms(model: torch.nn.Module, scale: float = 0.1) -> None:
                 p.add_(scale * torch.randn_like(p))
 
 
-def make_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0) -> Path:
+def check_requirements() -> None:
+    """What :func:`make_tiny_vlm` needs, before it writes anything: Pillow (the image processor)."""
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        raise ModelLoadError(f"make_tiny_vlm needs Pillow (the image processor reads and saves with it): "
+                             f"{install_hint('vision')}") from None
+
+
+def make_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, *, overwrite: bool = False) -> Path:
     """Write a tiny random ``family`` model directory at ``path`` (config, weights, tokenizer,
-    image processor) and return it; the same seed gives the same weights."""
+    image processor) and return it; the same seed gives the same weights. The directory
+    appears whole or not at all; ``overwrite`` replaces one this function wrote before.
+    Needs Pillow (:func:`check_requirements`), not pytest."""
     from transformers import AutoModelForImageTextToText
 
+    check_requirements()
     path = Path(path)
     config = tiny_vlm_config(family)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config)
         perturb_norms(model)
-    model.save_pretrained(str(path))
-    tiny_vlm_tokenizer().save_pretrained(str(path))
-    tiny_image_processor(config).save_pretrained(str(path))
+    processor = tiny_image_processor(config)
+    with atomic_directory(path, overwrite=overwrite) as tmp:
+        model.save_pretrained(str(tmp))
+        tiny_vlm_tokenizer().save_pretrained(str(tmp))
+        processor.save_pretrained(str(tmp))
     return path

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import DuplicateRegistrationError, PluginError, UnknownNameError, did_you_mean
+from ..errors import DuplicateRegistrationError, PluginError, UnknownNameError, did_you_mean, install_hint
 from ..losses.base import DialectSpec, LossSpec
 from ..losses.resolve import ResolvedLoss, resolve_loss
 from .samplers import Sampler
@@ -32,9 +32,8 @@ class FactorySpec:
 
 
 #: What to install for a well-known name that is missing (said with "unknown engine 'fsdp'").
-_INSTALL_HINTS = {("engine", "fsdp"): " (engine 'fsdp' comes with: pip install skyrl-sdk-fsdp)",
-                  ("sampler", "vllm"): " (sampler 'vllm' comes with: pip install 'skyrl-sdk-vllm[gpu]' (CUDA) or "
-                                       "'skyrl-sdk-vllm[cpu]')"}
+_INSTALL_HINTS = {("engine", "fsdp"): f" (the skyrl-sdk-fsdp plugin has it: {install_hint('fsdp')})",
+                  ("sampler", "vllm"): f" (the skyrl-sdk-vllm plugin has it: {install_hint('vllm')})"}
 
 
 @attrs.define

@@ -4,12 +4,14 @@ It sits in the plugins layer so the registry can hold sampler plugins to it when
 register; ``skyrl_sdk.sampling`` re-exports it beside the decode loop.
 
 A :class:`Sampler` is built once per Backend, on its first ``sample``, with a
-:class:`WeightsSource` (never the engine) and its ``sampler_config``. The source gives what
+:class:`WeightsSource` (never the engine) and its ``sampler_config``; each call hands it one
+:class:`~skyrl_sdk.types.SampleRequest` (re-exported here), the object the caller's arguments
+became. The source gives what
 decoding needs and nothing else: the model's facts (tokenizer, config, EOS / padding ids,
 LoRA config, compute dtype), the weights (a Hugging Face directory to start from, the
 current tensors in memory, a LoRA adapter's tensors), a :attr:`~WeightsSource.version` that
-moves whenever the weights change (``optim_step``, ``load_state``), and, for our own decode
-loop, a :class:`skyrl_sdk.sampling.Decoder` where the weights live. The built-in
+moves whenever the weights change (the engine's own count, ``Engine.weights_version``), and,
+for our own decode loop, a :class:`skyrl_sdk.sampling.Decoder` where the weights live. The built-in
 ``transformers`` sampler runs that decoder; an inference engine (the ``vllm`` plugin) loads the weights into its own
 engine and reloads what changed when the version moves.
 
@@ -27,52 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 from ..errors import InputError, PluginError
-from ..types import LoraConfig, ModelInput, SampleOutput, SamplingParams
+from ..types import LoraConfig, SampleOutput, SampleRequest
 from .weight_push import PushLayout, PushTarget
-
-
-@attrs.frozen(eq=False)
-class SampleRequest:
-    """One validated ``Backend.sample`` call, as a sampler receives it.
-
-    ``prompts`` are int64 arrays checked against the vocabulary and the model's positions (a
-    prompt with images, for a vision-language model, is a ``ModelInput`` whose images are read
-    already); ``params`` is a :class:`~skyrl_sdk.types.SamplingParams`. New options arrive as new fields
-    with a default that asks for nothing, so a sampler can refuse, by name, any field it does
-    not serve that a caller set (:meth:`options_set`).
-    """
-
-    prompts: Sequence[np.ndarray | ModelInput]
-    params: SamplingParams
-    num_samples: int = 1
-    #: each prompt token's logprob given the ones before
-    prompt_logprobs: bool = False
-    #: per prompt position, the k most likely (token id, logprob) pairs (0: none)
-    topk_prompt_logprobs: int = 0
-    #: per sampled position, the k most likely (token id, logprob) pairs: each sequence's
-    #: ``topk_logprobs`` (0: none)
-    topk_sample_logprobs: int = 0
-    #: per prompt, an int64 ``[len(prompt) - 1, K]`` array of token ids to score at positions
-    #: 1.. (-1: none), or None: the output's ``target_prompt_logprobs``
-    target_prompt_logprobs: Sequence[np.ndarray | None] | None = None
-    #: k draws at every prompt position after the first, at the request's temperature: the
-    #: output's ``prompt_alt_tokens`` (0: none)
-    prompt_alt_tokens_k: int = 0
-
-    def options_set(self) -> list[str]:
-        """The names of the options this request sets away from their defaults: its own fields
-        (``prompt_logprobs``, ...) and ``SamplingParams``' (``params.top_k``, ...)."""
-        default_params = SamplingParams()
-        names = [f"params.{f.name}" for f in attrs.fields(SamplingParams)
-                 if getattr(self.params, f.name) != getattr(default_params, f.name)]
-        for f in attrs.fields(type(self)):
-            if f.name not in ("prompts", "params") and getattr(self, f.name) != f.default:
-                names.append(f.name)
-        return names
 
 
 @attrs.frozen
@@ -87,11 +48,11 @@ class AdapterWeights:
 class WeightsSource(ABC):
     """The model a sampler samples from, narrowed to what decoding needs (see the module docstring).
 
-    Engines build one (``Engine.weights_source()``); the Backend bumps :attr:`version` after
-    every call that changes the weights. Attributes every source sets: ``tokenizer``,
-    ``hf_config`` (the transformers config), ``eos_token_id``, ``pad_token_id``, ``lora``
-    (a :class:`~skyrl_sdk.types.LoraConfig` or None), ``dtype`` (the compute dtype's name,
-    ``"float32"`` or ``"bfloat16"``) and ``device`` (where the weights live).
+    Engines build one (``Engine.weights_source()``) and give it their :attr:`version`.
+    Attributes every source sets: ``tokenizer``, ``hf_config`` (the transformers config),
+    ``eos_token_id``, ``pad_token_id``, ``lora`` (a :class:`~skyrl_sdk.types.LoraConfig` or
+    None), ``dtype`` (the compute dtype's name, ``"float32"`` or ``"bfloat16"``) and ``device``
+    (where the weights live).
     """
 
     tokenizer: Any = None
@@ -107,17 +68,12 @@ class WeightsSource(ABC):
     #: sampler in this process may read them directly instead of having them pushed
     in_process: bool = False
 
-    _version: int = 0
-
     @property
+    @abstractmethod
     def version(self) -> int:
-        """Moves (never back) whenever the weights change: a sampler holding a copy of them
-        reloads when it differs from the version it loaded."""
-        return self._version
-
-    def weights_changed(self) -> None:
-        """Say the weights changed (the Backend calls it after ``optim_step`` and ``load_state``)."""
-        self._version += 1
+        """The engine's weights version (``Engine.weights_version``, the one count of weight
+        changes): it moves, never back, whenever the weights change, so a sampler holding a copy
+        of them reloads when it differs from the version it loaded."""
 
     @property
     def base_key(self) -> Hashable:

@@ -2,8 +2,9 @@
 
 The contract (:mod:`skyrl_sdk.plugins.samplers`, re-exported here): a :class:`Sampler` gets a
 :class:`WeightsSource` (the model's facts, its weights, a version that moves when they change,
-and a :class:`Decoder` where they live) and a :class:`SampleRequest` per call;
-docs/engines.md, Samplers, has it in full.
+and a :class:`Decoder` where they live) and a :class:`SampleRequest` per call
+(:mod:`skyrl_sdk.types.sample_request`, re-exported here too); docs/engines.md, Samplers, has
+it in full.
 
 Returned logprobs are those of the sampled tokens under the model's own distribution
 (temperature 1, no top-k / top-p), i.e. what ``forward`` reports for the same tokens, so
@@ -20,8 +21,8 @@ from typing import Any
 
 from ..errors import InputError
 from ..hooks import hookimpl
-from ..plugins.samplers import AdapterWeights, Sampler, SampleRequest, WeightsSource
-from ..types import SampleOutput
+from ..plugins.samplers import AdapterWeights, Sampler, WeightsSource
+from ..types import SampleOutput, SampleRequest
 from .decoder import Decoder, ModuleDecoder
 
 __all__ = ["AdapterWeights", "Decoder", "ModuleDecoder", "SampleRequest", "Sampler", "TransformersSampler",

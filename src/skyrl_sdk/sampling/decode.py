@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from ..models.loading import hf_model
 from ..models.scoring import Head, backbone_of
 from ..models.vlm import as_model_input, is_vision_language, padded_rows_inputs, text_config
-from ..types import ModelInput, PromptAltTokens, SampledSequence, SampleOutput, SamplingParams
+from ..types import ModelInput, PromptAltTokens, SampledSequence, SampleOutput, SampleRequest
 from .draw import choose, request_generator
 from .scores import needs_rescoring, prompt_alt_tokens, rescore
 from .scores import prompt_logprobs as score_prompt
@@ -58,28 +58,20 @@ def _left_padded(prompts: Sequence[np.ndarray], pad_token_id: int, device: torch
 def generate(
     module,
     tokenizer,
-    prompts: Sequence[np.ndarray | ModelInput],
-    params: SamplingParams,
-    num_samples: int = 1,
+    request: SampleRequest,
     *,
     device: torch.device,
     eos_token_id: int | None,
     pad_token_id: int,
-    prompt_logprobs: bool = False,
-    topk_prompt_logprobs: int = 0,
     prefix_min_tokens: int | None = None,
-    topk_sample_logprobs: int = 0,
-    target_prompt_logprobs: Sequence[np.ndarray | None] | None = None,
-    prompt_alt_tokens_k: int = 0,
 ) -> list[SampleOutput]:
-    """Sample ``num_samples`` continuations of every prompt; one :class:`SampleOutput` per prompt.
-
-    ``prefix_min_tokens``: the engine's prefix sharing (None: off), for rescoring as ``forward``.
-    Tinker's other scores, all from the same prefill and decode steps:
-    ``topk_sample_logprobs=k`` (the k most likely tokens at every sampled position),
-    ``target_prompt_logprobs`` (per prompt, ``[len - 1, K]`` token ids to score, -1 for none)
-    and ``prompt_alt_tokens_k=k`` (k draws at every prompt position after the first).
+    """Serve ``request`` on ``module``: ``num_samples`` continuations of every prompt, one
+    :class:`SampleOutput` per prompt, and every score it asks for from the same prefill and
+    decode steps (Tinker's ``topk_sample_logprobs``, ``target_prompt_logprobs`` and
+    ``prompt_alt_tokens_k`` included). ``prefix_min_tokens``: the engine's prefix sharing
+    (None: off), for rescoring as ``forward``.
     """
+    prompts, params, num_samples = request.prompts, request.sampling_params, request.num_samples
     hf = hf_model(module)
     backbone = backbone_of(module)
     head = Head(hf.get_output_embeddings(), hf.config)
@@ -104,15 +96,16 @@ def generate(
     plps, topks = [], []
     for p, prompt in enumerate(token_rows):
         h = hidden[p, width - len(prompt):]
-        plps.append(score_prompt(h, head, ids[p, width - len(prompt):], vocab) if prompt_logprobs else None)
-        topks.append(topk_prompt(h, head, topk_prompt_logprobs, vocab) if topk_prompt_logprobs > 0 else None)
+        plps.append(score_prompt(h, head, ids[p, width - len(prompt):], vocab) if request.prompt_logprobs else None)
+        topks.append(topk_prompt(h, head, request.topk_prompt_logprobs, vocab)
+                     if request.topk_prompt_logprobs > 0 else None)
     targets, alts = [None] * len(prompts), [None] * len(prompts)
     for p, d in enumerate(source.tolist()):  # per request prompt: alternatives are drawn for each
         h = hidden[d, width - len(token_rows[d]):]
-        if target_prompt_logprobs is not None and target_prompt_logprobs[p] is not None:
-            targets[p] = score_targets(h, head, target_prompt_logprobs[p], vocab)
-        if prompt_alt_tokens_k > 0:
-            alts[p] = PromptAltTokens(*prompt_alt_tokens(h, head, prompt_alt_tokens_k, params.temperature,
+        if request.target_prompt_logprobs is not None and request.target_prompt_logprobs[p] is not None:
+            targets[p] = score_targets(h, head, request.target_prompt_logprobs[p], vocab)
+        if request.prompt_alt_tokens_k > 0:
+            alts[p] = PromptAltTokens(*prompt_alt_tokens(h, head, request.prompt_alt_tokens_k, params.temperature,
                                                          generator, vocab))
     logits = head(hidden[:, -1]).float()
     # each row's next position: its length, or (M-RoPE) its largest position plus one
@@ -125,7 +118,7 @@ def generate(
         logits, mask, next_pos = logits.index_select(0, index), mask.index_select(0, index), next_pos[index]
     tokens, logprobs, lengths, stopped, topk_rows = _decode(forward_step, head, cache, logits, mask, next_pos, params,
                                                             rules, generator, tokenizer, pad_token_id,
-                                                            topk_sample_logprobs)
+                                                            request.topk_sample_logprobs)
     del cache
     if needs_rescoring(hf):
         logprobs = rescore(backbone, head, vocab, prompts, num_samples, tokens, lengths, pad_token_id, device,

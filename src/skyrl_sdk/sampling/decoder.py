@@ -15,8 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..plugins.samplers import SampleRequest
-from ..types import SampleOutput
+from ..types import SampleOutput, SampleRequest
 
 
 class Decoder(ABC):
@@ -52,10 +51,5 @@ class ModuleDecoder(Decoder):
         from .decode import generate
 
         with self.session() as prefix_min_tokens:
-            return generate(self.module, self.tokenizer, request.prompts, request.params, request.num_samples,
-                            device=self.device, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-                            prompt_logprobs=request.prompt_logprobs,
-                            topk_prompt_logprobs=request.topk_prompt_logprobs, prefix_min_tokens=prefix_min_tokens,
-                            topk_sample_logprobs=request.topk_sample_logprobs,
-                            target_prompt_logprobs=request.target_prompt_logprobs,
-                            prompt_alt_tokens_k=request.prompt_alt_tokens_k)
+            return generate(self.module, self.tokenizer, request, device=self.device, eos_token_id=self.eos_token_id,
+                            pad_token_id=self.pad_token_id, prefix_min_tokens=prefix_min_tokens)

@@ -23,6 +23,7 @@ from .outputs import (
 )
 from .params import MIN_ADAM_EPS, AdamParams, LoraConfig, SamplingParams
 from .provenance import PromptProvenanceSpan, ProvenanceSpan, SampledProvenanceSpan
+from .sample_request import SampleRequest
 from .tensor import INTEGER_KEYS, TensorData, dtype_for_key, to_tensor_data
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "PromptProvenanceSpan",
     "ProvenanceSpan",
     "SampleOutput",
+    "SampleRequest",
     "SampledProvenanceSpan",
     "SampledSequence",
     "SamplingParams",

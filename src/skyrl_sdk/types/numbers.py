@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -37,13 +38,35 @@ def check_number(
     kind = "an integer" if integer else "a finite number"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
         raise error(f"{what}: expected {kind}{bounds}, got {quoted(value)}")
-    number = int(value) if integer else float(value)
-    if not math.isfinite(number):
+    try:  # an integer is finite however long (math.isfinite would overflow past 1e308)
+        number = int(value) if integer else float(value)
+    except OverflowError:  # an integer of 309+ digits as a float
+        number = math.inf
+    if not integer and not math.isfinite(number):
         raise error(f"{what}: expected {kind}{bounds}, got {quoted(value)}")
     if (low is not None and (number <= low if low_open else number < low)) or (
             high is not None and (number >= high if high_open else number > high)):
         raise error(f"{what}: expected {'an integer' if integer else 'a value'}{bounds}, got {quoted(value)}")
     return number
+
+
+#: the text of an integer from a query string or a path: digits, an optional sign, at most 20
+#: characters (int64's longest), so no 4300-digit string is ever converted
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]{1,19}")
+
+
+def integer_from_text(what: str, text: str, *, low: int | None = None, high: int | None = None,
+                      error: type[InputError] = InputError) -> int:
+    """An integer written in a query string or a path (``"20"``, ``"-1"``), within ``low..high``
+    (and int64), as :func:`check_number` words it. Decimals (``"20.0"``), underscores
+    (``"1_000"``), exponents and anything longer than int64's longest are refused, never
+    rounded or converted (Python's ``int()`` and the web framework's parsers accept some)."""
+    low = INT64_MIN if low is None else max(low, INT64_MIN)
+    high = INT64_MAX if high is None else min(high, INT64_MAX)
+    stripped = text.strip()
+    if not _INTEGER_TEXT.fullmatch(stripped):
+        raise error(f"{what}: expected an integer in {low}..{high}, got {quoted(text)}")
+    return check_number(what, int(stripped), low=low, high=high, integer=True, error=error)
 
 
 #: Largest magnitude a loss-config number may have: bfloat16's largest finite value (float32's,
@@ -85,14 +108,6 @@ def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bo
     return " " + " and ".join(parts) if parts else ""
 
 
-def check_sample_counts(num_samples: Any, topk_prompt_logprobs: Any, *, max_num_samples: int | None = None,
-                        max_topk: int | None = None) -> tuple[int, int]:
-    """A sample call's ``num_samples`` (>= 1) and ``topk_prompt_logprobs`` (>= 0), checked alike
-    by ``Backend.sample`` and the server, which also bounds both from above."""
-    return (check_number("num_samples", num_samples, low=1, high=max_num_samples, integer=True),
-            check_number("topk_prompt_logprobs", topk_prompt_logprobs, low=0, high=max_topk, integer=True))
-
-
 def number_validator(
     low: float | None = None,
     high: float | None = None,
@@ -127,5 +142,8 @@ def to_float(value: Any) -> Any:
     """attrs converter for float fields: ints and numpy scalars become plain floats; anything
     else is left as it is for the validator to reject with the field's name."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past 1e308: left for the validator to refuse by name
+            return value
     return value

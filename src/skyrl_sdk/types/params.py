@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 
 from ..errors import AdamParamsError, InputError
-from .numbers import check_number, check_representable, number_validator, to_float
+from .numbers import INT64_MAX, INT64_MIN, check_number, check_representable, number_validator, to_float
 
 #: The smallest eps AdamW may use: float32's (and bfloat16's) smallest normal number. Below
 #: it ``sqrt(v) + eps`` can round to 0 and the update becomes NaN.
@@ -56,8 +56,15 @@ def _is_bool(instance: Any, attribute: Any, value: Any) -> None:
 
 
 def _optional_int(instance: Any, attribute: Any, value: Any) -> None:
+    """A seed: None or an int64 (what torch's generators take)."""
     if value is not None:
-        check_number(f"{type(instance).__name__}.{attribute.name}", value, integer=True)
+        check_number(f"{type(instance).__name__}.{attribute.name}", value, low=INT64_MIN, high=INT64_MAX,
+                     integer=True)
+
+
+#: the largest LoRA rank (a rank above a layer's width adds nothing; this bounds the memory a
+#: request can ask for before the model is even looked at)
+MAX_LORA_RANK = 2**16
 
 
 @attrs.frozen
@@ -65,7 +72,7 @@ class LoraConfig:
     """LoRA adapters (trained with peft)."""
 
     #: Adapter rank (a positive integer).
-    rank: int = attrs.field(default=8, validator=number_validator(1, integer=True, qualified=True))
+    rank: int = attrs.field(default=8, validator=number_validator(1, MAX_LORA_RANK, integer=True, qualified=True))
     #: LoRA scaling numerator: the update is scaled by ``alpha / rank`` (Tinker's default 32).
     alpha: float = attrs.field(default=32.0, converter=to_float,
                                validator=number_validator(0.0, low_open=True, qualified=True))
@@ -98,7 +105,7 @@ def _stop(value: Any) -> tuple[int | str, ...] | None:
                 raise InputError(f"SamplingParams.stop[{i}]: expected a non-empty string")
             out.append(item)
         else:
-            out.append(check_number(f"SamplingParams.stop[{i}]", item, low=0, integer=True))
+            out.append(check_number(f"SamplingParams.stop[{i}]", item, low=0, high=INT64_MAX, integer=True))
     return tuple(out)
 
 
@@ -107,12 +114,12 @@ class SamplingParams:
     """How to sample: Tinker's fields."""
 
     #: Most tokens to generate per sample (>= 1).
-    max_tokens: int = attrs.field(default=16, validator=number_validator(1, integer=True, qualified=True))
+    max_tokens: int = attrs.field(default=16, validator=number_validator(1, INT64_MAX, integer=True, qualified=True))
     #: Softmax temperature (>= 0; 0 is greedy).
     temperature: float = attrs.field(default=1.0, converter=to_float,
                                      validator=number_validator(0.0, qualified=True))
     #: Keep the k most likely tokens (-1: off).
-    top_k: int = attrs.field(default=-1, validator=number_validator(-1, integer=True, qualified=True))
+    top_k: int = attrs.field(default=-1, validator=number_validator(-1, INT64_MAX, integer=True, qualified=True))
     #: Nucleus sampling mass, in (0, 1].
     top_p: float = attrs.field(default=1.0, converter=to_float,
                                validator=number_validator(0.0, 1.0, low_open=True, qualified=True))

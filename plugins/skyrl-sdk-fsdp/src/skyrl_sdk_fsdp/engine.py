@@ -216,9 +216,10 @@ class FSDPEngine(Engine):
     def weights_source(self) -> FSDPWeights:
         return FSDPWeights(self)
 
-    def dispatch_sample(self, **request: Any) -> list[SampleOutput]:
-        """(``RankZeroDecoder``) Our decode loop on rank 0's gathered copy of the weights."""
-        return self._all("sample", **request)[0]
+    def dispatch_sample(self, request: dict[str, Any]) -> list[SampleOutput]:
+        """(``RankZeroDecoder``) Our decode loop on rank 0's copy of the weights at this engine's
+        weights version (gathered again when it moved); ``request`` as ``sample_request_to_plain``."""
+        return self._all("sample", request=request, weights_version=self.weights_version)[0]
 
     # ---- introspection ----------------------------------------------------------------
     def gradients(self) -> dict[str, np.ndarray]:

@@ -15,20 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from skyrl_sdk import errors, get_registry
 from skyrl_sdk.engines import EngineConfig, EngineInfo, image_inputs, runner_options, scoring_model
-from skyrl_sdk.engines.plain import datums_from_plain, loss_from_plain, model_input_from_plain
+from skyrl_sdk.engines.plain import datums_from_plain, loss_from_plain, sample_request_from_plain
 from skyrl_sdk.engines.state import StateLayout
 from skyrl_sdk.models import hf_model
 from skyrl_sdk.models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, load_tensors
 from skyrl_sdk.models.vlm import auto_class
 from skyrl_sdk.sampling import generate
-from skyrl_sdk.types import AdamParams, LoraConfig, SamplingParams
+from skyrl_sdk.types import AdamParams, LoraConfig
 
 from .gather import StreamingGather
 from .loading import load_rank_model, materialize, tied_aliases
@@ -99,7 +98,7 @@ class RankEngine:
         self.engine_info = attrs.asdict(attrs.evolve(info, prefix_sharing=self.runner.prefix_status))
         self.gather = StreamingGather(self.loaded, self.runner, self.aliases, self.hf_aliases, self.rank)
         self.push = RankPush(self.loaded, self.hf_aliases, self.rank, session.world_size)
-        self.weights_version = 0  # bumped whenever the weights change (sampler cache key)
+        #: rank 0's unsharded copy of the weights, and the controller's weights version it holds
         self._sampler: tuple[int, Any] | None = None
         self.in_collectives = False
 
@@ -128,10 +127,7 @@ class RankEngine:
 
     def op_optim_step(self, params: dict, grad_scale: float):
         self._collectives()
-        metrics = self.runner.optimizer.step(AdamParams(**params), grad_scale)
-        if not metrics.get("skipped"):
-            self.weights_version += 1
-        return metrics
+        return self.runner.optimizer.step(AdamParams(**params), grad_scale)
 
     def op_zero_grad(self):
         self.runner.zero_grad()
@@ -198,7 +194,6 @@ class RankEngine:
             self.runner.optimizer.state_replaced(step)
         else:
             self.runner.optimizer.reset()
-        self.weights_version += 1
 
     def _save_sharded(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -235,9 +230,10 @@ class RankEngine:
                               dtype=self.config.torch_dtype)
         return None
 
-    def _sampler_model(self):
-        """Rank 0's unsharded copy of the current weights (rebuilt when they change)."""
-        if self._sampler is not None and self._sampler[0] == self.weights_version:
+    def _sampler_model(self, weights_version: int):
+        """Rank 0's unsharded copy of the weights at the controller's ``weights_version`` (the
+        engine's one count of weight changes: gathered again when it moved)."""
+        if self._sampler is not None and self._sampler[0] == weights_version:
             return self._sampler[1]
         self._sampler = None
         tmp = Path(tempfile.mkdtemp(prefix="skyrl-fsdp-sampler-")) if self.rank == 0 else None
@@ -252,25 +248,16 @@ class RankEngine:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
         model.to(self.device).eval()
-        self._sampler = (self.weights_version, model)
+        self._sampler = (weights_version, model)
         return model
 
-    def op_sample(self, prompts: list, params: dict, num_samples: int, prompt_logprobs: bool,
-                  topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0, prompt_alt_tokens_k: int = 0,
-                  target_prompt_logprobs: list | None = None):
+    def op_sample(self, request: dict, weights_version: int):
         self._collectives()
-        model = self._sampler_model()
+        model = self._sampler_model(weights_version)
         if self.rank != 0:
             return None
-        return generate(
-            model, self.loaded.tokenizer, [model_input_from_plain(p) if len(p) > 1 else np.asarray(p[0], np.int64)
-                                           for p in prompts],
-            SamplingParams(**params), num_samples, device=self.device,
-            eos_token_id=self.engine_info["eos_token_id"], pad_token_id=self.runner.pad_id,
-            prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
-            topk_sample_logprobs=topk_sample_logprobs, target_prompt_logprobs=target_prompt_logprobs,
-            prompt_alt_tokens_k=prompt_alt_tokens_k,
-        )
+        return generate(model, self.loaded.tokenizer, sample_request_from_plain(request), device=self.device,
+                        eos_token_id=self.engine_info["eos_token_id"], pad_token_id=self.runner.pad_id)
 
     # ---- pushing the weights to an inference engine (push.py) ------------------------
     def op_push_layout(self, dtype: str, gathered: bool):

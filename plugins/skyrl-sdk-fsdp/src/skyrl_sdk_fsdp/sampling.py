@@ -1,7 +1,8 @@
 """What the ``fsdp`` controller hands a sampler: its weights as a ``WeightsSource``.
 
 The controller holds no model. Our decode loop runs on rank 0, on an unsharded copy of the
-current weights gathered when they changed (``RankEngine.op_sample``). An inference engine in
+current weights gathered when the engine's weights version moved (``RankEngine.op_sample``;
+the request travels as plain data, ``skyrl_sdk.engines.plain``). An inference engine in
 another place has the weights *pushed* to it (``push_layout`` / ``push_weights``: every rank
 sends the rows of its own shards, :mod:`.push`), a LoRA model's base once and its adapters
 (``adapter_weights``, gathered to rank 0) after each change; ``base_weights`` (a Hugging Face
@@ -13,35 +14,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import attrs
-import numpy as np
 import torch
 
-from skyrl_sdk.engines.plain import model_input_to_plain
+from skyrl_sdk.engines.plain import sample_request_to_plain
 from skyrl_sdk.errors import EngineError, InputError
 from skyrl_sdk.models import load_config
 from skyrl_sdk.plugins.weight_push import PushLayout, PushTarget
 from skyrl_sdk.sampling import AdapterWeights, Decoder, SampleRequest, WeightsSource
-from skyrl_sdk.types import ModelInput, SampleOutput
+from skyrl_sdk.types import SampleOutput
 
 
 class RankZeroDecoder(Decoder):
-    """Sends the request to the ranks; rank 0 runs our decode loop and answers."""
+    """Sends the request to the ranks, as plain data; rank 0 runs our decode loop and answers."""
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
 
     def generate(self, request: SampleRequest) -> list[SampleOutput]:
-        prompts = [model_input_to_plain(p) if isinstance(p, ModelInput) else (np.asarray(p, dtype=np.int64),)
-                   for p in request.prompts]  # a VLM's prompt travels with its prepared pixels
-        return self._engine.dispatch_sample(
-            prompts=prompts, params=attrs.asdict(request.params),
-            num_samples=int(request.num_samples), prompt_logprobs=bool(request.prompt_logprobs),
-            topk_prompt_logprobs=int(request.topk_prompt_logprobs),
-            topk_sample_logprobs=int(request.topk_sample_logprobs),
-            prompt_alt_tokens_k=int(request.prompt_alt_tokens_k),
-            target_prompt_logprobs=None if request.target_prompt_logprobs is None else
-            [None if t is None else np.asarray(t, dtype=np.int64) for t in request.target_prompt_logprobs])
+        return self._engine.dispatch_sample(sample_request_to_plain(request))
 
 
 class FSDPWeights(WeightsSource):
@@ -60,6 +50,10 @@ class FSDPWeights(WeightsSource):
         self.lora = engine.lora
         self.dtype = engine.config.dtype
         self._layouts: dict[tuple[str, bool], PushLayout] = {}
+
+    @property
+    def version(self) -> int:
+        return self._engine.weights_version
 
     def export_base(self, directory: Path) -> None:
         if self.lora is not None:

