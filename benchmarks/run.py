@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # ``python benchmarks/run.py``
 from benchmarks import (
     call_grads,
     checkpointing,
+    distributed,
     fsdp,
     fsdp_loading,
     grpo,
@@ -71,6 +72,7 @@ BENCHMARKS = {
     prefix_memory.NAME: prefix_memory,
     grpo_prefix.NAME: grpo_prefix,
     vllm_sampler.NAME: vllm_sampler,
+    distributed.NAME: distributed,
 }
 
 

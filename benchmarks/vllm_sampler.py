@@ -175,7 +175,8 @@ def _sync(ctx, hidden: int, lora: bool, reps: int) -> dict:
         b.close()
     return {"parameters": num_parameters(spec), "hidden": hidden, "kind": "lora" if lora else "full",
             "sync_s": summary([c - s for c, s in zip(changed, same, strict=True)]),
-            "engine_load_s": summary([p["seconds"] for p in pushed]), "bytes": pushed[-1]["bytes"]}
+            "engine_load_s": summary([p.get("load_seconds", p["seconds"]) for p in pushed]),
+            "bytes": pushed[-1]["bytes"]}
 
 
 def run(ctx) -> dict:

@@ -25,6 +25,7 @@ SOURCES = {
     "skyrl_sdk_fsdp": ROOT / "plugins" / "skyrl-sdk-fsdp" / "src" / "skyrl_sdk_fsdp",
     "skyrl_sdk_reinforce": ROOT / "plugins" / "skyrl-sdk-reinforce" / "src" / "skyrl_sdk_reinforce",
     "skyrl_sdk_vllm": ROOT / "plugins" / "skyrl-sdk-vllm" / "src" / "skyrl_sdk_vllm",
+    "skyrl_sdk_ray": ROOT / "plugins" / "skyrl-sdk-ray" / "src" / "skyrl_sdk_ray",
 }
 #: What uses the SDK from outside: modules named by their path from the repository root.
 CLIENT_DIRS = ("benchmarks", "examples", "scripts", "plugins/skyrl-sdk-fsdp/scripts", "plugins/skyrl-sdk-vllm/scripts")
@@ -43,16 +44,17 @@ LAYERS = (
                 "skyrl_sdk.testing", "skyrl_sdk.builtin_plugins")),
     ("server", ("skyrl_sdk.server",)),
     ("cli", ("skyrl_sdk.cli",)),
-    ("plugin packages", ("skyrl_sdk_fsdp", "skyrl_sdk_reinforce", "skyrl_sdk_vllm")),
+    ("plugin packages", ("skyrl_sdk_fsdp", "skyrl_sdk_reinforce", "skyrl_sdk_vllm", "skyrl_sdk_ray")),
     ("clients", ("benchmarks", "examples", "scripts", "plugins")),
 )
 #: Inside the FSDP plugin, bottom to top (docs/architecture.md).
 FSDP_LAYERS = (
     ("building blocks", ("session", "control", "options", "loading", "parallelize", "gather", "sharded_state",
-                         "sharded_runner")),
+                         "sharded_runner", "push")),
     ("one rank's engine", ("rank_engine",)),
     ("the request dispatcher", ("dispatch",)),
-    ("controller and entry points", ("engine", "entrypoint", "transport", "split", "sampling", "")),
+    ("controller and entry points", ("engine", "entrypoint", "transport", "split", "sampling", "ray_rank",
+                                     "ray_transport", "")),
 )
 #: Inside the server, bottom to top: its folders are its layers (docs/architecture.md); the
 #: settings (``config``) below them all, the package's face (``create_app``, ``ServerConfig``) on top.
@@ -79,6 +81,11 @@ THIRD_PARTY_PRIVATE = {
     "_attn_implementation": "transformers' config attribute that selects each layer's attention function",
     "_adapter_manager": "vLLM's WorkerLoRAManager: its add_adapter reads a directory; registering an adapter "
                         "built from tensors (skyrl_sdk_vllm.worker) goes to the model manager it wraps",
+    "_private": "ray._private.services.resolve_ip_for_localhost: Ray turns 127.0.0.1 into the interface address "
+                "in ray start and ray.init (ray-project/ray#59110); a loopback cluster (skyrl_sdk_ray.loopback, "
+                "cluster.keep_loopback) has no other way to keep it",
+    "_node_ip_address": "ray.init's keyword for the driver's node address: a loopback cluster's driver must say "
+                        "127.0.0.1 (skyrl_sdk_ray.cluster.connect)",
 }
 _IMPORTERS = ("import_module", "__import__", "find_spec", "resolve_name")
 

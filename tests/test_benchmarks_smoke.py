@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = ["step_time", "peak_memory", "input_path", "server_round_trip", "fsdp", "fsdp_loading", "scaling",
               "sampling", "tenancy", "serve_load", "mixed_precision", "activation_checkpointing", "qwen_0p5b", "grpo",
               "optim_step", "pending_grads", "prefix_sharing", "prefix_memory", "grpo_long_prompts",
-              "vllm_sampler"]
+              "vllm_sampler", "distributed"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory benchmark reads /proc")

@@ -1,5 +1,6 @@
 """Every plugin README's snippets are true: each Python block runs as pasted (the vLLM plugin's
-in the vllm suite, plugins/skyrl-sdk-vllm/tests/test_vllm_readme.py), and each install line
+in the vllm suite, plugins/skyrl-sdk-vllm/tests/test_vllm_readme.py; the Ray plugin's in the ray
+suite, plugins/skyrl-sdk-ray/tests/test_ray_readme.py), and each install line
 that names a plugin installs the core from the checkout first, in the same command (none of
 our packages is on an index: the vLLM plugin's line failed in a fresh venv with ``No matching
 distribution found for skyrl-sdk[lora,server]``)."""
@@ -51,7 +52,7 @@ def test_every_plugin_install_line_installs_the_core_first():
     assert checked >= 4
 
 
-@pytest.mark.parametrize("readme", [p for p in READMES if "vllm" not in p.parent.name],
+@pytest.mark.parametrize("readme", [p for p in READMES if p.parent.name not in ("skyrl-sdk-vllm", "skyrl-sdk-ray")],
                          ids=lambda p: p.parent.name)
 def test_every_python_block_runs_as_pasted(readme, tmp_path, request):
     found = blocks(readme, "python")

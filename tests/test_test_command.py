@@ -36,13 +36,14 @@ def test_tox_runs_both_suites_with_the_same_arguments_and_keeps_going():
 def test_every_test_file_is_in_exactly_one_suite():
     """The server suite is every ``tests/test_server*.py`` (by name: a new file needs no list
     in tox.ini), the vllm suite the vLLM sampler's tests (they need vLLM), the main suite every
-    other test file, the other plugins' included; a run without --suite leaves the vllm ones out."""
+    other test file, the other plugins' included; the ray suite the Ray placement tests (they need
+    Ray and vLLM); a run without --suite leaves the vllm and ray ones out."""
     spec = importlib.util.spec_from_file_location("repo_conftest", ROOT / "conftest.py")
     conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
 
     def suite_of(path: Path) -> set[str]:
-        return {s for s in ("main", "server", "vllm")
+        return {s for s in ("main", "server", "vllm", "ray")
                 if not conftest.pytest_ignore_collect(path, SimpleNamespace(getoption=lambda _, s=s: s))}
 
     files = list((ROOT / "tests").glob("test_*.py")) + list(ROOT.glob("plugins/*/tests/test_*.py"))
@@ -51,9 +52,12 @@ def test_every_test_file_is_in_exactly_one_suite():
         f"tests/{p.name}" for p in (ROOT / "tests").glob("test_server*.py")}
     assert {p for p, s in suites.items() if s == {"vllm"}} == {
         p.relative_to(ROOT).as_posix() for p in ROOT.glob("plugins/skyrl-sdk-vllm/tests/test_*.py")} != set()
-    assert all(s in ({"main"}, {"server"}, {"vllm"}) for s in suites.values()), suites
-    plain = SimpleNamespace(getoption=lambda _: None)  # no --suite: everything but the vllm suite
-    assert all(bool(conftest.pytest_ignore_collect(ROOT / p, plain)) == (s == {"vllm"}) for p, s in suites.items())
+    assert {p for p, s in suites.items() if s == {"ray"}} == {
+        p.relative_to(ROOT).as_posix() for p in ROOT.glob("plugins/skyrl-sdk-ray/tests/test_*.py")} != set()
+    assert all(s in ({"main"}, {"server"}, {"vllm"}, {"ray"}) for s in suites.values()), suites
+    plain = SimpleNamespace(getoption=lambda _: None)  # no --suite: everything but the vllm and ray suites
+    assert all(bool(conftest.pytest_ignore_collect(ROOT / p, plain)) == (s in ({"vllm"}, {"ray"}))
+               for p, s in suites.items())
 
 
 def collected(*args: str) -> list[str]:
@@ -87,12 +91,16 @@ def _commands(section: str, key: str) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
-@pytest.mark.parametrize("section", ["testenv", "testenv:vllm"])
+@pytest.mark.parametrize("section", ["testenv", "testenv:vllm", "testenv:ray"])
 def test_a_passing_tox_run_prints_no_pip_error(section):
     """After an install *with* dependencies pip checks every installed package's requirements and
     prints ``ERROR: pip's dependency resolver ...`` for tinker-cookbook, installed ``--no-deps``
-    (its tml-renderers is on no index): so the ``--no-deps`` install comes after every other."""
+    (its tml-renderers is on no index): so the ``--no-deps`` install comes after every other. The
+    ray environment installs no cookbook at all."""
     installs = [c for c in _commands(section, "commands_pre") if re.search(r"pip install\b", c)]
     no_deps = [i for i, c in enumerate(installs) if "--no-deps" in c]
+    if section == "testenv:ray":
+        assert installs and not no_deps and "tinker-cookbook" not in " ".join(installs), installs
+        return
     assert no_deps and installs[no_deps[0]].endswith("tinker-cookbook==0.6.1")
     assert all("--no-deps" in c for c in installs[no_deps[0]:]), installs

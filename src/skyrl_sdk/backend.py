@@ -307,25 +307,32 @@ class Backend:
             prompt_alt_tokens_k=prompt_alt_tokens_k))
 
     def sample_request(self, request: SampleRequest) -> list[SampleOutput]:
-        """Serve one :class:`~skyrl_sdk.types.SampleRequest` (what :meth:`sample` builds from its
-        arguments, and the server from Tinker's JSON): its images read and its prompts checked
-        against the model, then the sampler gets it; with ``record_stability_info`` every
-        sequence is recorded in :attr:`sequences` and carries its ``sequence_id``."""
+        """Serve one :class:`~skyrl_sdk.types.SampleRequest` (built by :meth:`sample`, or the server from Tinker's
+        JSON): images read, prompts checked, then sampled; ``record_stability_info`` records each sequence in
+        :attr:`sequences`, which then carries its ``sequence_id``."""
         self._check_open()
         request = prepare_sample(request, self._call_model())  # images decoded in the caller's thread
-        with self._lock:
-            self._check_open()
-            sampler = self._built_sampler()
-            if sampler.own_weights:  # engine_config offload_while_sampling: the trainer waits in host memory
-                self.engine.offload_to_host()
-            self._sampled = True
-            t0 = time.perf_counter()
-            outs = sampler.sample(request)
-            metrics = self.clock.sampling(request.prompts, outs, time.perf_counter() - t0)
-        outs = [attrs.evolve(o, metrics=metrics) for o in outs]
-        if not request.record_stability_info:
-            return outs
-        return self.sequences.record_outputs(request.prompts, outs)
+        outs = self._sample(request)
+        return self.sequences.record_outputs(request.prompts, outs) if request.record_stability_info else outs
+
+    def _sample(self, request: SampleRequest) -> list[SampleOutput]:
+        """A sampler on devices of its own (``runs_apart``) samples outside the lock, its weights synced
+        under it; others sample holding it. The outputs carry their throughput metrics."""
+        if (sampler := self._sampler) is None or not sampler.runs_apart:
+            with self._lock:
+                self._check_open()
+                sampler = self._built_sampler()
+                if not sampler.runs_apart:
+                    if sampler.own_weights:  # engine_config offload_while_sampling: the trainer waits in host memory
+                        self.engine.offload_to_host()
+                    self._sampled = True
+                    return self.clock.timed_sample(sampler, request)
+        self._check_open()
+        if not sampler.weights_current():
+            with self._lock:
+                self._check_open()
+                sampler.sync_weights()
+        return self.clock.timed_sample(sampler, request)
 
     @property
     def sampler(self) -> Sampler | None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # the re
 from _limits import HANG_S
 from skyrl_sdk import types
 
-__all__ = ["HANG_S", "SMALL", "forward_logprobs", "logprob_atol", "mirror", "train"]
+__all__ = ["HANG_S", "SMALL", "forward_logprobs", "logprob_atol", "mirror", "train", "written_under"]
 
 #: a small engine: 64 MiB of KV cache, sequences of at most 256 tokens, top-5 prompt logprobs
 SMALL = {"kv_cache_gib": 0.0625, "max_model_len": 256, "max_logprobs": 5}
@@ -42,3 +45,34 @@ def mirror(reference, backend, directory: Path) -> None:
     """Give ``reference`` (built-in sampler) exactly ``backend``'s weights."""
     backend.save_state(directory, overwrite=True)
     reference.load_state(directory, optimizer=False)
+
+
+def _paths(root: Path) -> set[str]:
+    found = set()
+    for dirpath, dirs, files in os.walk(root):
+        found.update(os.path.join(dirpath, n) for n in dirs + files)
+    return found
+
+
+@contextlib.contextmanager
+def written_under(root: Path):
+    """Yields a set that, on exit, holds every path that appeared under ``root`` meanwhile, also
+    the ones removed again before the end (a temporary export): polled every millisecond or so."""
+    before = _paths(root)
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            seen.update(_paths(root))
+            done.wait(0.001)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        thread.join()
+        seen.update(_paths(root))
+        seen.difference_update(before)

@@ -20,7 +20,9 @@ token once at its context length.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 
@@ -171,3 +173,10 @@ class CallClock:
         metrics = call_metrics(tokens, seconds, shape.sample_flops(prompt_lengths, sampled), peak)
         metrics.update({"sampled_tokens:sum": float(tokens), "prompt_tokens:sum": float(sum(prompt_lengths))})
         return metrics
+
+    def timed_sample(self, sampler: Any, request: Any) -> list[Any]:
+        """``sampler.sample(request)``, each output with the call's :meth:`sampling` metrics."""
+        t0 = time.perf_counter()
+        outputs = sampler.sample(request)
+        metrics = self.sampling(request.prompts, outputs, time.perf_counter() - t0)
+        return [attrs.evolve(o, metrics=metrics) for o in outputs]

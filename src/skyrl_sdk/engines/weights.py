@@ -20,6 +20,7 @@ import torch
 from ..errors import InputError
 from ..models.loading import hf_model
 from ..plugins.samplers import AdapterWeights, WeightsSource
+from ..plugins.weight_push import PushLayout, PushTarget, TensorSlices, local_slice, push_slices
 from ..sampling.decoder import ModuleDecoder
 from .export import base_state_dict, export_hf_directory, full_state_dict
 
@@ -49,6 +50,7 @@ class EngineWeights(WeightsSource):
         self.lora = engine.loaded.lora
         self.dtype = engine.config.dtype
         self.device = engine.device
+        self.in_process = True
 
     @property
     def version(self) -> int:
@@ -71,6 +73,30 @@ class EngineWeights(WeightsSource):
         """The live tensors (no copy), collected in the engine's turn."""
         with self._turn():
             return iter(list(self._base_state().items()))
+
+    def _push_state(self) -> dict[str, torch.Tensor]:
+        """The base state with tied tensors once (the first name: vLLM ties the others itself)."""
+        seen: set[int] = set()
+        out = {}
+        for name, t in self._base_state().items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                out[name] = t
+        return out
+
+    def push_layout(self, dtype: str, gathered: bool = False) -> PushLayout:
+        """One trainer rank (this process) holding every row (gathered or not)."""
+        with self._turn():
+            state = self._push_state()
+        return PushLayout(ranks=1, gathered=gathered, tensors=tuple(
+            TensorSlices(name=n, dtype=dtype if t.is_floating_point() else str(t.dtype).removeprefix("torch."),
+                         shape=tuple(t.shape), rows=((0, t.shape[0] if t.dim() else 1),))
+            for n, t in state.items()))
+
+    def push_weights(self, target: PushTarget, layout: PushLayout) -> None:
+        with self._turn(), torch.no_grad():
+            state = self._push_state()
+            push_slices(target, 0, layout, (local_slice(state[t.name], t.rows[0], t.dtype) for t in layout.tensors))
 
     def adapter_weights(self) -> AdapterWeights:
         if self.lora is None or self._adapter is None:

@@ -33,6 +33,7 @@ import torch
 
 from ..errors import InputError, PluginError
 from ..types import LoraConfig, SampleOutput, SampleRequest
+from .weight_push import PushLayout, PushTarget
 
 
 @attrs.frozen
@@ -63,6 +64,9 @@ class WeightsSource(ABC):
     device: torch.device = torch.device("cpu")
     #: the name the Backend was built with (a hub id, a directory, ``"tiny"``): for messages
     model_name: str = ""
+    #: whether :meth:`base_weights` yields this process's live tensors (no copy, no file): a
+    #: sampler in this process may read them directly instead of having them pushed
+    in_process: bool = False
 
     @property
     @abstractmethod
@@ -102,6 +106,19 @@ class WeightsSource(ABC):
         ``InputError`` for a model without LoRA."""
         raise InputError(f"model {self.model_name}: no LoRA adapter to read (this Backend trains all weights)")
 
+    # ---- pushing the weights to another place (skyrl_sdk.plugins.weight_push) --------------
+    def push_layout(self, dtype: str, gathered: bool = False) -> PushLayout:
+        """What :meth:`push_weights` sends of :meth:`export_base`'s tensors (tied ones once), its
+        floating tensors in ``dtype``, and which rows each trainer rank holds (``gathered``: rank 0
+        sends each tensor whole, for a transport with one sender); sends nothing."""
+        raise InputError(f"model {self.model_name}: this engine cannot push its weights; use a sampler that reads "
+                         f"them (sampler='transformers', or the vllm sampler with placement 'local')")
+
+    def push_weights(self, target: PushTarget, layout: PushLayout) -> None:
+        """Run ``target``'s sender where the weights live, on every trainer rank, with that rank's
+        rows of ``layout``'s tensors (current values); return when every rank has sent."""
+        raise InputError(f"model {self.model_name}: this engine cannot push its weights")
+
     # ---- our decode loop ------------------------------------------------------------------
     @abstractmethod
     def decoder(self) -> Any:
@@ -123,6 +140,12 @@ class Sampler(ABC):
     #: the trainer's may wait in host memory while it samples (``engine_config
     #: ["offload_while_sampling"]``); False: it decodes on the trainer's own module
     own_weights: bool = False
+    #: True when the sampler computes on devices of its own, apart from the trainer's (vLLM engines
+    #: placed by Ray): ``Backend.sample`` then brings its weights up to date holding the Backend's
+    #: lock (:meth:`sync_weights`, only when :meth:`weights_current` says they are not) and samples
+    #: without it, so a sample call never waits for a training call that does not change them.
+    #: Such a sampler's :meth:`sample` reads no weights itself.
+    runs_apart: bool = False
 
     def __init__(self, *, source: WeightsSource, config: Mapping[str, Any]) -> None:
         self.source = source
@@ -132,6 +155,15 @@ class Sampler(ABC):
     def sample(self, request: SampleRequest) -> list[SampleOutput]:
         """One :class:`~skyrl_sdk.types.SampleOutput` per prompt, ``request.num_samples``
         sequences each, from the source's current weights (see docs/engines.md, Samplers)."""
+
+    def weights_current(self) -> bool:
+        """Whether the sampler holds the source's current weights (samplers that read them where
+        they live always do)."""
+        return True
+
+    def sync_weights(self) -> None:  # noqa: B027  (optional: most samplers read the weights where they live)
+        """Bring the sampler's copy of the weights to the source's current version (the Backend
+        calls it holding its lock, when :attr:`runs_apart`)."""
 
     def describe(self) -> str:
         """One line for ``get_info().sampler``, the server's log and the console: the name, and

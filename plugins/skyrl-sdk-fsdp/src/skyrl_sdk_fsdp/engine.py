@@ -55,13 +55,19 @@ class FSDPEngine(Engine):
         raw = dict(engine_config or {})
         self.config = EngineConfig.from_mapping(raw, extra_keys=FSDP_KEYS)
         self.options = FSDPOptions.from_extra(self.config.extra)
-        device = self.config.torch_device()
-        if device.index is not None:
-            raise InputError(
-                f"engine_config['device']: the fsdp engine places rank r on cuda:r (local rank); "
-                f"pass 'cuda' or 'cpu', not {self.config.device!r}"
-            )
-        self.device_type = device.type
+        if self.options.launcher == "ray":  # the ranks' devices are the cluster's, not this process's
+            from .ray_transport import ray_device_type
+
+            self.device_type = ray_device_type(self.config.device, self.options.ray_address)
+            raw["device"] = self.device_type
+        else:
+            device = self.config.torch_device()
+            if device.index is not None:
+                raise InputError(
+                    f"engine_config['device']: the fsdp engine places rank r on cuda:r (local rank); "
+                    f"pass 'cuda' or 'cpu', not {self.config.device!r}"
+                )
+            self.device_type = device.type
         check_available(self.config.attn_implementation, self.device_type)  # before any rank starts
         if self.config.offload_while_sampling:
             raise InputError("engine_config['offload_while_sampling']: the fsdp engine's ranks keep the trainer in "
@@ -84,6 +90,10 @@ class FSDPEngine(Engine):
                     f"engine_config['world_size']={raw['world_size']} but torchrun started {env.world_size} ranks"
                 )
             self.world_size = env.world_size
+        elif launcher == "ray":
+            from .ray_transport import ray_world_size
+
+            self.world_size = raw["world_size"] if "world_size" in raw else ray_world_size(self.device_type)
         else:
             self.world_size = raw["world_size"] if "world_size" in raw else _default_world_size(self.device_type)
             if self.device_type == "cuda":
@@ -128,6 +138,14 @@ class FSDPEngine(Engine):
                 worker_main()
             job = TorchrunJob.get(self.options.timeout_s)
             return CollectiveTransport(job, job.new_engine_id())
+        threads = self.options.threads(self.world_size) if self.device_type == "cpu" else 1
+        if self.launcher == "ray":
+            from .ray_transport import RayTransport
+
+            return RayTransport(world_size=self.world_size, device_type=self.device_type,
+                                timeout_s=self.options.timeout_s, threads=threads,
+                                ray_address=self.options.ray_address, strategy=self.options.placement_strategy,
+                                call_timeout_s=self.options.call_timeout_s)
         from .transport import SpawnTransport
 
         return SpawnTransport(

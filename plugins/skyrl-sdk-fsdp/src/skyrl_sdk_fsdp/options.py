@@ -24,9 +24,13 @@ FSDP_KEYS = (
     "reshard_after_forward",
     "threads_per_rank",
     "cpu_offload",
+    "ray_address",
+    "placement_strategy",
 )
 
-LAUNCHERS = ("auto", "spawn", "torchrun")
+LAUNCHERS = ("auto", "spawn", "torchrun", "ray")
+#: Ray placement strategies of the ranks' placement group (launcher "ray")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 STATE_FORMATS = ("full", "sharded")
 #: The torch.distributed.checkpoint folder of ``state_format="sharded"``.
 SHARDED_DIR = "sharded"
@@ -62,6 +66,9 @@ class FSDPOptions:
       steps the optimizer on the CPU. The GPU then holds only the gathered units and activations:
       what lets a 7B full fine-tune fit one 80 GB GPU (docs/engines.md), at the cost of host-device
       copies every step and a CPU optimizer step. Default off.
+    - ``ray_address``: the Ray cluster the ranks go to (launcher ``"ray"``; default
+      ``RAY_ADDRESS``, else a local cluster this process starts).
+    - ``placement_strategy``: the ranks' Ray placement group strategy (default ``"PACK"``).
     """
 
     launcher: str = "auto"
@@ -71,6 +78,8 @@ class FSDPOptions:
     reshard_after_forward: bool = True
     threads_per_rank: int | None = None
     cpu_offload: bool = False
+    ray_address: str | None = None
+    placement_strategy: str = "PACK"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> FSDPOptions:
@@ -91,8 +100,22 @@ class FSDPOptions:
         threads = extra.get("threads_per_rank")
         if threads is not None:
             check_number("engine_config['threads_per_rank']", threads, low=1, integer=True)
+        ray_address = extra.get("ray_address")
+        if ray_address is not None and not (isinstance(ray_address, str) and ray_address):
+            raise InputError(f"engine_config['ray_address']: expected 'host:port' of a Ray cluster, "
+                             f"got {ray_address!r}")
+        strategy = extra.get("placement_strategy", "PACK")
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise InputError(f"engine_config['placement_strategy']: expected one of {list(PLACEMENT_STRATEGIES)}, "
+                             f"got {strategy!r}")
+        for key in ("ray_address", "placement_strategy"):
+            if key in extra and launcher != "ray":
+                raise InputError(f"engine_config[{key!r}] places the ranks with Ray: it needs launcher 'ray', "
+                                 f"not {launcher!r}")
         return cls(
             launcher=launcher,
+            ray_address=ray_address,
+            placement_strategy=strategy,
             timeout_s=_number("timeout_s", extra.get("timeout_s", 1800.0)),
             call_timeout_s=_number("call_timeout_s", extra.get("call_timeout_s"), allow_none=True),
             state_format=state_format,

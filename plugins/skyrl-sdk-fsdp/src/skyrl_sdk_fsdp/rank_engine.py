@@ -33,6 +33,7 @@ from .gather import StreamingGather, gathered
 from .loading import load_rank_model, materialize, tied_aliases
 from .options import FSDP_KEYS, SHARDED_DIR, FSDPOptions
 from .parallelize import ShardedScoringModel, parallelize
+from .push import RankPush
 from .session import DistSession
 from .sharded_runner import ShardedRunner
 
@@ -97,6 +98,7 @@ class RankEngine:
         self.runner = ShardedRunner(scoring, group=self.mesh.get_group(), loss_scale=float(loss_scale), **options)
         self.engine_info = attrs.asdict(attrs.evolve(info, prefix_sharing=self.runner.prefix_status))
         self.gather = StreamingGather(self.loaded, self.runner, self.aliases, self.hf_aliases, self.rank)
+        self.push = RankPush(self.loaded, self.hf_aliases, self.rank, session.world_size)
         #: rank 0's unsharded copy of the weights, and the controller's weights version it holds
         self._sampler: tuple[int, Any] | None = None
         self.in_collectives = False
@@ -253,6 +255,22 @@ class RankEngine:
             return None
         return generate(model, self.loaded.tokenizer, sample_request_from_plain(request), device=self.device,
                         eos_token_id=self.engine_info["eos_token_id"], pad_token_id=self.runner.pad_id)
+
+    # ---- pushing the weights to an inference engine (push.py) ------------------------
+    def op_push_layout(self, dtype: str, gathered: bool):
+        return self.push.layout(dtype, gathered)
+
+    def op_push_weights(self, target: dict, layout: dict):
+        from skyrl_sdk.plugins.weight_push import PushLayout, PushTarget
+
+        layout = PushLayout.from_plain(layout)
+        if layout.gathered:
+            self._collectives()
+        return self.push.send(PushTarget.from_plain(target), layout)
+
+    def op_adapter_weights(self):
+        self._collectives()
+        return self.push.adapter()
 
     # ---- introspection ----------------------------------------------------------------
     def op_gradients(self):

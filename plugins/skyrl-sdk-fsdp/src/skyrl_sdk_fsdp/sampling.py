@@ -1,10 +1,12 @@
 """What the ``fsdp`` controller hands a sampler: its weights as a ``WeightsSource``.
 
 The controller holds no model. Our decode loop runs on rank 0, on an unsharded copy of the
-current weights gathered when the engine's weights version moved (``RankEngine.op_sample``);
-the request travels as plain data (``skyrl_sdk.engines.plain``). Other samplers read
-the weights as a Hugging Face directory the ranks export (LoRA merged: the ranks keep no
-separate base to hand out).
+current weights gathered when the engine's weights version moved (``RankEngine.op_sample``;
+the request travels as plain data, ``skyrl_sdk.engines.plain``). An inference engine in
+another place has the weights *pushed* to it (``push_layout`` / ``push_weights``: every rank
+sends the rows of its own shards, :mod:`.push`), a LoRA model's base once and its adapters
+(``adapter_weights``, gathered to rank 0) after each change; ``base_weights`` (a Hugging Face
+directory the ranks export, LoRA merged) is the slow path of samplers that can only read files.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from skyrl_sdk.engines.plain import sample_request_to_plain
-from skyrl_sdk.errors import InputError
+from skyrl_sdk.errors import EngineError, InputError
 from skyrl_sdk.models import load_config
-from skyrl_sdk.sampling import Decoder, SampleRequest, WeightsSource
+from skyrl_sdk.plugins.weight_push import PushLayout, PushTarget
+from skyrl_sdk.sampling import AdapterWeights, Decoder, SampleRequest, WeightsSource
 from skyrl_sdk.types import SampleOutput
 
 
@@ -44,6 +49,7 @@ class FSDPWeights(WeightsSource):
         self.pad_token_id = int(pad) if isinstance(pad, int) else 0
         self.lora = engine.lora
         self.dtype = engine.config.dtype
+        self._layouts: dict[tuple[str, bool], PushLayout] = {}
 
     @property
     def version(self) -> int:
@@ -54,6 +60,26 @@ class FSDPWeights(WeightsSource):
             raise InputError("the fsdp engine cannot hand a sampler its LoRA model's base weights apart from the "
                              "adapters; sample with sampler='transformers', or train with engine='local'")
         self._engine.export_weights(Path(directory), merge_lora=True)
+
+    def push_layout(self, dtype: str, gathered: bool = False) -> PushLayout:
+        """Each rank reports its rows (the layout never changes: kept per dtype)."""
+        key = (dtype, gathered)
+        if key not in self._layouts:
+            per_rank = self._engine._all("push_layout", dtype=dtype, gathered=gathered)
+            self._layouts[key] = PushLayout.merge(per_rank, gathered=gathered)
+        return self._layouts[key]
+
+    def push_weights(self, target: PushTarget, layout: PushLayout) -> None:
+        failures = self._engine._all("push_weights", target=target.to_plain(), layout=layout.to_plain())
+        failed = [f"rank {r}: {why}" for r, why in enumerate(failures) if why is not None]
+        if failed:
+            raise EngineError("pushing the weights failed on " + "; ".join(failed))
+
+    def adapter_weights(self) -> AdapterWeights:
+        if self.lora is None:
+            return super().adapter_weights()
+        config, tensors = self._engine._all("adapter_weights")[0]
+        return AdapterWeights(config=config, tensors={k: torch.tensor(v) for k, v in tensors.items()})
 
     def decoder(self) -> RankZeroDecoder:
         return RankZeroDecoder(self._engine)

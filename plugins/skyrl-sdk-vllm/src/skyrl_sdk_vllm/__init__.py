@@ -18,11 +18,26 @@ from .sampler import VllmSampler
 
 hide_unimportable()
 
-__all__ = ["VllmSampler"]
+__all__ = ["VllmSampler", "vllm_sampler"]
+
+
+def vllm_sampler(*, source, config):
+    """The ``vllm`` sampler: vLLM's engine in this process reading the trainer's live tensors
+    (:class:`VllmSampler`), or engines that get the weights pushed through vLLM's weight-transfer
+    API (``placement="ray"``, or a trainer whose weights live in other processes: :mod:`.pushed`)."""
+    from .placement import PlacementConfig
+
+    placement, engine_config = PlacementConfig.split(config)
+    if placement.placement == "local" and source.in_process and placement.transfer == "auto":
+        return VllmSampler(source=source, config=engine_config)
+    from .pushed import PushedVllmSampler
+
+    return PushedVllmSampler(source=source, config=config, placement=placement, engine_config=engine_config)
 
 
 @hookimpl
 def skyrl_sdk_register_samplers(register):
-    register("vllm", VllmSampler,
-             description="vLLM's engine in this process; weights reloaded in place after each change, LoRA "
-                         "adapters from memory, one engine per shared base.")
+    register("vllm", vllm_sampler,
+             description="vLLM: an engine in this process (weights reloaded in place after each change, LoRA "
+                         "adapters from memory), or engines placed by Ray, the weights pushed through vLLM's "
+                         "weight-transfer API.")

@@ -111,6 +111,9 @@ def import_vllm() -> Any:
             _version_checked = True
             if (warning := untested_version(vllm.__version__)) is not None:
                 logger.warning(warning)
+        from .transfer_engine import register
+
+        register()  # the gloo weight-transfer backend (vLLM's own processes load it as a general plugin)
     return vllm
 
 

@@ -344,8 +344,11 @@ class Executors:
         self.shared = Executor("shared", turn_tokens) if shared else None
         self._dedicated: list[Executor] = []
 
-    def queue(self, name: str, owner: str, max_batch: int = 64, batch_wait_s: float = 0.0) -> Queue:
-        ex = self.shared
+    def queue(self, name: str, owner: str, max_batch: int = 64, batch_wait_s: float = 0.0,
+              dedicated: bool = False) -> Queue:
+        """A queue on the shared executor, or (engines in processes of their own, or ``dedicated``:
+        work on another resource, such as samples of engines apart from the trainer) its own."""
+        ex = None if dedicated else self.shared
         if ex is None:
             ex = Executor(name, self.turn_tokens, dedicated=True)
             self._dedicated = [e for e in self._dedicated if e.alive()] + [ex]

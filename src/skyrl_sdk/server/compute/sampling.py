@@ -110,6 +110,9 @@ class Sampling:
         self._targets: collections.OrderedDict[tuple, SamplerTarget] = collections.OrderedDict()
         self._targets_lock = threading.Lock()
         self.snapshots = SnapshotCache(config.snapshot_memory)
+        #: per training model whose sampler runs apart from its trainer: the queue of its samples,
+        #: on an executor of its own, so they run while the model trains (Sampler.runs_apart)
+        self._apart: dict[str, Queue] = {}
 
     # ---- sessions -------------------------------------------------------------------------------
     async def create(self, owner: str, session_id: str | None, sid: str, model_path: Any, base_model: Any
@@ -178,8 +181,27 @@ class Sampling:
                 out.append((sid, s.model_path[len("tinker://"):].split("/", 1)[0]))
         return out
 
+    def _queue_of(self, model: TrainingModel) -> Queue:
+        """Where a live model's samples queue: its own worker, or, once its sampler runs apart from
+        the trainer (``Sampler.runs_apart``: engines on devices of their own), a queue on an
+        executor of its own."""
+        sampler = model.backend.sampler if model.backend is not None else None
+        if sampler is None or not sampler.runs_apart:
+            return model.worker
+        with self._targets_lock:
+            queue = self._apart.get(model.model_id)
+            if queue is None:
+                queue = self._apart[model.model_id] = self.executors.queue(
+                    f"{model.model_id}/samples", model.owner, self.config.max_sample_batch,
+                    self.config.sample_batch_wait_s, dedicated=True)
+            return queue
+
     def drop_snapshots(self, model: TrainingModel) -> None:
         """(the model's worker, on release) Drop its snapshots and their samplers; its sessions then fail."""
+        with self._targets_lock:
+            apart = self._apart.pop(model.model_id, None)
+        if apart is not None:
+            apart.close(wait=False)
         while model.snapshots:
             self._drop_snapshot(model, *model.snapshots.popitem(last=False))
 
@@ -196,7 +218,7 @@ class Sampling:
                 raise InputError(f"sampling session {session.sid}: its model was released ({model.closed})")
             job = self._sample_job(work, done, lambda: model.require_backend(), ("model", model.model_id),
                                    session if session.kind == "snapshot" else None)
-            model.worker.put(job)
+            self._queue_of(model).put(job)
             return
         target = self._target_for(session) if session.kind == "base" else \
             await asyncio.to_thread(self._target_for, session)
@@ -367,6 +389,8 @@ class Sampling:
 
     def close(self) -> None:
         """(server shutdown, the executors stopped) Close every sampler Backend."""
+        for queue in list(self._apart.values()):
+            queue.close(wait=False)
         for t in list(self._targets.values()):
             t.worker.close(wait=False)
             if t.backend is not None:

@@ -116,6 +116,20 @@ def _work(rt: Runtime) -> list[dict[str, Any]]:
     return [{"owner": who, **counts} for who, counts in sorted(rows.items())]
 
 
+def _syncs(rt: Runtime) -> list[dict[str, Any]]:
+    """Per live training model whose sampler keeps its own copy of the weights: its last sync
+    (``seconds``: all the next sample waited for the weights)."""
+    out = []
+    for model in list(rt.models.values()):
+        backend = model.backend
+        sampler = getattr(backend, "sampler", None) if backend is not None else None
+        last = getattr(sampler, "last_sync", None)
+        if isinstance(last, dict):
+            out.append({"model_id": model.model_id, "owner": model.owner, "sampler": sampler.name,
+                        **{k: last.get(k) for k in ("kind", "seconds", "bytes", "version", "engines", "transfer")}})
+    return out
+
+
 def _limits(rt: Runtime) -> list[dict[str, Any]]:
     """The limits table: every setting declared ``console=True`` (server/settings.py), by its flag
     (or its name), with the value in force, its unit, and what an unset one means."""
@@ -134,4 +148,5 @@ async def server(request: Request):
     copies = [{**c, "model": rt.redact(str(c["model"]))} for c in loaded["own_copies"]]  # tinker:// paths only
     return {"bases": _bases(rt, loaded), "own_copies": copies, "memory": loaded["memory"],
             "snapshots": rt.sampling.snapshots.stats(), "work": _work(rt), "limits": _limits(rt),
+            "weight_syncs": _syncs(rt),
             "history_dropped": rt.catalog.history_dropped()}

@@ -356,6 +356,13 @@ function renderServer(srv) {
     parts.push(el("h3", {}, "Own copies"));
     parts.push(table(["model", "kind", "size"], srv.own_copies.map((c) => [c.model, c.lora ? "LoRA" : "full", fmtBytes(c.bytes)])));
   }
+  if (srv.weight_syncs && srv.weight_syncs.length) {
+    parts.push(el("h3", {}, "Weight syncs (last one per model: what the next sample waited)"));
+    parts.push(table(["model id", "owner", "sampler", "kind", "waited", "size", "version", "engines", "transfer"],
+      srv.weight_syncs.map((w) => [w.model_id, w.owner, w.sampler, w.kind ?? "",
+        w.seconds == null ? "" : `${w.seconds.toFixed(3)} s`, w.bytes == null ? "" : fmtBytes(w.bytes),
+        w.version ?? "", w.engines ?? 1, w.transfer ?? "in process"])));
+  }
   parts.push(el("h3", {}, "Work per owner"));
   parts.push(srv.work.length ? table(["owner", "live models", "busy models", "requests in flight"],
     srv.work.map((w) => [w.owner, w.live_models, w.busy_models, w.requests_in_flight])) : el("p", { class: "muted" }, "idle"));
