@@ -35,6 +35,11 @@ def vllm_sampler(*, source, config):
     return PushedVllmSampler(source=source, config=config, placement=placement, engine_config=engine_config)
 
 
+#: vLLM holds a copy of its own: with engine_config["offload_while_sampling"] the Backend moves the
+#: trainer to host memory before building it, so vLLM's memory profiling sees the GPU free
+vllm_sampler.own_weights = True  # type: ignore[attr-defined]
+
+
 @hookimpl
 def skyrl_sdk_register_samplers(register):
     register("vllm", vllm_sampler,
