@@ -274,6 +274,21 @@ def test_base_backend_is_read_only_and_equals_the_base(data):
             base.backend(None)
 
 
+def test_base_backend_takes_the_engine_keywords_of_the_others(data):
+    """keep_grads_on_error reaches the read-only engine's run_steps as it does every engine's (it
+    raised TypeError there, both through LocalEngine.run and a forward_backward that sets it)."""
+    with SharedBase("tiny") as base, Backend("tiny") as plain:
+        reader = base.base_backend()
+        for keep in (True, False):
+            with pytest.raises(InputError, match="read-only"):
+                reader.forward_backward(data[0], "cross_entropy", keep_grads_on_error=keep)
+        loss = reader.resolve("cross_entropy")
+        got = reader.engine.run(list(data[1]), loss, backward=False)
+        ref = plain.engine.run(list(data[1]), plain.resolve("cross_entropy"), backward=False)
+        for x, y in zip(got.outputs, ref.outputs, strict=True):
+            np.testing.assert_array_equal(x["logprobs"], y["logprobs"])
+
+
 def test_round_robin_order_is_fair_and_keeps_each_clients_order():
     rr = RoundRobin()
     for key, tickets in (("a", 4), ("b", 1), ("c", 2)):

@@ -21,6 +21,7 @@ import numpy as np
 
 from .builtin_plugins import get_registry
 from .engines import call_grads
+from .engines.base import Engine, EngineFactory
 from .engines.state import read_state_metadata
 from .engines.throughput import CallClock
 from .engines.turns import Steps, run_to_end, timed
@@ -69,7 +70,7 @@ class Backend:
     def __init__(
         self,
         model: str = "tiny",
-        engine: str = "local",
+        engine: str | EngineFactory = "local",
         engine_config: Mapping[str, Any] | None = None,
         lora: Any = None,
         role: str = "policy",
@@ -86,17 +87,16 @@ class Backend:
         registry = get_registry()
         registry.dialect_spec(dialect)
         # ``engine`` is a registered name, or (skyrl_sdk.SharedBase) a factory building the engine itself
-        factory = None if isinstance(engine, str) else engine
-        if factory is not None and not callable(factory):
+        if not isinstance(engine, str) and not callable(engine):
             raise InputError(f"engine: expected an engine name, got {type(engine).__name__}")
-        if factory is None:
+        if isinstance(engine, str):
             registry.engine_spec(engine)
         registry.sampler_spec(sampler)
         if sampler_config is not None and not isinstance(sampler_config, Mapping):
             raise InputError(f"sampler_config: expected a mapping, got {type(sampler_config).__name__}")
         self.sampler_name = sampler
         self._sampler_config = dict(sampler_config or {})
-        self._sampler = None  # built on the first sample(): a sampler may hold a second model
+        self._sampler: Sampler | None = None  # built on the first sample(): a sampler may hold a second model
         self._sampled = False  # the sampler sampled since the trainer last computed (it holds the device)
         self.model_name = str(model)
         self.role = role
@@ -104,7 +104,7 @@ class Backend:
         self.seed = seed
         self.lora = lora_config_from_any(lora)
         self.grad_accumulation = grad_accumulation
-        self.engine_name = engine if factory is None else str(getattr(factory, "engine_name", "custom"))
+        self.engine_name = engine if isinstance(engine, str) else str(getattr(engine, "engine_name", "custom"))
         self._lock = threading.RLock()
         #: sequences sampled with ``record_stability_info=True``, which provenance names
         #: (``stable_reinforce``); replaceable by a store shared with other samplers (the server's session)
@@ -112,7 +112,8 @@ class Backend:
         self._calls_since_step = 0
         self._closed = False
         t0 = time.perf_counter()
-        self.engine = (factory or registry.engines[engine].factory)(
+        build: EngineFactory = registry.engines[engine].factory if isinstance(engine, str) else engine
+        self.engine: Engine = build(
             model=self.model_name, role=role, lora=self.lora, seed=seed, engine_config=dict(engine_config or {})
         )
         #: times each call: the throughput metrics of its output (engines/throughput.py)
@@ -160,7 +161,7 @@ class Backend:
             loss_fn = "value" if self.role == "critic" else "cross_entropy"
         return get_registry().resolve(loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
 
-    def _prepare(self, data: Sequence[Any], loss_fn: str, loss_fn_config,
+    def _prepare(self, data: Sequence[Any], loss_fn: str | None, loss_fn_config,
                  backward: bool = True) -> Steps[tuple[list[Datum], ResolvedLoss]]:
         """(stepped: a loss's ``prepare`` runs a forward first) A call's datums and loss, checked."""
         resolved = self.resolve(loss_fn, loss_fn_config)
@@ -226,7 +227,7 @@ class Backend:
     def _training_turn(self) -> None:
         """(holding the lock) Before the trainer computes: a sampler that sampled since gives the
         device back once (vLLM sleeps), then the trainer's offloaded tensors come back."""
-        if self._sampled:
+        if self._sampled and self._sampler is not None:  # sampled since: a sampler was built
             self._sampled = False
             self._sampler.before_training()
         self.engine.reload_to_device()
@@ -313,7 +314,9 @@ class Backend:
         self._check_open()
         request = prepare_sample(request, self._call_model())  # images decoded in the caller's thread
         outs = self._sample(request)
-        return self.sequences.record_outputs(request.prompts, outs) if request.record_stability_info else outs
+        if not request.record_stability_info:
+            return outs
+        return self.sequences.record_outputs(request.prompt_token_ids(), outs)  # prompts without images
 
     def _sample(self, request: SampleRequest) -> list[SampleOutput]:
         """A sampler on devices of its own (``runs_apart``) samples outside the lock, its weights synced

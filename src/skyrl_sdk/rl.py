@@ -121,7 +121,7 @@ def to_tinker(datum: Datum) -> Any:
         from tinker import types as tt
     except ImportError:
         raise InputError(f"to_tinker needs the tinker client: {install_hint('server')}") from None
-    chunks = []
+    chunks: list[tt.ModelInputChunk] = []
     for i, chunk in enumerate(datum.model_input.chunks):
         if isinstance(chunk, EncodedTextChunk):
             chunks.append(tt.EncodedTextChunk(tokens=[int(t) for t in chunk.tokens]))
@@ -130,7 +130,8 @@ def to_tinker(datum: Datum) -> Any:
         else:
             raise InputError(f"model_input.chunks[{i}]: a {type(chunk).__name__} has no tinker form")
     inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
-    out = tt.Datum(model_input=tt.ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+    # tinker annotates TensorData values; its Datum converts numpy arrays itself (__post_init__)
+    out = tt.Datum(model_input=tt.ModelInput(chunks=chunks), loss_fn_inputs=inputs)  # type: ignore[arg-type]
     if datum.model_input_spans is None:
         return out
 

@@ -18,9 +18,11 @@ from typing import Any
 
 from .backend import Backend
 from .engines.adapter import AdapterEngine, ReadOnlyBaseEngine
+from .engines.base import Engine
 from .engines.pool import AdapterPool
 from .errors import InputError
 from .inputs.coerce import lora_config_from_any
+from .types import LoraConfig
 
 
 class _Factory:
@@ -31,9 +33,12 @@ class _Factory:
     def __init__(self, shared: AdapterPool, label: str, base_only: bool = False) -> None:
         self.shared, self.label, self.base_only = shared, label, base_only
 
-    def __call__(self, *, model: str, role: str, lora, seed: int, engine_config: dict) -> Any:
+    def __call__(self, *, model: str, role: str, lora: LoraConfig | None, seed: int,
+                 engine_config: dict[str, Any]) -> Engine:
         if self.base_only:
             return ReadOnlyBaseEngine(self.shared)
+        if lora is None:  # SharedBase.backend refuses it first
+            raise InputError("lora: a client of a shared base trains a LoRA adapter")
         return AdapterEngine(self.shared, self.shared.add_adapter(lora, seed, self.label))
 
 

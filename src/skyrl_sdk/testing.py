@@ -13,6 +13,7 @@ through a real entry point into a temporary site directory, without pip.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import textwrap
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -113,8 +114,12 @@ def assert_tensors_close(
         torch.testing.assert_close(
             torch.as_tensor(np.asarray(a[k]) if not isinstance(a[k], torch.Tensor) else a[k]),
             torch.as_tensor(np.asarray(b[k]) if not isinstance(b[k], torch.Tensor) else b[k]),
-            atol=atol, rtol=rtol, msg=lambda m, k=k: f"{what} {k}: {m}".strip(),
+            atol=atol, rtol=rtol, msg=functools.partial(_keyed_message, f"{what} {k}"),
         )
+
+
+def _keyed_message(where: str, message: str) -> str:
+    return f"{where}: {message}".strip()
 
 
 def assert_outputs_close(out_a: types.ForwardBackwardOutput, out_b: types.ForwardBackwardOutput, atol: float) -> None:

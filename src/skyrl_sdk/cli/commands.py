@@ -12,7 +12,7 @@ import importlib.metadata
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import SkyrlError, did_you_mean, install_hint
@@ -146,13 +146,20 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_lazy("skyrl_sdk.cli.serve", "serve", install_hint("server")))
 
 
-def build_parser() -> argparse.ArgumentParser:
+class CliParser(argparse.ArgumentParser):
+    """The top-level parser; :func:`build_parser` gives it each command's own parser."""
+
+    #: name -> the command's own parser (see parse_args)
+    commands: Mapping[str, argparse.ArgumentParser]
+
+
+def build_parser() -> CliParser:
     # -v is accepted before or after the subcommand; SUPPRESS keeps a later default from
     # overwriting an earlier -v.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
                         help="more logging (-v info, -vv debug)")
-    parser = argparse.ArgumentParser(prog="skyrl-sdk", description=DESCRIPTION, epilog=EPILOG)
+    parser = CliParser(prog="skyrl-sdk", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     parser.add_argument("--version", action="version", version=f"skyrl-sdk {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -176,11 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_doctor(sub, common, _command)
     _add_demo(sub, common)
     _add_serve(sub, common)
-    parser.commands = sub.choices  # name -> the command's own parser (see parse_args)
+    parser.commands = sub.choices
     return parser
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args(parser: CliParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """``parser.parse_args``, except that an unknown option after a command is reported with
     that command's usage (argparse would show the top-level one), naming a close option."""
     args, extra = parser.parse_known_args(argv)

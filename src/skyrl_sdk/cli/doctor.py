@@ -226,7 +226,7 @@ def imports_beside_torch() -> list[dict[str, Any]]:
         names.append("vllm")
     if not names:
         return []
-    broken = []
+    broken: list[str] = []
     out = []
     for name, result in _probe(*names).items():
         if name == "tinker_tokenizer":

@@ -119,6 +119,7 @@ def trial_backend(model: str, config: Any) -> str:
     with Backend(model=model, engine=config.engine, engine_config=config.engine_config, sampler=config.sampler,
                  sampler_config=config.sampler_config) as backend:
         backend.sample([[0]], {"max_tokens": 1})
+        assert backend.sampler is not None  # built by the sample above
         return backend.sampler.describe()
 
 
@@ -232,7 +233,8 @@ def install_crash_reports() -> None:
     try:
         faulthandler.enable(file=sys.stderr, all_threads=True)
     except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor (captured)
-        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+        if sys.__stderr__ is not None:
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
     def thread_died(hook_args: Any) -> None:
         if hook_args.exc_type is SystemExit:
@@ -270,7 +272,8 @@ def serve(args: Any) -> int:
     edge.raise_fd_limit()
     app = create_app(config, state_lock)
 
-    class AnnouncingServer(edge.Server):
+    # edge is imported late (the server extra): a base class mypy cannot resolve
+    class AnnouncingServer(edge.Server):  # type: ignore[name-defined]
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:  # bound and listening; a failed bind has exited already

@@ -42,7 +42,8 @@ def solo_state(module, adapter: str | None, names: set[str]) -> dict[str, torch.
     other adapters under their plain names (``q_proj.weight``, not ``q_proj.base_layer.weight``)."""
     from peft.tuners.lora import LoraLayer
 
-    plain = {n for n, m in module.named_modules() if isinstance(m, LoraLayer) and adapter not in m.lora_A}
+    plain = {n for n, m in module.named_modules() if isinstance(m, LoraLayer)
+             and (adapter is None or adapter not in m.lora_A)}
     out = {}
     for key, value in module.state_dict().items():
         owner = _owner(key, names)
@@ -96,8 +97,9 @@ class _OnSharedBase(LocalEngine):
         extra = adapter.num_parameters if adapter is not None else 0
         self.info = EngineInfo.of(shared.loaded, counts=(shared.base_parameters + extra, extra))
 
+    # LocalEngine assigns ``loaded`` once; here it is derived from the pool on each read
     @property
-    def loaded(self) -> LoadedModel:  # LocalEngine's methods read the model from here
+    def loaded(self) -> LoadedModel:  # type: ignore[override]  # LocalEngine's methods read the model here
         # the transformers model (peft's layers inside it run the active adapter, or none)
         return attrs.evolve(self.shared.loaded, lora=self.adapter.lora if self.adapter is not None else None)
 
@@ -127,24 +129,27 @@ class _OnSharedBase(LocalEngine):
                 plain.config, merged_state(plain, self._key(), self._names()), self.tokenizer,
                 directory, self.config.max_shard_bytes, architecture=self.shared.loaded.architecture,
                 untie_embeddings=lora_unties_head(plain, self._key()),
-                image_processor=self.images and self.images.processor,
+                image_processor=self.images.processor if self.images is not None else None,
             )
 
     def _save_adapter(self, module, directory: Path) -> None:
         """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""
+        assert self.adapter is not None  # called for a LoRA export: only an adapter's engine has one
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
             save_peft_adapter(module, tmp, self.adapter.name)
             sub = Path(tmp) / self.adapter.name  # peft puts a non-default adapter's files in a subfolder
             items = [p for p in Path(tmp).iterdir() if p != sub] + (list(sub.iterdir()) if sub.is_dir() else [])
             for item in items:
                 shutil.move(str(item), directory / item.name)
-        for files in (self.tokenizer, self.images and self.images.processor):
+        for files in (self.tokenizer, (self.images.processor if self.images is not None else None)):
             if files is not None:
                 files.save_pretrained(str(directory))
 
 
 class AdapterEngine(_OnSharedBase):
     """One client's LoRA adapter on a shared base, with the local engine's API and arithmetic."""
+
+    adapter: Adapter  # always one (the read-only base engine has none)
 
     def __init__(self, shared: AdapterPool, adapter: Adapter) -> None:
         super().__init__(shared, adapter)
@@ -190,6 +195,7 @@ class AdapterEngine(_OnSharedBase):
         with self.shared.using(self.adapter):
             step, _ = check_engine_metadata(metadata, str(directory))
             checked = check_state_files(directory, self.state_layout(), optimizer=optimizer, keep=True)
+            assert checked.weights is not None  # keep=True returns them
             mine = dict(self.runner.named_trainable())
             live = self._solo_state()
             for key, tensor in checked.weights.items():
@@ -219,7 +225,9 @@ class ReadOnlyBaseEngine(_OnSharedBase):
         return InputError(f"{what}: this Backend is the shared base model {self.shared.model_name}, which is "
                           f"read-only (its clients train LoRA adapters on it); train a LoRA Backend instead")
 
-    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> Steps[EngineResult]:
+    def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool,
+                  keep_grads_on_error: bool | None = None) -> Steps[EngineResult]:
+        # keep_grads_on_error: nothing to keep on a read-only base (LocalEngine.run always passes it)
         if backward:
             raise self._read_only("forward_backward")
         return (yield from each_step(lambda: self.shared.using(None), self.runner.steps(data, loss, backward=False)))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -31,7 +31,7 @@ from ..models.loading import LoadedModel, load_config, max_positions
 from ..models.scoring import ScoringModel, count_parameters
 from ..models.vlm import is_vision_language
 from ..plugins.samplers import WeightsSource
-from ..types import AdamParams, Datum
+from ..types import AdamParams, Datum, LoraConfig
 from .config import EngineConfig
 from .turns import Steps, one_step
 
@@ -127,13 +127,15 @@ class Engine(abc.ABC):
         only when the caller set it."""
 
     def run_steps(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool,
-                  **options: Any) -> Steps[EngineResult]:
+                  keep_grads_on_error: bool | None = None) -> Steps[EngineResult]:
         """:meth:`run` as a stepped call (:mod:`.turns`): a generator that yields at each micro-batch
         boundary and returns :meth:`run`'s result, so a scheduler (the server's executor) gives
         other calls the device between micro-batches without running them inside this one. The
         default is one step (an engine that computes in other processes cannot pause); an
-        in-process engine returns its runner's :meth:`~.runner.ModelRunner.steps`. ``options``
-        are :meth:`run`'s own keywords (``keep_grads_on_error``), passed on."""
+        in-process engine returns its runner's :meth:`~.runner.ModelRunner.steps`.
+        ``keep_grads_on_error`` is passed on to :meth:`run` when set (the Backend sets it only for
+        an engine whose ``run`` takes it)."""
+        options = {} if keep_grads_on_error is None else {"keep_grads_on_error": keep_grads_on_error}
         return (yield from one_step(self.run, data, loss, backward=backward, **options))
 
     @abc.abstractmethod
@@ -198,6 +200,14 @@ class Engine(abc.ABC):
     def unsupported(self, what: str) -> InputError:
         """The error of an optional feature this engine does not have."""
         return InputError(f"engine {self.name!r} cannot {what}")
+
+
+class EngineFactory(Protocol):
+    """What builds a Backend's engine: a registered engine's factory (usually the Engine class),
+    or one passed as ``Backend(engine=...)`` (``skyrl_sdk.SharedBase``'s)."""
+
+    def __call__(self, *, model: str, role: str, lora: LoraConfig | None, seed: int,
+                 engine_config: dict[str, Any]) -> Engine: ...
 
 
 def scoring_model(module: torch.nn.Module, role: str, config: EngineConfig,

@@ -143,9 +143,9 @@ def _group_buckets(order: np.ndarray, lengths: np.ndarray, budget: int) -> list[
     groups = []
     j = n
     while j > 0:
-        i = int(start[j])
-        groups.append(order[i:j].tolist())
-        j = i
+        first = int(start[j])
+        groups.append(order[first:j].tolist())
+        j = first
     return groups[::-1]
 
 
@@ -180,6 +180,7 @@ def make_micro_batches(
         batches += [_shared_batch(tokens, lengths, part, largest)
                     for part in fill_rows(groups, row_budget, max_total)]
         rest = np.asarray(alone, dtype=np.int64)
+    position_ids: torch.Tensor | None
     for local in _group(lengths[rest], budget, layout) if len(rest) else []:
         group = rest[local].tolist()
         seqs = [tokens[i] for i in group]

@@ -11,6 +11,7 @@ import torch
 from ..errors import InputError, did_you_mean
 from ..models.attention import DEFAULT_ATTN_IMPLEMENTATION, PREFIX_SHARING_KERNELS, check_name
 from ..types.numbers import check_number, to_float
+from .batching import Layout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Compute dtypes the engines run. float16 would need a dynamic loss scaler (its 5-bit
@@ -92,7 +93,7 @@ class EngineConfig:
     master_dtype: str = "float32"
     gradient_checkpointing: bool = attrs.field(default=False, validator=_bool)
     micro_batch_tokens: int = attrs.field(default=8192, validator=_positive)
-    batching: str = "bucket"
+    batching: Layout = "bucket"
     attn_implementation: str | None = attrs.field(default=DEFAULT_ATTN_IMPLEMENTATION,
                                            validator=lambda i, a, v: check_name(v))
     prefix_sharing: bool | None = attrs.field(default=None, validator=_bool_or_none)

@@ -125,7 +125,7 @@ class LocalEngine(Engine):
         module = self.loaded.module
         if self.loaded.lora is not None and not merge_lora:
             save_peft_adapter(module, directory)
-            for files in (self.tokenizer, self.images and self.images.processor):
+            for files in (self.tokenizer, (self.images.processor if self.images is not None else None)):
                 if files is not None:
                     files.save_pretrained(str(directory))
             return
@@ -134,7 +134,7 @@ class LocalEngine(Engine):
             hf_model(module).config, state, self.tokenizer, directory, self.config.max_shard_bytes,
             architecture=self.loaded.architecture, dtype=self.config.torch_dtype,
             untie_embeddings=self.loaded.lora is not None and lora_unties_head(module),
-            image_processor=self.images and self.images.processor,
+            image_processor=self.images.processor if self.images is not None else None,
         )
 
     # ---- the trained tensors in memory (the server's weight snapshots) ----------------

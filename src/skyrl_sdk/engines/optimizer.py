@@ -93,7 +93,7 @@ class Optimizer:
         optimizer = self.create()
         trainable = [p for _, p in self.named_params()]
         with_grads = [p for p in trainable if p.grad is not None]
-        grads = [p.grad for p in with_grads]
+        grads = [p.grad for p in trainable if p.grad is not None]
         if not with_grads:
             logger.warning("optim_step without accumulated gradients (no forward_backward since the last step)")
         if grad_scale != 1.0 and grads:

@@ -126,10 +126,12 @@ class AdapterPool:
         self._targets = {flags: lora_targets(base, LoraConfig(rank=1, train_attn=flags[0], train_mlp=flags[1],
                                                                train_unembed=flags[2]), self.config.train_vision_tower)
                          for flags in itertools.product((False, True), repeat=3) if any(flags)}
-        self.scoring = scoring_model(base, role, self.config)
+        scoring = scoring_model(base, role, self.config)
+        #: ``None`` once the pool is closed (the model freed)
+        self.scoring: ScoringModel | None = scoring
         self.gate = FairGate()
         #: the runner of read-only uses of the base (no trainable parameters)
-        self.base_runner = AdapterRunner(self.scoring, [], **self._runner_options)
+        self.base_runner = AdapterRunner(scoring, [], **self._runner_options)
         self.adapters: dict[str, Adapter] = {}
         self._names = itertools.count(1)
         self._clock = itertools.count(1)
@@ -172,7 +174,9 @@ class AdapterPool:
         if not targets:
             raise ModelLoadError("LoRA: no Linear modules matched train_attn/train_mlp/train_unembed")
         # the same settings as models.apply_lora (a test compares the two adapters bit for bit)
-        return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=targets,
+        # peft annotates lora_alpha int; it divides a float alpha alike
+        return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]
+                               lora_dropout=0.0, target_modules=targets,
                                bias="none")
 
     # ---- adapters ---------------------------------------------------------------------------------
@@ -192,6 +196,8 @@ class AdapterPool:
             self.module.to(self.device)
             self.module.eval()
             params = [(solo_name(n, name), p) for n, p in self.module.named_parameters() if name in n.split(".")]
+            if self.scoring is None:
+                raise RuntimeError("this engine is closed: its model was released")
             runner = AdapterRunner(self.scoring, params, **self._runner_options)
             adapter = Adapter(name, label or name, lora, runner, sum(p.numel() for _, p in params),
                               last_used=next(self._clock), resident_bytes=offload.adapter_bytes(runner))
@@ -316,6 +322,7 @@ class AdapterPool:
         logger.info("shared base %s: adapter %s offloaded to disk (%.3fs)", self.model_name, adapter.label, seconds)
 
     def _reload(self, adapter: Adapter) -> None:
+        assert adapter.offloaded is not None  # called only for an offloaded adapter
         self._active = None
         self._evict_beyond_capacity(keep=adapter)
         t0 = time.perf_counter()

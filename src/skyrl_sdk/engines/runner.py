@@ -20,7 +20,7 @@ from ..losses.run import run_loss
 from ..models.scoring import ScoringModel
 from ..types import Datum
 from .base import EngineResult, scores_key
-from .batching import make_micro_batches, pack_inputs
+from .batching import Layout, make_micro_batches, pack_inputs
 from .call_grads import call_gradients
 from .optimizer import Optimizer, total_norm
 from .sharing import PrefixSharing
@@ -41,7 +41,7 @@ class ModelRunner:
         *,
         device: torch.device,
         micro_batch_tokens: int = 8192,
-        batching: str = "bucket",
+        batching: Layout = "bucket",
         pad_id: int = 0,
         loss_scale: float = 1.0,
         autocast_dtype: torch.dtype | None = None,
@@ -49,7 +49,8 @@ class ModelRunner:
         prefix_min_tokens: int | None = None,
         compute_float32: bool = True,
     ) -> None:
-        self.scoring = scoring
+        #: the module this runner scores with; ``None`` once its engine is closed (the model freed)
+        self.scoring: ScoringModel | None = scoring
         self.device = device
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.batching = batching
@@ -69,11 +70,17 @@ class ModelRunner:
         #: prefix sharing (engines/sharing.py): switched on now, checked at its first use
         self.prefix = PrefixSharing(scoring, prefix_min_tokens, float32=compute_float32)
 
+    def scoring_model(self) -> ScoringModel:
+        """:attr:`scoring`, refused once the engine is closed."""
+        if self.scoring is None:
+            raise RuntimeError("this engine is closed: its model was released")
+        return self.scoring
+
     # ---- parameters -------------------------------------------------------------------
     def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The parameters the optimizer steps (found once per model: walking every module of a
         large model on each step costs more than a LoRA step itself)."""
-        model = self.scoring.model
+        model = self.scoring_model().model
         if self._trainable is None or self._trainable[0] is not model:
             self._trainable = (model, [(n, p) for n, p in model.named_parameters() if p.requires_grad])
         return self._trainable[1]
@@ -105,7 +112,7 @@ class ModelRunner:
     def plan(self, data: Sequence[Datum]) -> list:
         """The micro-batches this runner will use for ``data``; the first call that would share
         a prefix (on any rank) runs prefix sharing's self-test first."""
-        vision_language = self.scoring.vision_language
+        vision_language = self.scoring_model().vision_language
         batches = make_micro_batches(data, self.micro_batch_tokens, self.batching, self.pad_id, self.prefix.min_tokens,
                                      vision_language=vision_language)
         if self.prefix.pending and self.any_rank(any(mb.prefix is not None for mb in batches)):
@@ -165,7 +172,7 @@ class ModelRunner:
         grad_ctx = torch.enable_grad() if backward else torch.no_grad()
         with grad_ctx:
             with self.compute_precision():
-                scores, entropy = self.scoring(
+                scores, entropy = self.scoring_model()(
                     _to_device(mb.input_ids, dev),
                     None if mb.attention_mask is None else _to_device(mb.attention_mask, dev),
                     None if mb.position_ids is None else _to_device(mb.position_ids, dev),

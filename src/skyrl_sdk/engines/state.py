@@ -152,6 +152,7 @@ def _check_weights(file: Path, layout: StateLayout, keep: bool) -> dict[str, tor
             tensor = _read(f, file, key)
             if key in layout.aliases:  # a tied name: checked against nothing, loaded through its target
                 continue
+            assert spec is not None  # None only for an alias (skipped) or an unknown key (refused)
             problem = spec.problem(tensor)
             if problem:
                 problems.add(key, problem)
@@ -161,7 +162,8 @@ def _check_weights(file: Path, layout: StateLayout, keep: bool) -> dict[str, tor
     return kept if keep else None
 
 
-def _check_moments(file: Path, layout: StateLayout, keep: bool) -> tuple[dict[str, torch.Tensor] | None, dict]:
+def _check_moments(file: Path, layout: StateLayout, keep: bool
+                   ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
     problems = _Problems(file)
     kept: dict[str, torch.Tensor] = {}
     steps: dict[str, float] = {}
@@ -210,7 +212,8 @@ def check_state_files(directory: Path, layout: StateLayout, *, optimizer: bool, 
     """
     directory = Path(directory)
     weights = _check_weights(directory / WEIGHTS_FILE, layout, keep)
-    moments, steps = (None, {})
+    moments: dict[str, torch.Tensor] | None = None
+    steps: dict[str, float] = {}
     if optimizer:
         moments, steps = _check_moments(directory / OPTIMIZER_FILE, layout, keep)
     return CheckedState(weights=weights, moments=moments, steps=steps)

@@ -94,7 +94,10 @@ def measure_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor
     b1, b2, lr, eps = adam.beta1, adam.beta2, adam.learning_rate, adam.eps
     decay = 1.0 - lr * adam.weight_decay
     limit = dtype_limit(params)
-    p_max, m_max, v_max, ratio_max = [], [], [], []
+    p_max: list[torch.Tensor] = []
+    m_max: list[torch.Tensor] = []
+    v_max: list[torch.Tensor] = []
+    ratio_max: list[torch.Tensor] = []
     for p in params:
         state = optimizer.state.get(p) or {}
         if p.grad is None:  # not stepped: it keeps its values
@@ -121,8 +124,8 @@ def measure_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor
     def top(values: list[torch.Tensor]) -> float:
         return float(torch.stack(values).max()) if values else 0.0  # NaN propagates through max
 
-    ratio = top(ratio_max)
+    largest_ratio = top(ratio_max)
     bound = StepBound(top(p_max), top(m_max), top(v_max), limit)
-    if not math.isfinite(ratio) or ratio >= bound.limit * HEADROOM:
+    if not math.isfinite(largest_ratio) or largest_ratio >= bound.limit * HEADROOM:
         return attrs.evolve(bound, weights=math.inf)
     return bound

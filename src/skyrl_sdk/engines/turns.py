@@ -171,7 +171,7 @@ class FairGate:
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._order = RoundRobin()
+        self._order: RoundRobin[Hashable, object] = RoundRobin()
         self._granted: object | None = None
         self._owner: int | None = None
         #: keys in the order their turns were granted (the scheduler test reads it; bounded)

@@ -21,12 +21,13 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from ..errors import DatumError, InputError, refuse_unknown_keys
 from ..types import Datum, ModelInput, densify_csr
+from ..types.arrays import TensorDtype
 from ..types.model_input import chunk_from_fields
 from ..types.numbers import check_number
 from ..types.provenance import span_count_problem
 from .limits import sequence_length_problem
 
-_PROTO_TO_NUMPY = {
+_PROTO_TO_NUMPY: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype(np.float32),
     pb.DTYPE_INT64: np.dtype(np.int64),
     pb.DTYPE_INT32: np.dtype(np.int32),
@@ -221,7 +222,7 @@ def tensor_from_proto(msg: Any, max_elements: int | None = None) -> np.ndarray:
         values = _frombuffer(csr.values, np_dtype, "sparse values")
         crow = _frombuffer(csr.crow_indices, np.dtype(np.int64), "sparse crow_indices")
         cols = _frombuffer(csr.col_indices, np.dtype(np.int64), "sparse col_indices")
-        dtype = "int64" if np_dtype.kind in "iu" else "float32"
+        dtype: TensorDtype = "int64" if np_dtype.kind in "iu" else "float32"
         return densify_csr(values, crow, cols, shape, dtype)
     array = _frombuffer(msg.dense if encoding == "dense" else b"", np_dtype, "tensor data")
     if shape:

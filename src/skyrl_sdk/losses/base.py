@@ -57,13 +57,28 @@ class LossInput:
     def get(self, key: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.inputs.get(key, default)
 
+    def require_target_logprobs(self) -> torch.Tensor:
+        """``target_logprobs``, which a policy loss needs (``None`` only in a critic's input)."""
+        if self.target_logprobs is None:
+            raise ValueError("LossInput.target_logprobs is None: a policy loss got a critic's input")
+        return self.target_logprobs
+
+    def require_values(self) -> torch.Tensor:
+        """``values``, which a critic loss needs (``None`` only in a policy's input)."""
+        if self.values is None:
+            raise ValueError("LossInput.values is None: a critic loss got a policy's input")
+        return self.values
+
+    def scores(self) -> torch.Tensor:
+        """The differentiable per-token scores: a critic's ``values`` or a policy's ``target_logprobs``."""
+        return self.require_values() if self.values is not None else self.require_target_logprobs()
+
     def mask(self) -> torch.Tensor:
         """The ``weights`` input as a float mask (ones when absent)."""
         w = self.inputs.get("weights")
         if w is not None:
             return w
-        ref = self.target_logprobs if self.target_logprobs is not None else self.values
-        return torch.ones(self.num_tokens, dtype=torch.float32, device=ref.device)
+        return torch.ones(self.num_tokens, dtype=torch.float32, device=self.scores().device)
 
 
 @attrs.frozen(eq=False)

@@ -88,15 +88,16 @@ def prepare_sample(request: SampleRequest, model: CallModel) -> SampleRequest:
     """``request`` ready for a sampler: its prompts' images read (the same request when it has
     none), every prompt's token ids and its length plus ``max_tokens`` within the model's, and
     the ``target_prompt_logprobs`` ids within the vocabulary."""
-    where = [i for i, p in enumerate(request.prompts) if isinstance(p, ModelInput)]
-    if where:
-        read = _to_end(model.read_images([request.prompts[i] for i in where],
+    with_images = [(i, p) for i, p in enumerate(request.prompts) if isinstance(p, ModelInput)]
+    if with_images:
+        where = [i for i, _ in with_images]
+        read = _to_end(model.read_images([p for _, p in with_images],
                                          lambda k, msg: InputError(f"prompt {where[k]}: {msg}")))
         prompts = list(request.prompts)
         for i, model_input in zip(where, read, strict=True):
             prompts[i] = model_input
         request = attrs.evolve(request, prompts=prompts)
-    check_prompts([p.to_numpy() if isinstance(p, ModelInput) else p for p in request.prompts], model.vocab_size,
+    check_prompts(request.prompt_token_ids(), model.vocab_size,
                   model.max_positions, request.sampling_params.max_tokens)
     check_target_ids(request.target_prompt_logprobs, model.vocab_size)
     return request

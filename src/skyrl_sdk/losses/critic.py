@@ -27,7 +27,7 @@ class ValueConfig:
 def value(batch: LossInput, config: ValueConfig) -> LossOutput:
     """``0.5 * max((v - R)^2, (v_clip - R)^2)``, ``v_clip = v_old + clamp(v - v_old, +-value_clip)``:
     the pessimistic of the clipped and unclipped errors, as in PPO's value clipping."""
-    v = batch.values
+    v = batch.require_values()
     v_old = batch.inputs["values"]
     ret = batch.inputs["returns"]
     mask = batch.mask()

@@ -112,7 +112,7 @@ class KLCovConfig:
 
 def _rl_inputs(batch: LossInput):
     """(lp, q, A, mask, has_weights) for a ratio-based loss."""
-    lp = batch.target_logprobs
+    lp = batch.require_target_logprobs()
     return lp, batch.inputs["logprobs"], batch.inputs["advantages"], batch.mask(), "weights" in batch.inputs
 
 
@@ -266,7 +266,7 @@ def dro(batch: LossInput, config: DroConfig) -> LossOutput:
 def _covariance(batch: LossInput):
     """``cov_t = (sg(lp_t) - mean(sg(lp))) * (A_t - mean(A))``, means over the scored tokens
     of this LossInput (the whole call, when called from ``prepare``)."""
-    lp = batch.target_logprobs.detach()
+    lp = batch.require_target_logprobs().detach()
     adv = batch.inputs["advantages"]
     scored = _scored(batch)
     s = scored.to(lp.dtype)
@@ -283,7 +283,7 @@ def clip_cov_prepare(batch: LossInput, config: ClipCovConfig) -> dict[str, torch
     seeded with ``config.seed``, so reruns pick the same tokens) is marked 1.0.
     """
     cov, scored, num_scored = _covariance(batch)
-    lp = batch.target_logprobs.detach()
+    lp = batch.require_target_logprobs().detach()
     ratio = safe_ratio(lp, batch.inputs["logprobs"])
     lo, hi = 1.0 - config.eps_clip_low, 1.0 + config.eps_clip_high
     _, ppo_clipped = _ppo(ratio, batch.inputs["advantages"], torch.full_like(ratio, lo), torch.full_like(ratio, hi))
@@ -348,7 +348,7 @@ def kl_cov(batch: LossInput, config: KLCovConfig) -> LossOutput:
 
 
 def _detached(batch: LossInput) -> LossInput:
-    return attrs.evolve(batch, target_logprobs=batch.target_logprobs.detach())
+    return attrs.evolve(batch, target_logprobs=batch.require_target_logprobs().detach())
 
 
 # ---- registration -------------------------------------------------------------------------

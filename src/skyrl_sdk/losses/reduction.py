@@ -86,6 +86,8 @@ def token_scale(
     if reduction == "seq_mean_token_sum":
         return per_sequence
     if reduction == "seq_mean_token_sum_norm":
+        if max_seq_len is None:
+            raise ValueError("loss_reduction 'seq_mean_token_sum_norm' needs max_seq_len")
         return per_sequence / float(max_seq_len)
     if reduction == "seq_mean_token_mean":
         m = token_mask(batch).to(torch.float64)

@@ -28,8 +28,7 @@ def run_loss(resolved: ResolvedLoss, loss_input: LossInput) -> tuple[LossOutput,
     not the caller's: it raises :class:`~skyrl_sdk.errors.PluginError` naming the plugin.
     """
     if resolved.scores_only:  # a critic's values read without targets: no loss to compute
-        scores = loss_input.values if loss_input.values is not None else loss_input.target_logprobs
-        return LossOutput(loss=scores.new_zeros(())), {}
+        return LossOutput(loss=loss_input.scores().new_zeros(())), {}
     out = resolved.spec.fn(loss_input, resolved.config)
     if not isinstance(out, LossOutput):
         raise _malformed(resolved, f"returned {type(out).__name__}, expected LossOutput")
@@ -76,6 +75,7 @@ def add_prepared_inputs(
     }
     segment_ids = torch.from_numpy(np.repeat(np.arange(len(datums)), lengths))
     packed = LossInput.for_role(role, scores, inputs=inputs, segment_ids=segment_ids, num_segments=len(datums))
+    assert resolved.spec.prepare is not None  # called only for a loss with a prepare step
     extra = resolved.spec.prepare(packed, resolved.config)
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     return [

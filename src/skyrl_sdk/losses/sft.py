@@ -9,7 +9,7 @@ from .base import LossInput, LossOutput
 
 def cross_entropy(batch: LossInput, config: None) -> LossOutput:
     """``-sum(w * lp)``; with (N, K) targets and weights the sum runs over all N*K entries."""
-    lp = batch.target_logprobs
+    lp = batch.require_target_logprobs()
     w = batch.inputs.get("weights")
     if w is None:
         w = lp.new_ones(lp.shape)

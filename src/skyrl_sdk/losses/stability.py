@@ -117,14 +117,7 @@ class SequenceRecords:
         in the server) under :func:`sequence_ids` of its request id (``request_ids``: one per
         prompt, the server's; by default :func:`new_request_id`), and return the outputs with
         each sequence carrying its ``sequence_id``."""
-        ids = list(request_ids) if request_ids is not None else [new_request_id() for _ in prompts]
-        recorded = []
-        for prompt, out, request_id in zip(prompts, outs, ids, strict=True):
-            seq_ids = sequence_ids(request_id, len(out.sequences))
-            self.record(prompt, out.sequences, seq_ids)
-            recorded.append(attrs.evolve(out, sequences=[attrs.evolve(s, sequence_id=i)
-                                                         for s, i in zip(out.sequences, seq_ids, strict=True)]))
-        return recorded
+        return _record_outputs(self.record, prompts, outs, request_ids)
 
     @property
     def nbytes(self) -> int:
@@ -207,8 +200,10 @@ class ScopedRecords:
         self.closed = False
         self._lock = threading.Lock()  # a record and the close never interleave
 
-    #: the same method: it records through this view's :meth:`record`
-    record_outputs = SequenceRecords.record_outputs
+    def record_outputs(self, prompts: Sequence[np.ndarray], outs: Sequence[SampleOutput],
+                       request_ids: Sequence[str] | None = None) -> list[SampleOutput]:
+        """:meth:`SequenceRecords.record_outputs`, through this view's :meth:`record`."""
+        return _record_outputs(self.record, prompts, outs, request_ids)
 
     def __len__(self) -> int:
         with self.records._lock:
@@ -227,6 +222,20 @@ class ScopedRecords:
         with self._lock:
             self.closed = True
             self.records.drop(self.name)
+
+
+def _record_outputs(record: Callable[[np.ndarray, Sequence[SampledSequence], Sequence[str]], None],
+                    prompts: Sequence[np.ndarray], outs: Sequence[SampleOutput],
+                    request_ids: Sequence[str] | None) -> list[SampleOutput]:
+    """``record_outputs`` of records or of a scope of them (``record``: theirs)."""
+    ids = list(request_ids) if request_ids is not None else [new_request_id() for _ in prompts]
+    recorded = []
+    for prompt, out, request_id in zip(prompts, outs, ids, strict=True):
+        seq_ids = sequence_ids(request_id, len(out.sequences))
+        record(prompt, out.sequences, seq_ids)
+        recorded.append(attrs.evolve(out, sequences=[attrs.evolve(s, sequence_id=i)
+                                                     for s, i in zip(out.sequences, seq_ids, strict=True)]))
+    return recorded
 
 
 def resolve_provenance(datums: Sequence[Datum], records: SequenceRecords) -> list[Datum]:
@@ -269,6 +278,7 @@ def _check_run(index: int, field: str, span, actual: np.ndarray, claimed: np.nda
 
 
 def _resolve(index: int, d: Datum, found: dict[str, RecordedSequence]) -> Datum:
+    assert d.model_input_spans is not None and d.loss_fn_input_spans is not None  # refused above without provenance
     tokens = d.model_input.to_numpy()
     pos = 0
     for span in d.model_input_spans:

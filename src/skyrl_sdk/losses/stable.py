@@ -38,7 +38,7 @@ class StableReinforceConfig:
 
 
 def stable_reinforce(batch: LossInput, config: StableReinforceConfig) -> LossOutput:
-    lp = batch.target_logprobs
+    lp = batch.require_target_logprobs()
     q, adv, mask = batch.inputs["logprobs"], batch.inputs["advantages"], batch.mask()
     sampled = batch.inputs[SAMPLED_MASK] != 0
     log_ratio = (lp - q).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).detach()

@@ -195,7 +195,8 @@ def elementwise_loss_problem(terms: LossTerms, batch: LossInput, out: LossOutput
 def _reduced_loss(out: LossOutput, scale) -> torch.Tensor:
     if not isinstance(scale, torch.Tensor):
         return out.loss * scale if scale != 1.0 else out.loss
-    return reduce_tokens(out.elementwise_loss, scale)  # checked by elementwise_loss_problem
+    assert out.elementwise_loss is not None  # elementwise_loss_problem refused a missing one
+    return reduce_tokens(out.elementwise_loss, scale)
 
 
 def apply_terms(name: str, terms: LossTerms, batch: LossInput, out: LossOutput) -> LossOutput:
@@ -213,9 +214,9 @@ def apply_terms(name: str, terms: LossTerms, batch: LossInput, out: LossOutput) 
             if key in metrics:
                 metrics[key] = Metric(base.detach())
     total = base
-    mask = token_mask(batch) if terms.kl_coef > 0 or terms.entropy_coef != 0 else None
+    mask = token_mask(batch)
     if terms.kl_coef > 0:
-        kl = kl_estimate(batch.target_logprobs, batch.inputs["ref_logprobs"], terms.kl_estimator) * mask
+        kl = kl_estimate(batch.require_target_logprobs(), batch.inputs["ref_logprobs"], terms.kl_estimator) * mask
         kl_loss = reduce_tokens(kl, scale)
         metrics["kl_loss:sum"] = Metric(kl_loss.detach())
         total = total + terms.kl_coef * kl_loss

@@ -87,7 +87,9 @@ def check_prompts(prompts: Sequence[np.ndarray], vocab_size: int, max_positions:
 def check_target_ids(targets: Sequence[np.ndarray | None] | None, vocab_size: int) -> None:
     """A sample call's ``target_prompt_logprobs`` (shapes checked by ``SampleRequest``): every
     token id named lies in the model's vocabulary."""
-    for i, ids in enumerate(targets or ()):
+    if not targets:
+        return
+    for i, ids in enumerate(targets):
         if ids is not None and (ids >= vocab_size).any():
             r, c = (int(x) for x in np.argwhere(ids >= vocab_size)[0])
             where = f"target_prompt_logprobs[{i}]" if len(targets) > 1 else "target_prompt_logprobs"

@@ -33,9 +33,10 @@ import numpy as np
 
 from ..errors import InputError, ModelLoadError, install_hint
 from ..types import ImageChunk, ModelInput, PreparedImageChunk
+from ..types.model_input import ImageFormat
 
 #: PIL's names of the formats Tinker's image chunks carry.
-_PIL_FORMATS = {"PNG": "png", "JPEG": "jpeg"}
+_PIL_FORMATS: dict[str, ImageFormat] = {"PNG": "png", "JPEG": "jpeg"}
 
 
 @attrs.frozen
@@ -77,7 +78,7 @@ def load_image_processor(directory: str | None, config: Any):
                                     temporal_patch_size=vision.temporal_patch_size)
 
 
-def _format_of(data: bytes) -> str:
+def _format_of(data: bytes) -> ImageFormat:
     """``'png'`` or ``'jpeg'`` from an encoded image's first bytes (the header check says the rest)."""
     if data.startswith(b"\x89PNG\r\n\x1a\n"):
         return "png"
@@ -133,7 +134,7 @@ class ImageInputs:
             for j, chunk in enumerate(model_input.chunks):
                 if not isinstance(chunk, ImageChunk):
                     continue
-                width, height = self._header(chunk, lambda msg, i=i, j=j: error(i, f"model_input.chunks[{j}]: {msg}"))
+                width, height = self._header(chunk, _chunk_error(error, i, j))
                 tokens = self.count_tokens(width, height)
                 if chunk.expected_tokens is not None and chunk.expected_tokens != tokens:
                     raise error(i, f"model_input.chunks[{j}]: expected_tokens is {chunk.expected_tokens}, but this "
@@ -168,8 +169,7 @@ class ImageInputs:
                     if digest not in decoded:
                         if decoded:
                             yield  # others' turns, as between micro-batches
-                        decoded[digest] = self._decode(chunk, digest, lambda msg, i=i, j=j: error(
-                            i, f"model_input.chunks[{j}]: {msg}"))
+                        decoded[digest] = self._decode(chunk, digest, _chunk_error(error, i, j))
                     chunk = decoded[digest]
                 chunks.append(chunk)
             out.append(ModelInput(chunks))
@@ -184,6 +184,7 @@ class ImageInputs:
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 image = Image.open(io.BytesIO(chunk.data))
         except Image.DecompressionBombError:
+            assert Image.MAX_IMAGE_PIXELS is not None  # PIL raises it only when a limit is set
             raise error(f"the image declares more than {Image.MAX_IMAGE_PIXELS * 2} pixels, over the limit of "
                         f"{self.limits.max_pixels} pixels per image (max_image_pixels)") from None
         except Exception:
@@ -218,17 +219,23 @@ class ImageInputs:
                 image.decodermaxblock = _DECODE_BLOCK  # the budget is checked before each block is read
                 source.deadline = time.monotonic() + self.limits.max_decode_s
                 image.load()
-                image = image.convert("RGB")
+                rgb = image.convert("RGB")
         except _OverBudget:
             raise error(f"decoding the image took more than {self.limits.max_decode_s:g} s, the limit per image "
                         f"(max_image_decode_s)") from None
         except Exception as exc:
             raise error(f"the image could not be decoded: {exc}") from None
-        batch = self.processor(images=[image], return_tensors="np")
-        grid = tuple(int(x) for x in np.asarray(batch["image_grid_thw"]).reshape(3))
+        batch = self.processor(images=[rgb], return_tensors="np")
+        t, h, w = (int(x) for x in np.asarray(batch["image_grid_thw"]).reshape(3))
+        grid = (t, h, w)
         pixels = np.ascontiguousarray(np.asarray(batch["pixel_values"], dtype=np.float32))
         return PreparedImageChunk(pixel_values=pixels, grid_thw=grid, merge_size=self.merge_size,
                                   token_id=self.image_token_id, digest=digest)
+
+
+def _chunk_error(error: Callable[[int, str], InputError], i: int, j: int) -> Callable[[str], InputError]:
+    """``error`` of input ``i``'s chunk ``j``."""
+    return lambda msg: error(i, f"model_input.chunks[{j}]: {msg}")
 
 
 #: bytes the decoder is handed at a time (the time budget is checked between two)

@@ -86,8 +86,8 @@ def build_tiny_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS, *, bo
     from transformers import PreTrainedTokenizerFast
 
     vocab = {ch: b for b, ch in _byte_to_unicode().items()}
-    for offset, tok in enumerate(special_tokens):
-        vocab[tok] = 256 + offset
+    for offset, special in enumerate(special_tokens):
+        vocab[special] = 256 + offset
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -266,7 +266,7 @@ def apply_lora(model, lora: LoraConfig, seed: int, train_vision_tower: bool = Fa
         raise ModelLoadError("LoRA: no Linear modules matched train_attn/train_mlp/train_unembed")
     config = peft.LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; it divides a float alpha alike
         lora_dropout=0.0,  # the model runs in eval mode: trainer and sampler must agree
         target_modules=targets,
         bias="none",
@@ -315,7 +315,7 @@ def quiet_peft_wrap() -> Iterator[None]:
         yield
 
 
-def _cpu_placeholders(model, targets: list[str]) -> list[tuple[torch.nn.Module, torch.nn.Parameter]]:
+def _cpu_placeholders(model, targets: list[str]) -> list[tuple[torch.nn.Linear, torch.nn.Parameter]]:
     """Give meta-device target layers a zero-byte CPU weight while peft wraps them.
 
     peft creates each adapter on the CPU (drawing its initial values from the seeded
@@ -348,11 +348,12 @@ def parameters_on_meta():
         if param is not None and param.device.type != "meta":
             module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    torch.nn.Module.register_parameter = register
+    # a class attribute patched for the block: mypy refuses assignments to methods
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
         yield
     finally:
-        torch.nn.Module.register_parameter = original
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def _build(name: str, config, role: str, *, materialize: bool, dtype: torch.dtype, attn_implementation: str | None):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import overload
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +88,10 @@ def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+@overload
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor: ...
+@overload
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None: ...
 def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
     return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
 
@@ -170,7 +175,10 @@ class _LinearLogprobs(torch.autograd.Function):
         keep = num_tokens <= chunk  # one chunk: keep the probabilities, no recompute
         ctx.compute_dtype = compute = matmul_dtype(hidden, weight)
         w, b = _cast(weight, compute), _cast(bias, compute)
-        lps, ents, lses, probs = [], [], [], None
+        lps: list[torch.Tensor] = []
+        ents: list[torch.Tensor] = []
+        lses: list[torch.Tensor] = []
+        probs = None
         for start in range(0, num_tokens, chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
             logits = F.linear(_cast(h, compute), w, b).float()
@@ -178,7 +186,7 @@ class _LinearLogprobs(torch.autograd.Function):
             del logits
             lps.append(lp)
             lses.append(lse)
-            if want_entropy:
+            if ent is not None:  # want_entropy
                 ents.append(ent)
         lp = lps[0] if len(lps) == 1 else torch.cat(lps)
         ctx.chunk = chunk
@@ -224,7 +232,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 del ent_part
             del probs
             dlogits = _cast(dlogits, compute)
-            if need_h:
+            if grad_h is not None:  # need_h
                 if grad_h.dtype == compute:
                     torch.mm(dlogits, w, out=grad_h[start : start + chunk])
                 else:
@@ -256,12 +264,14 @@ def linear_target_logprobs(
     with torch.no_grad():
         compute = matmul_dtype(hidden, weight)
         w, b = _cast(weight, compute), _cast(bias, compute)
-        lps, ents = [], []
+        lps: list[torch.Tensor] = []
+        ents: list[torch.Tensor] = []
         for start in range(0, hidden.shape[0], chunk):
             logits = F.linear(_cast(hidden[start : start + chunk], compute), w, b).float()
             lp, ent, _, _ = _logprobs_inplace(logits, targets[start : start + chunk], want_entropy, False)
             lps.append(lp)
-            ents.append(ent)
+            if ent is not None:  # want_entropy
+                ents.append(ent)
         return torch.cat(lps), (torch.cat(ents) if want_entropy else lps[0].new_zeros(0))
 
 

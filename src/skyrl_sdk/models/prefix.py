@@ -77,8 +77,8 @@ def find_groups(seqs: Sequence[np.ndarray], min_tokens: int, max_tokens: int, ma
             continue
         # runs [i, j) for i in run .. j-2: prefix = min(lcp[i+1 .. j-1]), saving (j-1-i) * prefix
         prefixes = np.minimum.accumulate(lcp[run + 1:j][::-1])[::-1]
-        i = np.arange(run, j - 1)
-        saving = best[run:j - 1] + (j - 1 - i) * prefixes
+        firsts = np.arange(run, j - 1)
+        saving = best[run:j - 1] + (j - 1 - firsts) * prefixes
         k = int(np.argmax(saving))
         if saving[k] > best[j]:
             best[j], start[j] = saving[k], run + k

@@ -138,6 +138,7 @@ def _two_part(module, query, key, value, plan: PrefixPlan, *, scaling, softcap, 
             else:
                 parts.append(_suffixes(q, k, v, g, rows, a, p, **options))
         o = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # (G, H, Smax, d)
+        assert g.unpad is not None  # None only in a group without suffixes (count 0, skipped above)
         outs.append(o.transpose(0, 1).reshape(heads, g.count * g.width, dim).index_select(1, g.unpad))
     out = torch.cat(outs, dim=1)  # (H, N, d), in row order
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
@@ -215,7 +216,8 @@ def enabled(model) -> bool:
     return hf_model(model).config._attn_implementation in BASES
 
 
-def shared_hidden(backbone, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: PrefixPlan) -> torch.Tensor:
+def shared_hidden(backbone, input_ids: torch.Tensor, position_ids: torch.Tensor | None, plan: PrefixPlan
+                  ) -> torch.Tensor:
     """The (N, H) last hidden states of a shared-prefix row (refused on a model whose attention
     would ignore the plan: never silently wrong)."""
     if backbone.config._attn_implementation not in BASES:

@@ -64,6 +64,9 @@ class ScoringModel(nn.Module):
     (the first row: each datum's text positions, which tell attention where datums start).
     """
 
+    #: set in ``__dict__``, not as a submodule (see Head)
+    head: Head
+
     def __init__(self, model: nn.Module, role: str) -> None:
         super().__init__()
         self.model = model
@@ -93,7 +96,7 @@ class ScoringModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if prefix is not None:
             hidden = prefix_attention.shared_hidden(backbone_of(self.model), input_ids, position_ids, prefix)
-            if self.role == "policy" and targets.dim() == 1:
+            if self.role == "policy" and targets is not None and targets.dim() == 1:
                 return self._deduplicated_logprobs(hidden, flat_index, targets, want_entropy)
             hidden = hidden.index_select(0, flat_index)  # repeats the prefix slots once per datum
         else:
@@ -111,6 +114,8 @@ class ScoringModel(nn.Module):
                 hidden = hidden.index_select(0, flat_index)
         if self.role == "critic":
             return self.head.proj(hidden).squeeze(-1).float(), None
+        if targets is None:
+            raise ValueError("ScoringModel.forward: a policy scores targets; got targets=None")
         return target_logprobs(
             hidden, self.head, targets, self.vocab_size, want_entropy=want_entropy, chunk_elements=self.chunk_elements
         )

@@ -10,9 +10,13 @@ and ``value_head.bias`` (1,).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 VALUE_HEAD = "value_head"
 #: config.json field an exported critic carries: the name of its value head's weights.
@@ -22,7 +26,9 @@ CONFIG_FIELD = "skyrl_value_head"
 class ValueHeadModel(nn.Module):
     """Backbone -> last hidden state -> ``value_head`` (one scalar per token)."""
 
-    def __init__(self, backbone: nn.Module) -> None:
+    config: PretrainedConfig
+
+    def __init__(self, backbone: PreTrainedModel) -> None:
         super().__init__()
         self.base_model_prefix = getattr(backbone, "base_model_prefix", "") or "model"
         setattr(self, self.base_model_prefix, backbone)
@@ -32,7 +38,7 @@ class ValueHeadModel(nn.Module):
         self.value_head = nn.Linear(int(self.config.get_text_config().hidden_size), 1, bias=True)
 
     @property
-    def backbone(self) -> nn.Module:
+    def backbone(self) -> PreTrainedModel:
         return getattr(self, self.base_model_prefix)
 
     @property

@@ -112,7 +112,8 @@ def attributed(obj: Any, plugin: str, declarations: Sequence[hooks.Declaration] 
     them."""
     view = ModuleType(f"skyrl_sdk plugin {plugin}")
     view.__doc__ = f"The hook implementations of plugin {plugin!r}, attributed to it."
-    view.origin = obj  # type: ignore[attr-defined]  (the plugin module or object itself)
+    # the plugin module or object itself, on a module object made here (mypy knows no such attribute)
+    view.origin = obj  # type: ignore[attr-defined]
     probe = pluggy.PluginManager(hooks.PROJECT)
     for name in dir(obj) if obj is not None else ():
         opts = probe.parse_hookimpl_opts(obj, name)

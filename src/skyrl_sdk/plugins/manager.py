@@ -95,7 +95,7 @@ class SealedPluginManager(pluggy.PluginManager):
 class LoadedPlugins:
     registry: Registry
     plugins: tuple[PluginInfo, ...]
-    manager: pluggy.PluginManager
+    manager: SealedPluginManager
     #: ``hooks.DECLARED`` as it was registered (a later declaration is added to this state)
     declared: tuple[hooks.Declaration, ...] = ()
     #: what each plugin registered, by plugin name in load order (the registry is their union)

@@ -66,7 +66,9 @@ class Registry:
             self._table(kind)[name] = other._table(kind)[name]
 
     def _table(self, kind: str) -> dict[str, Any]:
-        return {"loss": self.losses, "dialect": self.dialects, "engine": self.engines, "sampler": self.samplers}[kind]
+        tables: dict[str, dict[str, Any]] = {"loss": self.losses, "dialect": self.dialects, "engine": self.engines,
+                                             "sampler": self.samplers}
+        return tables[kind]
 
     # -- losses --------------------------------------------------------------------------
     def register_loss(
@@ -174,7 +176,8 @@ class Registry:
         if not callable(factory):
             raise PluginError(f"plugin {plugin!r}, {kind} {name!r}: factory must be callable")
         if inspect.isclass(factory) and inspect.isabstract(factory):  # it would fail at every build
-            missing = ", ".join(sorted(factory.__abstractmethods__))
+            # an abstract class has it; mypy's type[object] does not
+            missing = ", ".join(sorted(factory.__abstractmethods__))  # type: ignore[attr-defined]
             raise PluginError(f"plugin {plugin!r}, {kind} {name!r}: {factory.__name__} does not implement the "
                               f"abstract method(s) {missing}")
         if not isinstance(description, str):

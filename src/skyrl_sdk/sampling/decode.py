@@ -99,11 +99,13 @@ def generate(
         plps.append(score_prompt(h, head, ids[p, width - len(prompt):], vocab) if request.prompt_logprobs else None)
         topks.append(topk_prompt(h, head, request.topk_prompt_logprobs, vocab)
                      if request.topk_prompt_logprobs > 0 else None)
-    targets, alts = [None] * len(prompts), [None] * len(prompts)
+    targets: list[np.ndarray | None] = [None] * len(prompts)
+    alts: list[PromptAltTokens | None] = [None] * len(prompts)
     for p, d in enumerate(source.tolist()):  # per request prompt: alternatives are drawn for each
         h = hidden[d, width - len(token_rows[d]):]
-        if request.target_prompt_logprobs is not None and request.target_prompt_logprobs[p] is not None:
-            targets[p] = score_targets(h, head, request.target_prompt_logprobs[p], vocab)
+        target_ids = None if request.target_prompt_logprobs is None else request.target_prompt_logprobs[p]
+        if target_ids is not None:
+            targets[p] = score_targets(h, head, target_ids, vocab)
         if request.prompt_alt_tokens_k > 0:
             alts[p] = PromptAltTokens(*prompt_alt_tokens(h, head, request.prompt_alt_tokens_k, params.temperature,
                                                          generator, vocab))
@@ -141,14 +143,16 @@ def _distinct(prompts: Sequence[np.ndarray | ModelInput]) -> tuple[list[np.ndarr
     """The distinct prompts (first-seen order), and for each prompt the index of its copy (a
     prompt with images is the same as another only when its images are the same too)."""
     seen: dict[bytes, int] = {}
-    distinct, source = [], []
+    distinct: list[np.ndarray | ModelInput] = []
+    source: list[int] = []
     for p in prompts:
+        arr: np.ndarray | ModelInput
         if isinstance(p, ModelInput):
             arr = p
             key = p.to_numpy().tobytes() + "".join(getattr(c, "digest", "") for c in p.images).encode()
         else:
-            arr = np.asarray(p, dtype=np.int64)
-            key = arr.tobytes()
+            tokens = np.asarray(p, dtype=np.int64)
+            arr, key = tokens, tokens.tobytes()
         if key not in seen:
             seen[key] = len(distinct)
             distinct.append(arr)
@@ -189,7 +193,7 @@ def _decode(step_fn, head, cache, logits, mask, next_pos, params, rules: StopRul
         tok, lp = choose(logits, params, generator)
         out_tokens[live, step] = tok
         out_logprobs[live, step] = lp
-        if k:
+        if top_ids is not None and top_lps is not None:  # k > 0
             values, indices = torch.topk(logits, k, dim=-1)
             top_ids[live, step] = indices
             top_lps[live, step] = values - torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -213,7 +217,7 @@ def _decode(step_fn, head, cache, logits, mask, next_pos, params, rules: StopRul
         next_pos = next_pos + 1
         logits = head(hidden[:, -1]).float()
     topk_rows = None
-    if k:
+    if top_ids is not None and top_lps is not None:  # k > 0
         topk_rows = [[list(zip(i, v, strict=True)) for i, v in zip(ids_r, lps_r, strict=True)]
                      for ids_r, lps_r in zip(top_ids.cpu().tolist(), top_lps.cpu().tolist(), strict=True)]
     return (out_tokens.cpu().tolist(), out_logprobs.cpu().tolist(), lengths.cpu().tolist(), stopped.cpu().tolist(),

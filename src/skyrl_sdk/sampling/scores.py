@@ -52,7 +52,7 @@ def rescore(
     rows = [np.concatenate([np.asarray(as_model_input(prompts[r // num_samples]).to_numpy(), dtype=np.int64),
                             generated[r]]) for r in range(len(tokens))]
     out: list[list[float]] = [[] for _ in rows]
-    alone = range(len(rows))
+    alone: Sequence[int] = range(len(rows))
     if prefix_min_tokens is not None and enabled(backbone):
         alone = _rescore_shared(backbone, head, vocab_size, rows, lengths, prefix_min_tokens, device, out)
     order = sorted(alone, key=lambda r: len(rows[r]))

@@ -42,6 +42,7 @@ def parse_bytes(value: Any, field: str = "--max-memory") -> int | None:
     """``"8GiB"``, ``"500MB"``, ``"123"`` or an integer -> bytes (None stays None)."""
     if value is None:
         return None
+    number: float
     if isinstance(value, int) and not isinstance(value, bool):
         number, unit = value, ""
     else:
@@ -244,7 +245,8 @@ class ServerConfig:
         operators: set[str] = set()
         given["api_keys"] = read_api_keys(given["api_keys"], operators) if given["api_keys"] else None
         given["api_key"] = given["api_key"] or os.environ.get(API_KEY_ENV) or None
-        return cls(operators=operators, **{name: value for name, value in given.items() if value is not None})
+        return cls(operators=frozenset(operators),
+                   **{name: value for name, value in given.items() if value is not None})
 
     def owners(self) -> dict[str, str] | None:
         """API key -> owner, or None when no key is needed (everything is ``DEFAULT_OWNER``'s)."""

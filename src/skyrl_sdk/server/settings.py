@@ -192,6 +192,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     and its help the declared one with the default. A repeatable flag, the JSON ones and the API
     keys file parse to None when not given (the config fills in the default)."""
     for s in FLAGS:
+        assert s.flag is not None  # FLAGS: the settings with a flag
         text = f"{s.help} (default: {s.default_text})".replace("`", "").replace("%", "%%")
         if s.switch:
             parser.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=s.default,
@@ -217,6 +218,7 @@ def render_flags_table() -> str:
     """docs/server.md's flags table (between :data:`MARK_START` and :data:`MARK_END`)."""
     lines = ["| flag | default | meaning |", "|---|---|---|"]
     for s in FLAGS:
+        assert s.flag is not None  # FLAGS: the settings with a flag
         name = f"`{s.flag}`, `--no-{s.flag[2:]}`" if s.switch else f"`{s.flag}{' ' + s.metavar if s.metavar else ''}`"
         lines.append(f"| {name} | {s.default_text} | {s.help} |")
     return "\n".join(lines)

@@ -66,8 +66,8 @@ def check_numeric(array: np.ndarray, dtype: TensorDtype, what: str) -> None:
 
 
 def densify_csr(
-    values: Any, crow_indices: Sequence[int], col_indices: Sequence[int], shape: Sequence[int],
-    dtype: TensorDtype, pad_value: float = 0, *, max_elements: int | None = None,
+    values: Any, crow_indices: Sequence[int] | np.ndarray, col_indices: Sequence[int] | np.ndarray,
+    shape: Sequence[int], dtype: TensorDtype, pad_value: float = 0, *, max_elements: int | None = None,
 ) -> np.ndarray:
     """Densify Tinker's sparse-CSR tensor form (2-D) into a numpy array.
 
@@ -94,7 +94,7 @@ def densify_csr(
         )
     if len(cols) and (cols.min() < 0 or cols.max() >= ncols):
         raise InputError(f"sparse CSR column index out of range [0, {ncols})")
-    dense = np.full(shape, pad_value, dtype=NUMPY_DTYPES[dtype])
+    dense: np.ndarray = np.full(shape, pad_value, dtype=NUMPY_DTYPES[dtype])
     row_ids = np.repeat(np.arange(rows), np.diff(crow))
     dense[row_ids, cols] = vals
     return dense

@@ -52,7 +52,7 @@ class Datum:
             return
         check_tiling("model_input_spans", self.model_input_spans, self.model_input.length)
         targets = self.loss_fn_inputs.get("target_tokens")
-        if targets is not None and len(targets.shape) == 1:
+        if targets is not None and len(targets.shape) == 1 and self.loss_fn_input_spans is not None:
             check_tiling("loss_fn_input_spans", self.loss_fn_input_spans, targets.shape[0])
 
     def with_provenance(self, model_input: Any, loss_fn_inputs: Any) -> Datum:

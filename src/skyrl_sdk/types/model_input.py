@@ -62,7 +62,8 @@ class EncodedTextChunk:
 
 
 #: The encodings Tinker's image chunks name.
-IMAGE_FORMATS = ("png", "jpeg")
+ImageFormat = Literal["png", "jpeg"]
+IMAGE_FORMATS: tuple[ImageFormat, ...] = ("png", "jpeg")
 
 
 def _image_bytes(value: Any) -> bytes:
@@ -99,7 +100,7 @@ class ImageChunk:
     #: The encoded image (PNG or JPEG bytes).
     data: bytes = attrs.field(converter=_image_bytes, repr=lambda b: f"<{len(b)} bytes>")
     #: ``"png"`` or ``"jpeg"``.
-    format: str = attrs.field(validator=_image_format)
+    format: ImageFormat = attrs.field(validator=_image_format)
     #: How many positions the image takes in the sequence (Tinker's count; ``None``: the
     #: model's image processor counts them before anything is computed, and a given count
     #: that differs from its count is refused).
@@ -252,7 +253,7 @@ class ModelInput:
             if isinstance(chunk, ImageChunk):
                 raise InputError(f"model_input.chunks[{j}] is an image no model has read yet: its token ids are "
                                  f"known only to a vision-language model's image processor")
-        return np.concatenate([c.tokens for c in self.chunks])
+        return np.concatenate([c.tokens for c in self.chunks if not isinstance(c, ImageChunk)])
 
     def to_ints(self) -> list[int]:
         return self.to_numpy().tolist()

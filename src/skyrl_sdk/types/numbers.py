@@ -39,7 +39,7 @@ def check_number(
     if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
         raise error(f"{what}: expected {kind}{bounds}, got {quoted(value)}")
     try:  # an integer is finite however long (math.isfinite would overflow past 1e308)
-        number = int(value) if integer else float(value)
+        number = int(value) if integer and isinstance(value, numbers.Integral) else float(value)
     except OverflowError:  # an integer of 309+ digits as a float
         number = math.inf
     if not integer and not math.isfinite(number):

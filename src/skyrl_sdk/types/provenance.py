@@ -56,9 +56,9 @@ class SampledProvenanceSpan:
 
 ProvenanceSpan = PromptProvenanceSpan | SampledProvenanceSpan
 #: the two kinds by the ``kind`` a mapping gives
-_KINDS = {"prompt": PromptProvenanceSpan, "sampled": SampledProvenanceSpan}
+_KINDS: dict[str, type[ProvenanceSpan]] = {"prompt": PromptProvenanceSpan, "sampled": SampledProvenanceSpan}
 #: ... and by the class name of a duck-typed ``tinker.types`` span
-_CLASSES = {cls.__name__: cls for cls in _KINDS.values()}
+_CLASSES: dict[str, type[ProvenanceSpan]] = {cls.__name__: cls for cls in _KINDS.values()}
 
 
 def span_from_any(value: Any, where: str) -> ProvenanceSpan:

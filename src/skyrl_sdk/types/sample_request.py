@@ -20,7 +20,7 @@ vocabulary, its positions) are checked by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -80,6 +80,10 @@ def _prompts(instance: Any, attribute: attrs.Attribute, value: tuple) -> None:
             raise InputError(f"prompt {i}: expected at least one token")
 
 
+def _prompt_tuple(value: Iterable[np.ndarray | ModelInput]) -> tuple[np.ndarray | ModelInput, ...]:
+    return tuple(value)
+
+
 def _optional_tuple(value: Any) -> tuple | None:
     return None if value is None else tuple(value)
 
@@ -91,7 +95,7 @@ class SampleRequest:
 
     #: each prompt's token ids (1-D int64, at least one token), or its ``ModelInput`` when it
     #: holds images (read by the model's image processor before a sampler gets it)
-    prompts: tuple[np.ndarray | ModelInput, ...] = attrs.field(converter=tuple, validator=_prompts,
+    prompts: tuple[np.ndarray | ModelInput, ...] = attrs.field(converter=_prompt_tuple, validator=_prompts,
                                                                 metadata=_role(PER_PROMPT))
     #: how to draw (temperature, top-k / top-p, stop rules, seed, max_tokens)
     sampling_params: SamplingParams = attrs.field(factory=SamplingParams, validator=_sampling_params)
@@ -122,6 +126,11 @@ class SampleRequest:
                 raise InputError(f"{name}: not available for a prompt with images")
         if self.target_prompt_logprobs is not None:
             _check_targets(self.prompts, self.target_prompt_logprobs)
+
+    def prompt_token_ids(self) -> list[np.ndarray]:
+        """Each prompt's token ids (a prompt with images: once read, its image placeholders'
+        ids; an image not read yet raises ``InputError``)."""
+        return [p.to_numpy() if isinstance(p, ModelInput) else p for p in self.prompts]
 
     # ---- what bulk handling reads from the fields' roles ----------------------------------------
     def batch_key(self) -> tuple:

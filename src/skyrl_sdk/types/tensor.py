@@ -35,7 +35,7 @@ class TensorData:
             raise InputError("TensorData.array: got booleans; give int64 ids or float32 values "
                              "(e.g. mask.astype(np.float32) for weights)")
         if self.array.dtype not in (np.int64, np.float32):
-            dtype = "int64" if self.array.dtype.kind in "iu" else "float32"
+            dtype: TensorDtype = "int64" if self.array.dtype.kind in "iu" else "float32"
             object.__setattr__(self, "array", as_numpy(self.array, dtype, "TensorData.array"))
 
     @property

@@ -105,7 +105,10 @@ class Catalog:
     def weights_info(self, owner: str, tinker_path: Any) -> dict[str, Any]:
         """The weights info of the caller's checkpoint, or of another owner's published one."""
         tp, _ = self.store.resolve_checkpoint(tinker_path, owner, readable=True)
-        return envelopes.weights_info_json(self.store.run(tp.run_id, None))
+        run = self.store.run(tp.run_id, None)
+        if run is None:
+            raise NotFoundError(f"no checkpoint {tp} on this server (its training run is gone)")
+        return envelopes.weights_info_json(run)
 
     @on_a_thread
     def export_target(self, owner: str, tinker_path: Any) -> LinkTarget:

@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import attrs
 
@@ -207,12 +206,13 @@ class Executor:
                 elif self._stopping:
                     return
                 else:
+                    assert q is not None  # the wait ends with a queue when nothing is paused or stopping
                     paused, batch = None, self._take(q, wait=True)
-            if paused is None:
+            if paused is None and q is not None:
                 self._start(q, batch)
             elif q is not None:
                 self._run_to_end(q, batch)
-            else:
+            elif paused is not None:
                 self._resume(paused)
 
     def _start(self, q: Queue, batch: list[Job]) -> None:
@@ -227,7 +227,7 @@ class Executor:
         except BaseException as exc:
             self._finish(q, batch, [_failed(exc, job)])
             return
-        if not inspect.isgenerator(out):
+        if not isinstance(out, Generator):
             self._finish(q, batch, [out])
             return
         self._step(_Paused(q, job, out), None)
@@ -263,7 +263,7 @@ class Executor:
             job = batch[0]
             try:
                 out = job.run()
-                results = [run_to_end(out) if inspect.isgenerator(out) else out]
+                results = [run_to_end(out) if isinstance(out, Generator) else out]
             except BaseException as exc:
                 results = [_failed(exc, job)]
         self._finish(q, batch, results)
@@ -286,7 +286,7 @@ class Executor:
         """Fail every queued job, close every queue; a paused call stops at its boundary."""
         with self._cv:
             self._stopping = True
-            dropped = []
+            dropped: list[Job] = []
             for q in self._line.members():
                 dropped += q.jobs
                 q.jobs.clear()
@@ -320,15 +320,17 @@ def _failed(exc: BaseException, job: Job) -> Result:
 
 def _run_batch(batch: list[Job]) -> list[Result | None]:
     """A batch of compatible sample jobs, together; one by one when together fails."""
+    run_batch = batch[0].run_batch
+    assert run_batch is not None  # only jobs with a run_batch are taken together
     try:
-        return batch[0].run_batch(batch)
+        return run_batch(batch)
     except BaseException:
         logger.debug("batched %s failed; running its %d jobs one by one", batch[0].what, len(batch))
     results: list[Result | None] = []
     for job in batch:
         try:
             out = job.run()
-            results.append(run_to_end(out) if inspect.isgenerator(out) else out)
+            results.append(run_to_end(out) if isinstance(out, Generator) else out)
         except BaseException as exc:
             results.append(_failed(exc, job))
     return results

@@ -100,7 +100,7 @@ class Job:
     done: Callable[[Result], None]
     what: str = "request"
     batch_key: Hashable | None = None
-    run_batch: Callable[[list[Job]], list[Result]] | None = None
+    run_batch: Callable[[list[Job]], list[Result | None]] | None = None
     payload: Any = None
     cost: int | None = None
 

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -91,7 +91,7 @@ class Runtime:
         """Accept a request for a future route. Bad input still gets a future, failed with a
         user error (the client raises it at once instead of retrying a bare 400). The owner's
         queue bound is checked before the body is parsed; a large body is parsed off the loop."""
-        handlers: dict[str, Callable[[str, dict], FutureRecord]] = {
+        handlers: dict[str, Callable[[str, dict], FutureRecord | Awaitable[FutureRecord]]] = {
             "create_model": self.create_model, "load_weights": self.load_weights, "optim_step": self.optim_step,
             "save_weights": self.weights.save_weights,
             "save_weights_for_sampler": self.weights.save_weights_for_sampler,
@@ -108,9 +108,8 @@ class Runtime:
                                               self.config.max_tokens_per_request)
                 rec = self.forward_backward(owner, req)
             else:
-                rec = handlers[route](owner, await self.bodies.parse(raw, envelopes.json_request, raw, route))
-                if asyncio.iscoroutine(rec):  # a handler that reads the state dir first, on a thread
-                    rec = await rec
+                handled = handlers[route](owner, await self.bodies.parse(raw, envelopes.json_request, raw, route))
+                rec = await handled if isinstance(handled, Awaitable) else handled  # one reading the state dir
         except InputError as exc:
             rec = self.futures.failed(owner, exc, prefix="sample" if route == "asample" else "req")
         except _ShuttingDown:
@@ -139,7 +138,7 @@ class Runtime:
         if rec is None:
             return {"error": f"unknown request_id {quoted(request_id)}: this server has no such request (requests in "
                              f"flight are lost when the server restarts)", "category": "server"}
-        if (model := self.models.get(rec.model_id)) is not None:
+        if rec.model_id is not None and (model := self.models.get(rec.model_id)) is not None:
             self.sessions.seen(model.session_id)
         if result is None:
             return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
@@ -204,7 +203,8 @@ class Runtime:
 
             def plan():
                 tp, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
-                run = self.store.run(tp.run_id, None)  # the caller's, or another owner's published checkpoint
+                if (run := self.store.run(tp.run_id, None)) is None:  # the caller's, or another owner's published
+                    raise InputError(f"checkpoint {tp} cannot be loaded: its training run is gone")
                 base = self.served.resolve(req.base_model or run["base_model"])
                 return base, lora_config_from_any(run["lora"]), req.user_metadata or run["user_metadata"], directory
 
@@ -236,7 +236,7 @@ class Runtime:
         base, lora, metadata, directory = await asyncio.to_thread(plan)
         if (old := self.futures.lookup(dedup)) is not None:  # a retry that came in meanwhile: nothing awaits from here
             return old
-        if (old := self.models.get(req.model_id)) is not None and not old.closed:
+        if (existing := self.models.get(req.model_id)) is not None and not existing.closed:
             raise InputError(f"model {req.model_id} already exists")
         worker = self.executors.queue(req.model_id, owner, self.config.max_sample_batch,
                                       self.config.sample_batch_wait_s)
@@ -317,16 +317,16 @@ class Runtime:
 
     def forward_backward(self, owner: str, req: tinker_proto.ForwardBackwardRequest) -> FutureRecord:
         def make(model: TrainingModel):
-            if req.error is not None:
-                raise InputError(req.error)
+            if req.error is not None or (data := req.data) is None:  # data is None only with an error
+                raise InputError(req.error or "forward_backward: no data")
 
             def run() -> Steps[Result]:  # a stepped call: the executor may run others' jobs between its steps
                 backend = model.require_backend()
                 call = backend.forward_steps if req.forward_only else backend.forward_backward_steps
                 started = time.time()
-                out = yield from call(req.data, loss_fn=req.loss_fn, loss_fn_config=req.loss_fn_config)
+                out = yield from call(data, loss_fn=req.loss_fn, loss_fn_config=req.loss_fn_config)
                 if not req.forward_only:
-                    self.history.forward_backward(model.model_id, out.metrics, started, req.data, req.loss_fn)
+                    self.history.forward_backward(model.model_id, out.metrics, started, data, req.loss_fn)
                 return Result.proto(proto.forward_backward_output_to_proto(out))
 
             return run
@@ -388,7 +388,7 @@ class Runtime:
                     await self.sessions.check_open(owner, session.session_id)
                 except InputError as exc:
                     raise InputError(f"record_stability_info: {exc}") from None
-                records, prompt = self.recorded.of(owner, session.session_id), spec.prompt
+                records, prompt = self.recorded.of(owner, session.session_id), spec.request.prompt_token_ids()[0]
 
                 def record(out):
                     records.record_outputs([prompt], [out], [rec.request_id])

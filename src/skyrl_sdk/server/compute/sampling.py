@@ -61,6 +61,12 @@ class SamplingSession:
     #: the client session it belongs to (where record_stability_info records; None: an ad-hoc sample)
     session_id: str | None = None
 
+    def pinned_model(self) -> TrainingModel:
+        """The training model a "snapshot" or "inflight" session samples (the others have none)."""
+        if self.model is None:
+            raise ValueError(f"sampling session {self.sid} ({self.kind}) samples no training model")
+        return self.model
+
 
 @attrs.frozen(eq=False)
 class SampleWork:
@@ -148,6 +154,8 @@ class Sampling:
             if (problem := weights_problem(directory)) is not None:
                 raise InputError(f"checkpoint {tp} cannot be sampled: {problem}; save it again")
             run = self.store.run(tp.run_id, None)  # the caller's, or another owner's published checkpoint
+            if run is None:
+                raise InputError(f"checkpoint {tp} cannot be sampled: its training run is gone")
             return SamplingSession(sid, owner, run["base_model"], str(tp), "path")
         if base_model:
             return SamplingSession(sid, owner, self.served.resolve(base_model), None, "base")
@@ -213,7 +221,7 @@ class Sampling:
         spec.check_length(self.served.max_seq_len(session.base_model))
         work = SampleWork(spec, record)
         if session.kind in ("snapshot", "inflight"):
-            model = session.model
+            model = session.pinned_model()
             if model.closed:
                 raise InputError(f"sampling session {session.sid}: its model was released ({model.closed})")
             job = self._sample_job(work, done, lambda: model.require_backend(), ("model", model.model_id),
@@ -226,10 +234,11 @@ class Sampling:
 
     def _sample_job(self, work: SampleWork, done, get_backend, target_key, snapshot: SamplingSession | None) -> Job:
         def stale() -> bool:
-            return snapshot is not None and snapshot.model.weights_version != snapshot.version
+            return snapshot is not None and snapshot.pinned_model().weights_version != snapshot.version
 
-        def reroute(jobs: list[Job]) -> list[None]:
-            model, v = snapshot.model, snapshot.version
+        def reroute(jobs: list[Job]) -> list[Result | None]:
+            assert snapshot is not None and snapshot.version is not None  # rerouted when stale(): a snapshot's
+            model, v = snapshot.pinned_model(), snapshot.version
             if v in model.dropped or v not in model.snapshots:
                 raise InputError(f"sampling session {snapshot.sid}: its weights snapshot was dropped (only the last "
                                  f"{self.config.max_ephemeral_snapshots} per model are kept); create a new "
@@ -259,7 +268,7 @@ class Sampling:
 
         spec = work.spec
         key = batch_key(target_key, snapshot.version if snapshot else None, spec.request)
-        cost = spec.request.num_samples * (spec.prompt_length + spec.request.sampling_params.max_tokens)  # ~decoded
+        cost: int | None = spec.request.num_samples * (spec.prompt_length + spec.request.sampling_params.max_tokens)
         if isinstance(spec.prompt, ModelInput):  # images: decoding is work tokens do not count
             cost = None  # never run in another call's gap
         job = Job(run=run, done=done, what="sample", batch_key=key, run_batch=run_batch, payload=work, cost=cost)
@@ -286,9 +295,9 @@ class Sampling:
             model.snapshots[v] = directory
         model.pinned.discard(v)
         while len(model.snapshots) > self.config.max_ephemeral_snapshots:
-            old_v, old = model.snapshots.popitem(last=False)
+            old_v, old_snapshot = model.snapshots.popitem(last=False)
             model.dropped.add(old_v)
-            self._drop_snapshot(model, old_v, old)
+            self._drop_snapshot(model, old_v, old_snapshot)
 
     def _drop_snapshot(self, model: TrainingModel, version: int, snap: WeightsSnapshot | Path) -> None:
         if isinstance(snap, WeightsSnapshot):

@@ -166,7 +166,7 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, send_timeout
         def _long_poll(self) -> Waiting | None:
             """The request's :class:`Waiting` while it waits for a result (a long-poll), else None."""
             waiting = self.scope.get(WAITING_SCOPE_KEY) if self._in_request() and self.scope else None
-            return waiting if waiting is not None and waiting.wake is not None else None
+            return waiting if isinstance(waiting, Waiting) and waiting.wake is not None else None
 
         def _retime(self) -> None:
             """Arm the timer the connection's state calls for: none in a request; the header
@@ -200,8 +200,8 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, send_timeout
             connection of the module docstring's order, if any."""
             victim = next((c for c in self._open if not c._in_request()), None)
             if victim is None:
-                unread = [c for c in self._open if c._write_paused_at is not None]
-                victim = min(unread, key=lambda c: c._write_paused_at) if unread else None
+                unread = {c: c._write_paused_at for c in self._open if c._write_paused_at is not None}
+                victim = min(unread, key=unread.__getitem__) if unread else None
             if victim is None:
                 readers = [c for c in self._open if c._body_arriving()]
                 victim = min(readers, key=lambda c: c._last_data) if readers else None
@@ -216,18 +216,19 @@ def guarded_protocol(header_timeout_s: float, max_connections: int, send_timeout
             """Answer at once the oldest long-poll of the owner holding the most, when that owner
             holds more than its share or long-polls hold all but the headroom; it closes after
             that answer and counts no more."""
-            polls: dict[str | None, list[GuardedH11Protocol]] = {}
+            polls: dict[str | None, list[tuple[Waiting, GuardedH11Protocol]]] = {}
             for c in self._open:
                 if (waiting := c._long_poll()) is not None:
-                    polls.setdefault(waiting.owner, []).append(c)
+                    polls.setdefault(waiting.owner, []).append((waiting, c))
             if not polls:
                 return
             mine = max(polls.values(), key=len)
             if len(mine) <= self.LONG_POLL_SHARE and sum(map(len, polls.values())) <= \
                     self.MAX_CONNECTIONS - self.HEADROOM:
                 return
-            victim = min(mine, key=lambda c: c._long_poll().since)
-            wake = victim._long_poll().wake
+            oldest, victim = min(mine, key=lambda pair: pair[0].since)
+            wake = oldest.wake
+            assert wake is not None  # a long-poll's (see _long_poll)
             victim.cycle.keep_alive = False  # closed after its answer
             del self._open[victim]
             self.connections.discard(victim)

@@ -125,7 +125,7 @@ class Guard:
     def owner_of(self, given: bytes) -> str | None:
         """The owner of API key ``given`` (None if unknown); compares with every key."""
         found = None
-        for key, owner in self.owners.items():
+        for key, owner in (self.owners or {}).items():  # a keyless server knows no key
             if hmac.compare_digest(given, key):
                 found = owner
         return found
@@ -133,7 +133,8 @@ class Guard:
     def _at_the_headers(self, scope: dict, headers: dict[str, bytes]) -> tuple[int, str, list] | str:
         """Everything decided from the request line and headers: the owner, or an answer
         (status, detail, extra headers)."""
-        path, method = scope.get("path"), scope.get("method", "GET")
+        path: str = scope.get("path") or ""
+        method = scope.get("method", "GET")
         if header_bytes(scope) > MAX_HEADER_BYTES:
             return 431, f"request line and headers larger than {MAX_HEADER_BYTES} bytes", [(b"connection", b"close")]
         if path == HEALTHZ:
@@ -146,9 +147,10 @@ class Guard:
             if refused is not None:
                 return (*refused, [])
         elif not _is_open(path):
-            owner = self.owner_of(headers.get("x-api-key", b""))
-            if owner is None:
+            found = self.owner_of(headers.get("x-api-key", b""))
+            if found is None:
                 return 401, "missing or unknown X-API-Key", [(b"www-authenticate", b"X-API-Key")]
+            owner = found
         return owner
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:

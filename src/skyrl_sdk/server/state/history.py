@@ -90,8 +90,8 @@ def downsample(buckets: list[dict[str, Any]], points: int) -> list[dict[str, Any
     k = max(1, math.ceil(len(buckets) / max(1, points)))
     out = []
     for i in range(0, len(buckets), k):
-        acc = None
-        for b in buckets[i:i + k]:
+        acc = buckets[i]
+        for b in buckets[i + 1:i + k]:
             acc = merge(acc, b)
         out.append(acc)
     return out
@@ -234,7 +234,7 @@ class History:
 
     def _write_run(self, run_id: str, points: list[dict[str, Any]]) -> None:
         stride, steps = self._meta(run_id)
-        rows: dict[int, dict[str, Any]] = {}
+        rows: dict[int, dict[str, Any] | None] = {}
         for point in points:
             bucket = steps // stride
             if bucket not in rows:
@@ -309,7 +309,7 @@ class History:
     def summaries(self, run_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """Run id -> ``{"steps", "last"}`` (its step count and its last step's values)."""
         ids = list(run_ids)
-        out = {r: {"steps": 0, "last": None} for r in ids}
+        out: dict[str, dict[str, Any]] = {r: {"steps": 0, "last": None} for r in ids}
         with self._db_lock:
             for i in range(0, len(ids), 500):
                 chunk = ids[i:i + 500]

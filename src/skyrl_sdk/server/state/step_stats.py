@@ -110,7 +110,7 @@ def step_values(acc: Mapping[str, float]) -> dict[str, float | None]:
         "rl": acc.get("rl", 0.0) if "weights" in acc else None}
     n = acc.get("adv_n", 0.0)
     mean = acc["adv_sum"] / n if n else None
-    var = max(0.0, acc["adv_sq"] / n - mean * mean) if n else None
+    var = max(0.0, acc["adv_sq"] / n - mean * mean) if mean is not None else None
     point.update(
         advantage_mean=mean, advantage_std=math.sqrt(var) if var is not None else None,
         sampled_tokens=n if acc.get("rl") else None,

@@ -278,7 +278,7 @@ class Store:
         rows = self._rows("SELECT run_id FROM training_runs WHERE owner = ? ORDER BY created_at DESC LIMIT ? OFFSET ?",
                           (owner, limit, offset))
         total = self._rows("SELECT COUNT(*) AS n FROM training_runs WHERE owner = ?", (owner,))[0]["n"]
-        return [self.run(r["run_id"], owner) for r in rows], total
+        return [run for r in rows if (run := self.run(r["run_id"], owner)) is not None], total
 
     def run_ids_of_session(self, session_id: str, owner: str) -> list[str]:
         rows = self._rows("SELECT run_id FROM training_runs WHERE session_id = ? AND owner = ? ORDER BY created_at",
@@ -349,9 +349,9 @@ class Store:
 
     def list_checkpoints(self, owner: str, run_id: str | None = None, limit: int = 10**9, offset: int = 0
                          ) -> tuple[list[dict[str, Any]], int]:
-        where, params = f"WHERE r.owner = ? AND {_LIVE}", (owner, time.time())
+        where, params = f"WHERE r.owner = ? AND {_LIVE}", (owner, time.time(), *(() if run_id is None else (run_id,)))
         if run_id is not None:
-            where, params = where + " AND c.run_id = ?", (*params, run_id)
+            where += " AND c.run_id = ?"
         joined = f"FROM checkpoints c JOIN training_runs r ON r.run_id = c.run_id {where}"
         rows = self._rows(f"SELECT c.* {joined} ORDER BY c.created_at, c.name LIMIT ? OFFSET ?",
                           (*params, limit, offset))

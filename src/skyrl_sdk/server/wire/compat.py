@@ -82,13 +82,20 @@ def _tinker_root() -> Path:
     return Path(spec.origin).parent
 
 
+def _f_string_part(part: ast.expr) -> str:
+    """One part of an f-string: its text, or a placeholder as ``{name}``."""
+    if isinstance(part, ast.Constant):
+        return str(part.value)
+    assert isinstance(part, ast.FormattedValue)  # an f-string holds these two kinds
+    return "{" + ast.unparse(part.value) + "}"
+
+
 def _path_of(node: ast.expr) -> str | None:
     """The route of a string or f-string argument (placeholders as ``{name}``), if under /api/v1."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         text = node.value
     elif isinstance(node, ast.JoinedStr):
-        text = "".join(v.value if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}"
-                       for v in node.values)
+        text = "".join(_f_string_part(v) for v in node.values)
     else:
         return None
     return text if text.startswith("/api/v1/") else None

@@ -8,6 +8,7 @@ The schema is the one shipped inside the ``tinker`` package
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -103,7 +104,7 @@ def _tensor_to_proto(array: np.ndarray, msg: Any) -> None:
     msg.dense = array.tobytes()
 
 
-def _topk_to_proto(rows: list[list[tuple[int, float]] | None], last_n: int | None, width: int, msg: Any) -> None:
+def _topk_to_proto(rows: Sequence[list[tuple[int, float]] | None], last_n: int | None, width: int, msg: Any) -> None:
     """Rows of (token, logprob) pairs as Tinker's dense ``TopkLogprobs`` (n x k, row-major;
     a position not computed, or a short row's tail, is the empty cell)."""
     n, k = len(rows), max((len(r) for r in rows if r), default=width)
@@ -111,9 +112,9 @@ def _topk_to_proto(rows: list[list[tuple[int, float]] | None], last_n: int | Non
     lps = np.full((n, k), TOPK_EMPTY_LOGPROB, dtype=np.float32)
     first = 0 if last_n is None else n - last_n
     for i in range(first, n):
-        if rows[i]:
-            ids[i, : len(rows[i])] = [t for t, _ in rows[i]]
-            lps[i, : len(rows[i])] = [lp for _, lp in rows[i]]
+        if row := rows[i]:
+            ids[i, : len(row)] = [t for t, _ in row]
+            lps[i, : len(row)] = [lp for _, lp in row]
     msg.token_ids = ids.tobytes()
     msg.logprobs = lps.tobytes()
     msg.k = k
