@@ -313,14 +313,11 @@ class Backend:
         :attr:`sequences`, which then carries its ``sequence_id``."""
         self._check_open()
         request = prepare_sample(request, self._call_model())  # images decoded in the caller's thread
-        outs = self._sample(request)
-        if not request.record_stability_info:
-            return outs
-        return self.sequences.record_outputs(request.prompt_token_ids(), outs)  # prompts without images
+        outs, record = self._sample(request), request.record_stability_info  # recorded by token ids (no images)
+        return self.sequences.record_outputs(request.prompt_token_ids(), outs) if record else outs
 
     def _sample(self, request: SampleRequest) -> list[SampleOutput]:
-        """A sampler on devices of its own (``runs_apart``) samples outside the lock, its weights synced
-        under it; others sample holding it. The outputs carry their throughput metrics."""
+        """A sampler on devices of its own (``runs_apart``) samples outside the lock, its weights synced under it."""
         if (sampler := self._sampler) is None or not sampler.runs_apart:
             with self._lock:
                 self._check_open()

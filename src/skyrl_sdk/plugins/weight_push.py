@@ -97,8 +97,8 @@ class PushLayout:
             if [m[:3] for m in mine] != [m[:3] for m in first]:
                 raise ValueError(f"push layout: rank {r} reports other tensors than rank 0")
         return cls(ranks=len(per_rank), gathered=gathered, tensors=tuple(
-            TensorSlices(name=name, dtype=dtype, shape=tuple(shape), rows=tuple(tuple(per_rank[r][i][3])
-                                                                                  for r in range(len(per_rank))))
+            TensorSlices(name=name, dtype=dtype, shape=tuple(shape),
+                         rows=tuple((int(ranks[i][3][0]), int(ranks[i][3][1])) for ranks in per_rank))
             for i, (name, dtype, shape, _) in enumerate(first)))
 
 

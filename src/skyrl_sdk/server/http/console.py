@@ -124,7 +124,7 @@ def _syncs(rt: Runtime) -> list[dict[str, Any]]:
         backend = model.backend
         sampler = getattr(backend, "sampler", None) if backend is not None else None
         last = getattr(sampler, "last_sync", None)
-        if isinstance(last, dict):
+        if sampler is not None and isinstance(last, dict):
             out.append({"model_id": model.model_id, "owner": model.owner, "sampler": sampler.name,
                         **{k: last.get(k) for k in ("kind", "seconds", "bytes", "version", "engines", "transfer")}})
     return out
