@@ -246,6 +246,13 @@ class Fleet:
                           "bytes": sum(t.numel() * t.element_size() for t in adapter.tensors.values()) * len(slots),
                           "engines": len(slots), "transfer": "ray" if self.placement.placement == "ray" else "memory"}
 
+    def before_training(self) -> None:
+        """The trainer computes next: every running engine sleeps (its ``sleep_level``), once per turn."""
+        with self.lock:
+            handles = [s.handle for s in self.slots if s.handle is not None]
+        for call in [h.call("before_training") for h in handles]:
+            call.result()
+
     # ---- requests -----------------------------------------------------------------------
     def sample(self, request: SampleRequest) -> list[SampleOutput]:
         """Spread ``request``'s distinct prompts over the engines and put the answers back in order."""

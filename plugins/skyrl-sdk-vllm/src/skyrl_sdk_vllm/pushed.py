@@ -136,6 +136,11 @@ class PushedVllmSampler(Sampler):
             return {**record, "seconds": self._waited[1]}
         return record
 
+    def before_training(self) -> None:
+        """The trainer computes next: colocated engines give the GPU back (sleep), once per turn."""
+        if self.options.sleep_level:
+            self.fleet.before_training()
+
     def close(self) -> None:
         fleet = getattr(self, "fleet", None)
         if fleet is not None:

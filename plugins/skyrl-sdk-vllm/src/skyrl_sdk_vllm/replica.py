@@ -99,8 +99,7 @@ class Replica:
             llm.start_weight_update()
             llm.update_weights({"update_info": dict(update_info)})
             llm.finish_weight_update()
-            llm.reset_prefix_cache()
-            engine.rest()
+            llm.reset_prefix_cache()  # awake for the samples that follow; it sleeps before the trainer computes
         self.weights_version = version
         return time.perf_counter() - t0
 
@@ -110,6 +109,10 @@ class Replica:
 
     def sample(self, request: SampleRequest) -> list[SampleOutput]:
         return self.sampler.sample(request)
+
+    def before_training(self) -> None:
+        """The trainer computes next: the engine sleeps (``sleep_level``; a no-op at 0)."""
+        self.sampler.before_training()
 
     def describe(self) -> str:
         return self.sampler.describe()
