@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import skyrl_sdk
-from scripts.gpu.checks import VOCAB, Checks, datums, model_dir, parse, require
+from scripts.gpu.checks import VOCAB, Checks, datums, free_gib, model_dir, parse, require
 from skyrl_sdk import types
 
 ADAM = types.AdamParams(learning_rate=1e-4)
@@ -26,11 +26,6 @@ def train(b, data, steps=2) -> list[float]:
         losses.append(b.forward_backward(data, "cross_entropy").metrics["loss:sum"])
         b.optim_step(ADAM)
     return losses
-
-
-def free_gib() -> float:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0] / 2**30
 
 
 def main() -> int:

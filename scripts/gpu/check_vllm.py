@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 import skyrl_sdk
-from scripts.gpu.checks import VOCAB, Checks, datums, model_dir, parse, require
+from scripts.gpu.checks import VOCAB, Checks, datums, free_gib, model_dir, parse, require
 from skyrl_sdk import types
 
 ADAM = types.AdamParams(learning_rate=1e-3)
@@ -46,11 +46,6 @@ def train(b, vocab, steps=1) -> None:
 
 def states():
     return (random.getstate(), np.random.get_state()[1].tobytes(), torch.get_rng_state().numpy().tobytes())
-
-
-def free_gib() -> float:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0] / 2**30
 
 
 def main() -> int:

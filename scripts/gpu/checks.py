@@ -132,6 +132,14 @@ def datums(vocab: int, lengths, seed: int = 0):
     return out
 
 
+def free_gib() -> float:
+    """The current CUDA device's free memory, GiB (after the queued work ends)."""
+    import torch
+
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0] / 2**30
+
+
 def require(condition: bool, message: str) -> None:
     """Fail the current check with ``message`` (an AssertionError: ``python -O`` keeps it)."""
     if not condition:
