@@ -37,11 +37,14 @@ class ShardedRunner(ModelRunner):
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
         return bool(value.item())
 
-    # narrower than ModelRunner.run on purpose: every rank must plan its own batches here (a
-    # collective) and a failed call stops the engine, so no ``batches`` / ``keep_grads_on_error``
-    def run(  # type: ignore[override]
-        self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool,
+    def run(
+        self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None,
+        keep_grads_on_error: bool | None = None,
     ) -> EngineResult:
+        """:meth:`ModelRunner.run` with the same collectives on every rank. Each rank plans its own
+        ``batches`` here (planning may be collective), so a precomputed plan is refused."""
+        if batches is not None:
+            raise ValueError("ShardedRunner.run: batches must be None (every rank plans its own micro-batches)")
         pending = self.prefix.pending
         # every rank plans, data or not: while prefix sharing is unchecked, planning asks every
         # rank whether it would share, and then all run the self-test (its forwards are collective)
@@ -51,7 +54,8 @@ class ShardedRunner(ModelRunner):
         mine = len(batches)
         count = torch.tensor([mine], dtype=torch.int64, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        result = super().run(data, loss, backward=backward, batches=batches)
+        result = super().run(data, loss, backward=backward, batches=batches,
+                             keep_grads_on_error=keep_grads_on_error)
         for _ in range(int(count.item()) - mine):
             self._dummy_pass(backward)
         # A no-grad forward leaves the root (and, with reshard_after_forward=False, the
