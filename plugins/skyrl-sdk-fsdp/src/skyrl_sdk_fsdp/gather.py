@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ def gathered(t: torch.Tensor, rank: int) -> torch.Tensor | None:
     dist.gather(padded, pieces, group=mesh.get_group(), group_dst=0)
     if rank != 0:
         return None
+    assert pieces is not None  # rank 0 built the receive list above
     return torch.cat(pieces)[:rows].cpu()
 
 
@@ -71,7 +72,7 @@ class StreamingGather:
         self.hf_aliases = hf_aliases
         self.rank = rank
 
-    def _drain(self, tensors: Iterator[torch.Tensor]) -> None:
+    def _drain(self, tensors: Iterator[torch.Tensor | None]) -> None:
         for _ in tensors:  # ranks != 0: take part in each gather, keep nothing
             pass
 
@@ -80,7 +81,7 @@ class StreamingGather:
         items = [(n, t) for n, t in self.loaded.module.state_dict(keep_vars=True).items() if n not in self.aliases]
         tensors = (gathered(t, self.rank) for _, t in items)
         if self.rank == 0:
-            write_tensor_stream(file, _plan(items), tensors)
+            write_tensor_stream(file, _plan(items), cast(Iterator[torch.Tensor], tensors))  # rank 0: no None
         else:
             self._drain(tensors)
 
@@ -89,7 +90,7 @@ class StreamingGather:
         items = self.runner.optimizer.state_items()
         tensors = (gathered(t, self.rank) for _, t in items)
         if self.rank == 0:
-            write_tensor_stream(file, _plan(items), tensors)
+            write_tensor_stream(file, _plan(items), cast(Iterator[torch.Tensor], tensors))  # rank 0: no None
         else:
             self._drain(tensors)
 
@@ -119,7 +120,8 @@ class StreamingGather:
                 items.append((name, t, None))
         return items
 
-    def _merged_tensors(self, items) -> Iterator[torch.Tensor]:
+    def _merged_tensors(self, items) -> Iterator[torch.Tensor | None]:
+        """Each merged weight on rank 0; None on the other ranks (see :func:`gathered`)."""
         state = hf_model(self.loaded.module).state_dict(keep_vars=True)
         layers = self._lora_layers()
         for _, t, layer_name in items:
@@ -130,6 +132,7 @@ class StreamingGather:
                 lora_a = {a: gathered(state[f"{layer_name}.lora_A.{a}.weight"], self.rank) for a in adapters}
                 lora_b = {a: gathered(state[f"{layer_name}.lora_B.{a}.weight"], self.rank) for a in adapters}
                 if self.rank == 0:
+                    assert weight is not None  # gathered returns the full tensor on rank 0
                     weight = merge_lora_delta(layer, weight, lora_a, lora_b)
             yield weight
 
@@ -139,15 +142,17 @@ class StreamingGather:
         ``dtype`` (the compute dtype of a mixed-precision run) casts the floating tensors; a
         vision-language model's ``image_processor`` is saved beside the tokenizer."""
         items = self._merged_items()
-        tensors = self._merged_tensors(items)
+        gathering = self._merged_tensors(items)
         if self.rank != 0:
-            self._drain(tensors)
+            self._drain(gathering)
             return
+        assert directory is not None  # rank 0 always writes to a directory (the others pass None)
+        tensors = cast(Iterator[torch.Tensor], gathering)  # rank 0: every item is a tensor
 
-        def cast(t: torch.dtype) -> torch.dtype:
+        def cast_dtype(t: torch.dtype) -> torch.dtype:
             return dtype if dtype is not None and t.is_floating_point else t
 
-        plan = [(name, tuple(t.shape), cast(t.dtype)) for name, t, _ in items]
+        plan = [(name, tuple(t.shape), cast_dtype(t.dtype)) for name, t, _ in items]
         if dtype is not None:
             tensors = (t.to(dtype) if t.is_floating_point() else t for t in tensors)
         dtypes = {d for _, _, d in plan if d.is_floating_point}

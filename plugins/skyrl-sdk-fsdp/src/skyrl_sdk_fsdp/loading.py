@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -113,7 +114,10 @@ def materialize(loaded: LoadedModel, source: str, device: torch.device, full: di
     if any(p.device.type == "meta" for p in module.parameters()):
         module.to_empty(device=torch.device("cpu") if cpu_offload else device)
     aliases = tied_aliases(inner)
-    files = weight_files(loaded.weights_dir) if source == "files" else {}
+    files: dict[str, Path] = {}
+    if source == "files":
+        assert loaded.weights_dir is not None  # "files" only when every rank's _sliceable found its directory
+        files = weight_files(loaded.weights_dir)
     with torch.no_grad():
         for name, value in buffers.items():
             owner, _, attr = name.rpartition(".")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import attrs
 
@@ -36,6 +36,10 @@ STATE_FORMATS = ("full", "sharded")
 SHARDED_DIR = "sharded"
 
 
+@overload
+def _number(name: str, value: Any, *, allow_none: Literal[False] = False) -> float: ...
+@overload
+def _number(name: str, value: Any, *, allow_none: bool) -> float | None: ...
 def _number(name: str, value: Any, *, allow_none: bool = False) -> float | None:
     """A positive finite number of seconds (the SDK's one number rule)."""
     if value is None and allow_none:

@@ -13,6 +13,7 @@ needs no weight), and the head's gradient is reduce-scattered as soon as backwar
 from __future__ import annotations
 
 import types
+from typing import cast
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -70,7 +71,7 @@ def parallelize(
                     offload_policy=offload)
         if type(embedding) is torch.nn.Embedding:
             # a lookup's backward needs the indices, not the weight: no all-gather there
-            embedding.set_unshard_in_backward(False)
+            cast(FSDPModule, embedding).set_unshard_in_backward(False)  # fully_shard made it one
     if head is not None:
         # last in forward, first in backward: keep it gathered in between (as FSDP2 does for a root)
         fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)

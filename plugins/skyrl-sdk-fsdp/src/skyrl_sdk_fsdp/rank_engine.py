@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -81,7 +81,7 @@ class RankEngine:
         trainable_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.state_layout = StateLayout.of(module.state_dict(), trainable_params, self.aliases)
         full = dict(hf_model(module).state_dict()) if source == "rank0" and self.rank == 0 else {}
-        scoring = scoring_model(module, role, self.config, cls=ShardedScoringModel)
+        scoring = cast(ShardedScoringModel, scoring_model(module, role, self.config, cls=ShardedScoringModel))
         loss_scale = parallelize(
             scoring, self.mesh, reshard_after_forward=self.options.reshard_after_forward,
             compute_dtype=self.config.torch_dtype if self.config.mixed_precision else None,
@@ -134,7 +134,7 @@ class RankEngine:
         self.runner.zero_grad()
 
     # ---- state ------------------------------------------------------------------------
-    def op_save_state(self, directory: str, state_format: str):
+    def op_save_state(self, directory: str | Path, state_format: str):
         self._collectives()
         directory = Path(directory)
         meta = {"tied_aliases": self.aliases, "step": self.runner.optimizer.step_count, "state_format": state_format}
@@ -167,7 +167,7 @@ class RankEngine:
                     target.copy_(full)
                 del full
 
-    def op_load_state(self, directory: str, optimizer: bool, step: int, state_format: str,
+    def op_load_state(self, directory: str | Path, optimizer: bool, step: int, state_format: str,
                       optimizer_steps: dict[str, float]):
         directory = Path(directory)
         self._collectives()
@@ -183,6 +183,7 @@ class RankEngine:
 
                 def from_full(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
                     full = full.to(device=like.device, dtype=like.dtype)
+                    like = cast(DTensor, like)  # FSDP2: every parameter (so each moment) is a DTensor
                     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=0)
 
                 self.runner.optimizer.load_state_tensors(tensors, from_full=from_full)
@@ -208,7 +209,8 @@ class RankEngine:
 
         opt = self.runner.optimizer.create()
         model_sd, optim_sd = get_state_dict(self.loaded.module, opt)
-        state = {"model": model_sd, "optim": {"state": optim_sd["state"]}} if optimizer else {"model": model_sd}
+        state: dict[str, Any] = (
+            {"model": model_sd, "optim": {"state": optim_sd["state"]}} if optimizer else {"model": model_sd})
         load_sharded(state, directory / SHARDED_DIR)
         if optimizer:
             set_state_dict(self.loaded.module, opt, model_state_dict=state["model"], optim_state_dict=optim_sd)
@@ -216,7 +218,7 @@ class RankEngine:
             set_model_state_dict(self.loaded.module, state["model"])
 
     # ---- export / sampling ------------------------------------------------------------
-    def op_export_weights(self, directory: str, merge_lora: bool):
+    def op_export_weights(self, directory: str | Path, merge_lora: bool):
         self._collectives()
         directory = Path(directory)
         if self.loaded.lora is not None and not merge_lora:
@@ -263,10 +265,10 @@ class RankEngine:
     def op_push_weights(self, target: dict, layout: dict):
         from skyrl_sdk.plugins.weight_push import PushLayout, PushTarget
 
-        layout = PushLayout.from_plain(layout)
-        if layout.gathered:
+        plan = PushLayout.from_plain(layout)
+        if plan.gathered:
             self._collectives()
-        return self.push.send(PushTarget.from_plain(target), layout)
+        return self.push.send(PushTarget.from_plain(target), plan)
 
     def op_adapter_weights(self):
         self._collectives()
@@ -281,6 +283,7 @@ class RankEngine:
             if p.grad is not None:
                 full = gathered(p.grad, self.rank)
                 if self.rank == 0:
+                    assert full is not None  # gathered returns the full tensor on rank 0
                     out[name] = full.float().numpy()
         return out if self.rank == 0 else None
 
@@ -311,4 +314,4 @@ class RankEngine:
         self._sampler = None
         self.runner.optimizer.release()
         self.runner.scoring = None
-        self.loaded = None
+        del self.loaded  # drop the model (the dispatcher drops this engine next)

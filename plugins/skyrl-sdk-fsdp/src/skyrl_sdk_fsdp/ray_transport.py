@@ -50,8 +50,8 @@ class RayTransport(_Transport):
         self.placement = None
         self.cluster = connect(ray_address)
         host = node_ip()
-        self._store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                                    wait_for_workers=False)
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         bundle = {"GPU": 1.0, "CPU": float(threads)} if device_type == "cuda" else {"CPU": float(threads)}
         try:
             self.placement = Placement([bundle] * world_size, strategy=strategy, timeout_s=PLACEMENT_TIMEOUT_S,

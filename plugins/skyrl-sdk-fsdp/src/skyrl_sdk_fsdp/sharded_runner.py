@@ -37,30 +37,39 @@ class ShardedRunner(ModelRunner):
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
         return bool(value.item())
 
-    def run(self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool) -> EngineResult:
+    def run(
+        self, data: Sequence[Datum], loss: ResolvedLoss, *, backward: bool, batches: list | None = None,
+        keep_grads_on_error: bool | None = None,
+    ) -> EngineResult:
+        """:meth:`ModelRunner.run` with the same collectives on every rank. Each rank plans its own
+        ``batches`` here (planning may be collective), so a precomputed plan is refused."""
+        if batches is not None:
+            raise ValueError("ShardedRunner.run: batches must be None (every rank plans its own micro-batches)")
         pending = self.prefix.pending
         # every rank plans, data or not: while prefix sharing is unchecked, planning asks every
         # rank whether it would share, and then all run the self-test (its forwards are collective)
         batches = self.plan(data)
         if pending and not self.prefix.pending:
-            reshard(self.scoring)  # the self-test's no-grad forwards left the root gathered
+            reshard(self.scoring_model())  # the self-test's no-grad forwards left the root gathered
         mine = len(batches)
         count = torch.tensor([mine], dtype=torch.int64, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        result = super().run(data, loss, backward=backward, batches=batches)
+        result = super().run(data, loss, backward=backward, batches=batches,
+                             keep_grads_on_error=keep_grads_on_error)
         for _ in range(int(count.item()) - mine):
             self._dummy_pass(backward)
         # A no-grad forward leaves the root (and, with reshard_after_forward=False, the
         # blocks) gathered; the optimizer updates the shards, so drop the gathered copies.
-        reshard(self.scoring)
+        reshard(self.scoring_model())
         return result
 
     def _dummy_pass(self, backward: bool) -> None:
         dev = self.device
         ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=dev)
         index = torch.zeros(1, dtype=torch.long, device=dev)
-        targets = index if self.scoring.role == "policy" else None
+        scoring = self.scoring_model()
+        targets = index if scoring.role == "policy" else None
         with torch.enable_grad() if backward else torch.no_grad():
-            scores, _ = self.scoring(ids, None, None, index, targets, want_entropy=False)
+            scores, _ = scoring(ids, None, None, index, targets, want_entropy=False)
             if backward:
                 (scores.sum() * 0.0).backward()

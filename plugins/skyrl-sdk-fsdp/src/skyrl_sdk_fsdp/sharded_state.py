@@ -69,6 +69,7 @@ class SafeReader(FileSystemReader):
             raise CheckpointError(f"{self.folder}: rank-local metadata is not supported")
         if self._metadata is None:
             self._metadata = read_metadata(self.folder)
+        assert self._metadata.storage_meta is not None  # read_metadata fills it in
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 from skyrl_sdk import errors
 
@@ -151,8 +151,8 @@ class SpawnTransport(_Transport):
         self.closed = False
         self._lock = threading.Lock()
         # The rendezvous store lives in the controller: its port stays bound (no port race).
-        self._store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                                    wait_for_workers=False)
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         env = dict(os.environ)
@@ -201,7 +201,7 @@ class SpawnTransport(_Transport):
         pending = {r for r in range(self.world_size) if r not in deaths}
         timed_out = False
         while pending:
-            ready = wait([self.conns[r] for r in pending], timeout=0.2)
+            ready = cast(list[Connection], wait([self.conns[r] for r in pending], timeout=0.2))  # what we passed
             for conn in ready:
                 rank = self.conns.index(conn)
                 try:

@@ -47,6 +47,9 @@ NULL_ADAPTER = 1
 class VllmEngine:
     """One ``vllm.LLM`` in this process (see the module docstring)."""
 
+    #: its entry in the shared registry (set by :func:`acquire`, read by :func:`release`)
+    key: tuple[Hashable, str]
+
     def __init__(self, source: WeightsSource, options: VllmSamplerConfig, shared: bool,
                  base_weights: list[tuple[str, torch.Tensor]]) -> None:
         self.options = options

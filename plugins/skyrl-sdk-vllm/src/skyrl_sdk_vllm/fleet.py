@@ -131,6 +131,7 @@ class Fleet:
         return f"skyrl/{self.id}/{self.generation}/{index}/"
 
     def _target(self) -> PushTarget:
+        options: dict[str, Any]
         if self.backend == "nccl":
             options = {"groups": [{"host": self.host, "port": st.port,
                                    "world_size": 1 + self.placement.tensor_parallel_size} for st in self.stores],

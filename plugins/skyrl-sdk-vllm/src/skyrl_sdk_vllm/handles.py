@@ -61,7 +61,7 @@ class InProcess:
 
         self.name = f"vllm engine {index} (in this process)"
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"skyrl-vllm{index}")
-        self.replica = Replica(facts, config, backend)
+        self.replica: Replica | None = Replica(facts, config, backend)  # None once killed
 
     def call(self, method: str, *args: Any) -> _Future:
         return _Future(self.pool.submit(getattr(self.replica, method), *args))

@@ -68,7 +68,9 @@ def hide_unimportable(names: tuple[str, ...] = OPTIONAL_COMPANIONS) -> list[str]
         except Exception as exc:  # an ABI mismatch shows as RuntimeError, OSError, ImportError...
             for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
                 del sys.modules[key]
-            sys.modules[name] = None
+            # None in sys.modules makes a later import raise ImportError (documented; typeshed's
+            # dict[str, ModuleType] leaves it out)
+            sys.modules[name] = None  # type: ignore[assignment]
             hidden.append(name)
             HIDDEN[name] = f"{name} is installed but does not import beside torch {_torch_version()} " \
                            f"({(str(exc).splitlines() or [type(exc).__name__])[0][:200]})"

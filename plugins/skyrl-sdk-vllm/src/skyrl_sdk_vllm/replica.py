@@ -89,7 +89,7 @@ class Replica:
                 version: int) -> float:
         """Take one push (joining the transfer group first when ``init_info`` is given); the
         prefix cache is reset (its keys and values were the old weights'). Returns the seconds."""
-        engine = self.sampler.engine
+        engine = self.sampler.open_engine()
         t0 = time.perf_counter()
         with engine.lock:
             engine.wake()
@@ -128,7 +128,7 @@ class Replica:
         return {"pid": os.getpid(), "host": host}
 
     def max_model_len(self) -> int:
-        return self.sampler.engine.max_model_len
+        return self.sampler.open_engine().max_model_len
 
     def close(self) -> None:
         self.sampler.close()

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -45,7 +45,7 @@ class VllmSampler(Sampler):
         # refused here, before any engine starts or weight is read (bf16 on a GPU by default)
         dtype = sampler_dtype(options.dtype, source.dtype, cuda=not on_cpu(), lora=lora)
         self.options = attrs.evolve(options, dtype=dtype)
-        self.engine = engines.acquire(source, self.options)
+        self.engine: engines.VllmEngine | None = engines.acquire(source, self.options)  # None once closed
         self._label = f"skyrl{next(_names)}"
         self._synced = source.version  # the weights the engine holds (full fine-tuning)
         self._adapter: tuple[int, int] | None = None  # (version, vLLM adapter id) of a LoRA model
@@ -54,8 +54,14 @@ class VllmSampler(Sampler):
         #: "fetch_seconds", "wake_seconds", "load_seconds"; "bytes", "version"}
         self.last_sync: dict[str, Any] | None = None
 
+    def open_engine(self) -> engines.VllmEngine:
+        """:attr:`engine`, refused once this sampler is closed."""
+        if self.engine is None:
+            raise RuntimeError("this vllm sampler is closed: its engine was released")
+        return self.engine
+
     def describe(self) -> str:
-        e = self.engine
+        e = self.open_engine()
         return (f"vllm {e.version} ({'CPU' if e.cpu else 'GPU'}, in process, {e.dtype}, prefix caching "
                 f"{'on' if self.options.enable_prefix_caching else 'off'})")
 
@@ -74,9 +80,9 @@ class VllmSampler(Sampler):
         fetch = time.perf_counter() - t0
         distinct, source_of, counts = _distinct(request.prompts)
         n = [c * request.num_samples for c in counts]
-        with self.engine.lock, self.engine.rng.vllm():
+        with self.open_engine().lock, self.open_engine().rng.vllm():
             t1 = time.perf_counter()
-            dropped = self.engine.wake()  # once per RL step: it slept when the trainer computed
+            dropped = self.open_engine().wake()  # once per RL step: it slept when the trainer computed
             wake = time.perf_counter() - t1
             if dropped and full is None:  # vLLM dropped its weights while asleep (level 2)
                 t2 = time.perf_counter()
@@ -84,7 +90,7 @@ class VllmSampler(Sampler):
                 fetch += time.perf_counter() - t2
             load, nbytes, kind = 0.0, 0, None
             if full is not None:
-                load, nbytes = self.engine.load_weights(full[1])
+                load, nbytes = self.open_engine().load_weights(full[1])
                 self._synced, kind = full[0], "full"
             lora, added = self._lora_request(adapter)
             if added is not None:
@@ -99,8 +105,9 @@ class VllmSampler(Sampler):
             if isinstance(prompt, ModelInput):
                 raise InputError(f"prompt {i} holds images: the 'vllm' sampler serves token prompts only; "
                                  f"sample a vision-language model with Backend(sampler='transformers')")
-        limit = self.engine.max_model_len
-        longest = max(len(p) for p in request.prompts) + request.sampling_params.max_tokens
+        limit = self.open_engine().max_model_len
+        # token prompts only (checked above)
+        longest = max(len(cast(np.ndarray, p)) for p in request.prompts) + request.sampling_params.max_tokens
         if longest > limit:
             raise InputError(f"prompt + max_tokens = {longest} tokens is more than this vLLM engine's max_model_len "
                              f"{limit} (sampler_config['max_model_len'])")
@@ -124,16 +131,17 @@ class VllmSampler(Sampler):
         """(holding the engine lock) The adapter's request, registering a new version first; and
         that registration's (seconds, bytes), None when nothing was registered."""
         if self.source.lora is None:
-            return self.engine.base_request(), None
+            return self.open_engine().base_request(), None
         added = None
         if changed is not None:
             version, weights = changed
-            lora_id = self.engine.new_adapter_id()
-            added = self.engine.add_adapter(lora_id, f"{self._label}-v{version}", weights)
+            lora_id = self.open_engine().new_adapter_id()
+            added = self.open_engine().add_adapter(lora_id, f"{self._label}-v{version}", weights)
             if self._adapter is not None:
-                self.engine.remove_adapter(self._adapter[1])
+                self.open_engine().remove_adapter(self._adapter[1])
             self._adapter = (version, lora_id)
-        return self.engine.lora_request(self._adapter[1]), added
+        assert self._adapter is not None  # a first call registers (_adapter_if_changed returns the adapter)
+        return self.open_engine().lora_request(self._adapter[1]), added
 
     def _record(self, kind: str, seconds: float, fetch: float, wake: float, load: float, nbytes: int) -> None:
         self.last_sync = {"kind": kind, "seconds": seconds, "fetch_seconds": fetch, "wake_seconds": wake,
@@ -149,28 +157,28 @@ class VllmSampler(Sampler):
         if self._prefill_first(distinct, n, plp):
             # one greedy token per prompt puts the prompts' blocks in the prefix cache: a group's
             # samples then read them instead of each computing the prompt
-            self.engine.generate(prompts, [requests.prefill_params()] * len(prompts), lora)
-        if plp is not None and lora is not None and self.engine.cpu and self._adapts_head():
+            self.open_engine().generate(prompts, [requests.prefill_params()] * len(prompts), lora)
+        if plp is not None and lora is not None and self.open_engine().cpu and self._adapts_head():
             # vLLM's CPU LoRA kernels apply an output-head adapter to prompt logprobs only when the
             # batch is one request (their row indices are per request): score each prompt alone
-            scores = [self.engine.generate([p], [requests.sampling_params(request, eos, n=1, max_tokens=1,
-                                                                          prompt_logprobs=plp)], lora)[0]
+            scores = [self.open_engine().generate([p], [requests.sampling_params(request, eos, n=1, max_tokens=1,
+                                                                                 prompt_logprobs=plp)], lora)[0]
                       for p in prompts]
             plp = None
         else:
             scores = None
         params = [requests.sampling_params(request, eos, n=k, prompt_logprobs=plp) for k in n]
-        outs = self.engine.generate(prompts, params, lora)
+        outs = self.open_engine().generate(prompts, params, lora)
         return list(zip(outs, scores or outs, strict=True))
 
     def _adapts_head(self) -> bool:
-        version_weights = self.engine.adapters.get(self._adapter[1]) if self._adapter else None
+        version_weights = self.open_engine().adapters.get(self._adapter[1]) if self._adapter else None
         targets = version_weights[1].config.get("target_modules", ()) if version_weights else ()
         return any(t == "lm_head" or t.endswith(".lm_head") for t in targets)
 
     def _prefill_first(self, distinct: list[np.ndarray], n: list[int], plp: int | None) -> bool:
         return (self.options.prefill_groups_once and self.options.enable_prefix_caching and plp is None
-                and any(k > 1 and len(p) >= self.engine.block_size for p, k in zip(distinct, n, strict=True)))
+                and any(k > 1 and len(p) >= self.open_engine().block_size for p, k in zip(distinct, n, strict=True)))
 
     def _outputs(self, request: SampleRequest, distinct, source_of, outs) -> list[SampleOutput]:
         per_prompt = []
@@ -198,7 +206,9 @@ class VllmSampler(Sampler):
 def _distinct(prompts) -> tuple[list[np.ndarray], list[int], list[int]]:
     """The distinct prompts (first-seen order), each prompt's index among them, and their counts."""
     seen: dict[bytes, int] = {}
-    distinct, source_of, counts = [], [], []
+    distinct: list[np.ndarray] = []
+    source_of: list[int] = []
+    counts: list[int] = []
     for p in prompts:
         key = np.asarray(p, dtype=np.int64).tobytes()
         if key not in seen:
