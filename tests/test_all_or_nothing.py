@@ -44,11 +44,11 @@ def _refused_without_a_trace(backend, call, error, match) -> None:
     """``call`` raises ``error`` while a good call's gradients are pending; they stay bit for bit."""
     backend.zero_grad()
     backend.forward_backward(RL, "ppo")
-    before, calls = grads_of(backend), backend._calls_since_step
+    before, calls = grads_of(backend), backend.pending_calls
     with pytest.raises(error, match=match):
         call()
     _same(grads_of(backend), before)
-    assert backend._calls_since_step == calls
+    assert backend.pending_calls == calls
 
 
 # ---- numbers in a loss config: finite and representable in the compute dtypes -------------------
@@ -218,7 +218,7 @@ def test_a_call_failing_mid_way_keeps_the_pending_gradients(fragile_losses, loss
         assert_tensors_close(weights_of(b), weights_of(reference), atol=0.0, what="weights")
         with pytest.raises(_fragile.Boom):  # nothing pending: the failed call leaves nothing either
             b.forward_backward(FAILING, "fragile_ce")
-        assert grads_of(b) == {} and b._calls_since_step == 0
+        assert grads_of(b) == {} and b.pending_calls == 0
 
 
 def test_keep_grads_on_error_off_drops_everything_and_says_so(fragile_losses):
@@ -228,7 +228,7 @@ def test_keep_grads_on_error_off_drops_everything_and_says_so(fragile_losses):
             b.forward_backward(FAILING, "fragile_ce")
         assert "the pending gradients of the 1 earlier forward_backward call(s) since the last step were dropped " \
                "too (keep_grads_on_error=False)" in info.value.__notes__[0]
-        assert grads_of(b) == {} and b._calls_since_step == 0
+        assert grads_of(b) == {} and b.pending_calls == 0
         assert b.optim_step(ADAM).metrics["no_gradient"] == 1.0
 
 
@@ -257,13 +257,13 @@ def test_keep_grads_on_error_is_switchable_per_call(fragile_losses):
             b.forward_backward(FAILING, "fragile_ce", keep_grads_on_error=True)
         assert "were kept as they were" in info.value.__notes__[0]
         _same(grads_of(b), before)
-        assert b._calls_since_step == 1
+        assert b.pending_calls == 1
     with skyrl_sdk.Backend(seed=0, engine_config=MICRO) as b:  # default: kept
         b.forward_backward(SFT)
         with pytest.raises(_fragile.Boom) as info:
             b.forward_backward(FAILING, "fragile_ce", keep_grads_on_error=False)
         assert "were dropped too (keep_grads_on_error=False)" in info.value.__notes__[0]
-        assert grads_of(b) == {} and b._calls_since_step == 0
+        assert grads_of(b) == {} and b.pending_calls == 0
         # the engine's default is unchanged for the next call
         b.forward_backward(SFT)
         before = grads_of(b)

@@ -544,3 +544,42 @@ def test_the_mixin_check_sees_a_mixin():
     assert undefined_attributes("m", mixin, classes) == {"store", "_sequenced"}
     assert undefined_attributes("m", host, classes) == set()  # the host defines them: the mixin is the one
     assert undefined_attributes("m", foreign, classes) is None  # a third party's base may define anything
+
+
+# ---- tests use public names and skyrl_sdk.testing -----------------------------------------------
+def _test_modules() -> dict[str, Path]:
+    """Every module of the test suites (test files and their helpers), by its path from the root."""
+    files = [*(ROOT / "tests").glob("*.py"), *ROOT.glob("plugins/*/tests/*.py")]
+    return {".".join(p.replace("-", "_") for p in f.relative_to(ROOT).with_suffix("").parts): f for f in files}
+
+
+TEST_MODULES = _test_modules()
+
+
+def private_uses_in_tests(module: str, file: Path) -> list[str]:
+    """:func:`private_uses` for a test module: the private names its own folder of tests
+    defines are its own; every other package's are not (a test reads what users can read, or a
+    ``skyrl_sdk.testing`` hook that keeps the knowledge of internals in the package)."""
+    folder = file.parent
+    own = set().union(*(_definitions(_tree(f)) for f in folder.glob("*.py")))
+    defined = dict(_defined_by_package())
+    for name in own:
+        defined[name] = defined.get(name, frozenset()) | {_package_of(module)}
+    return private_uses(module, file, defined)
+
+
+@pytest.mark.parametrize("module", sorted(TEST_MODULES))
+def test_tests_use_no_private_names_of_ours(module):
+    bad = private_uses_in_tests(module, TEST_MODULES[module])
+    assert not bad, f"{module} reads private names (use a public name or a skyrl_sdk.testing hook): {bad}"
+
+
+def test_the_test_scan_sees_a_private_read(tmp_path):
+    folder = tmp_path / "tests"
+    folder.mkdir()
+    (folder / "_helper.py").write_text("def _shared():\n    pass\n")
+    file = folder / "test_x.py"
+    file.write_text("from skyrl_sdk.engines.runner import ModelRunner\nfrom _helper import _shared\n"
+                    "def test(b):\n    _shared()\n    b._lock\n    ModelRunner._run_micro_batch\n")
+    found = private_uses_in_tests("tests.test_x", file)
+    assert [f.split(" (")[0] for f in found] == ["line 5: b._lock", "line 6: ModelRunner._run_micro_batch"], found

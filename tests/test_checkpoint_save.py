@@ -274,7 +274,7 @@ def _save_in_child(target, source, crash_at, monkeypatch, exchange):
 
 
 def _no_exchange(a, b):
-    raise checkpoint._NoRenameat2()
+    raise checkpoint.ExchangeUnsupported()
 
 
 #: a valid name so long (254 bytes) that the leftovers' names are shortened (issue 21)

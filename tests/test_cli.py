@@ -270,10 +270,7 @@ def test_version_flag():
 
 
 def _subcommands() -> dict:
-    parser = cli.build_parser()
-    action = next(a for a in parser._actions if a.dest == "command")
-    return {name: (sub, next(c.help for c in action._choices_actions if c.dest == name))
-            for name, sub in action.choices.items()}
+    return {name: (sub, sub.summary) for name, sub in cli.build_parser().commands.items()}
 
 
 def test_every_command_has_a_one_line_summary_and_no_rest_markup():

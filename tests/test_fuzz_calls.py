@@ -132,7 +132,7 @@ def _corrupt(source: Path, target: Path, kind: str) -> Path:
 def _state(backend):
     runner = backend.engine.runner
     return (weights_of(backend), grads_of(backend), dict(runner.optimizer.state_items()), runner.optimizer.step_count,
-            backend._calls_since_step)
+            backend.pending_calls)
 
 
 def _assert_same(a, b) -> None:

@@ -19,7 +19,7 @@ from skyrl_sdk import errors, get_registry, types
 from skyrl_sdk.engines import sharing
 from skyrl_sdk.models import prefix_attention
 from skyrl_sdk.models.prefix import MIN_SAVED_FRACTION, find_groups, layout_groups
-from skyrl_sdk.testing import assert_metrics_close, grads_of, make_group_data, make_sft_data
+from skyrl_sdk.testing import around_micro_batches, assert_metrics_close, grads_of, make_group_data, make_sft_data
 
 OFF = {"prefix_sharing": False}
 REDUCTIONS = ["sum", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
@@ -209,15 +209,14 @@ def test_layouts_and_checkpointing(engine_config):
 
 
 # ---- memory: what a shared row keeps for backward ------------------------------------------------
-def _kept_bytes_per_micro_batch(backend, data, monkeypatch) -> list[int]:
+def _kept_bytes_per_micro_batch(backend, data) -> list[int]:
     """Per micro-batch of one ``forward_backward``: bytes of the tensors autograd keeps for
     backward (distinct storages, the model's parameters left out)."""
     runner = backend.engine.runner
     params = {p.untyped_storage().data_ptr() for p in runner.scoring.model.parameters()}
     kept: list[int] = []
-    original = runner._run_micro_batch
 
-    def counting(*args, **kwargs):
+    def counting(compute):
         seen: dict[int, int] = {}
 
         def pack(t):
@@ -227,13 +226,12 @@ def _kept_bytes_per_micro_batch(backend, data, monkeypatch) -> list[int]:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            per_token = original(*args, **kwargs)
+            per_token = compute()
         kept.append(sum(seen.values()))
         return per_token
 
-    monkeypatch.setattr(runner, "_run_micro_batch", counting)
-    backend.forward_backward(data, "cross_entropy")
-    monkeypatch.undo()
+    with around_micro_batches(counting):
+        backend.forward_backward(data, "cross_entropy")
     backend.zero_grad()
     return kept
 
@@ -248,7 +246,7 @@ def _one_group(prompt_len: int, group: int, suffix: int, seed: int = 0) -> list[
 
 @pytest.mark.slow  # the unshared side computes 25,856 tokens
 @pytest.mark.parametrize("prompt_len, group, suffix", [(400, 64, 4), (120, 48, 30), (40, 8, 4)])
-def test_a_shared_row_keeps_no_more_than_the_unshared_micro_batches(monkeypatch, prompt_len, group, suffix):
+def test_a_shared_row_keeps_no_more_than_the_unshared_micro_batches(prompt_len, group, suffix):
     """The attention expands a group's prefix over its G rows (G x (P + S) slots per layer):
     what a row keeps of that is bounded by the micro-batch budget, so no micro-batch of the
     shared call keeps more than the unshared path's largest (400 tokens x 64: 5.5x more before)."""
@@ -257,8 +255,8 @@ def test_a_shared_row_keeps_no_more_than_the_unshared_micro_batches(monkeypatch,
     with skyrl_sdk.Backend(seed=0, engine_config=cfg) as shared, \
             skyrl_sdk.Backend(seed=0, engine_config={**cfg, **OFF}) as plain:
         assert _shares(shared, data)
-        kept_shared = _kept_bytes_per_micro_batch(shared, data, monkeypatch)
-        kept_plain = _kept_bytes_per_micro_batch(plain, data, monkeypatch)
+        kept_shared = _kept_bytes_per_micro_batch(shared, data)
+        kept_plain = _kept_bytes_per_micro_batch(plain, data)
     assert max(kept_shared) <= max(kept_plain), (kept_shared, kept_plain)
 
 

@@ -20,8 +20,7 @@ import torch
 
 import skyrl_sdk
 from skyrl_sdk import types
-from skyrl_sdk.engines.turns import run_to_end
-from skyrl_sdk.testing import count_micro_batches
+from skyrl_sdk.testing import count_micro_batches, prepared_call
 
 WAITING = ("item", "cpu", "tolist", "numpy", "__float__", "__int__", "__bool__")
 OURS = Path(skyrl_sdk.__file__).resolve().parent
@@ -81,4 +80,4 @@ def test_host_reads_do_not_grow_with_micro_batches(loss, config):
 
 
 def _prepared(b, data, loss, config):
-    return run_to_end(b._prepare(data, loss, config))  # a stepped call (no images: one step)
+    return prepared_call(b, data, loss, config)

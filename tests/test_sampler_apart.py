@@ -10,7 +10,7 @@ import skyrl_sdk
 from _limits import HANG_S
 from skyrl_sdk import types
 from skyrl_sdk.sampling import Sampler
-from skyrl_sdk.testing import make_sft_data
+from skyrl_sdk.testing import make_sft_data, training_call_in_progress
 from skyrl_sdk.types import SampledSequence, SampleOutput
 
 
@@ -46,7 +46,7 @@ def test_a_sample_with_current_weights_does_not_wait_for_a_training_call(fresh_p
         b.sample([[1]], types.SamplingParams(max_tokens=1))
         assert b.sampler.runs_apart
         done = threading.Event()
-        with b._lock:  # as a forward_backward in progress holds it
+        with training_call_in_progress(b):
             worker = threading.Thread(target=lambda: (b.sample([[1]], types.SamplingParams(max_tokens=1)), done.set()))
             worker.start()
             assert done.wait(HANG_S), "the sample waited for the training call"

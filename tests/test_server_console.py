@@ -166,15 +166,14 @@ def test_writes_wait_for_the_stores_writes_and_a_failed_write_loses_nothing(tmp_
         writer.join()
     assert h.curves("r")["steps"] == STEPS_UNDER_LOAD
 
-    def broken(run_id, points):
-        raise sqlite3.OperationalError("disk I/O error")
+    from _sql_faults import failing
 
-    h._write_run, working = broken, h._write_run
-    _record(h, "r", [5.0, 6.0], first_step=STEPS_UNDER_LOAD + 1)
-    with pytest.raises(sqlite3.OperationalError):
-        h.flush()
+    with failing(store.root / "server.sqlite3", "INSERT", "metrics"):
+        _record(h, "r", [5.0, 6.0], first_step=STEPS_UNDER_LOAD + 1)
+        with pytest.raises(sqlite3.IntegrityError, match="injected failure"):
+            h.flush()
     assert h.curves("r")["steps"] == STEPS_UNDER_LOAD + 2  # still pending
-    h._write_run = working
+    assert _rows(store.root / "server.sqlite3", "r") == STEPS_UNDER_LOAD  # nothing of it written
     h.flush()
     assert _rows(store.root / "server.sqlite3", "r") == STEPS_UNDER_LOAD + 2
     assert h.curves("r")["series"]["loss_sum"]["mean"][-2:] == [5.0, 6.0]
@@ -451,7 +450,7 @@ def test_the_console_limits_table_is_the_declaration():
     from skyrl_sdk.server.http import console
 
     config = ServerConfig(max_memory="8GiB", max_connections=7)
-    rows = console._limits(SimpleNamespace(config=config))
+    rows = console.limits_table(SimpleNamespace(config=config))
     assert [r["setting"] for r in rows] == [s.name for s in settings.SETTINGS if s.console]
     for row in rows:
         assert row["value"] == getattr(config, row["setting"]) and row["flag"] == settings.BY_NAME[row["setting"]].flag

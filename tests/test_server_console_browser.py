@@ -213,7 +213,8 @@ def world(tmp_path_factory):
         assert gone.returncode == 0, gone.stderr[-2000:]
         gone_run = gone.stdout.split()[-1]
         session = srv.runtime.models[gone_run].session_id
-        srv.runtime.sessions._last_seen[session] -= 60.0  # its client has been silent for a minute
+        srv.runtime.loop.call_soon_threadsafe(  # its client has been silent for a minute
+            srv.runtime.sessions.seen, session, time.monotonic() - 60.0)
         srv.runtime.history.flush()
         yield dict(srv=srv, run=run, checkpoint=checkpoint, bob_run=bob_run, rl_runs=rl_runs, gone_run=gone_run)
         alice.close("success").result()

@@ -235,7 +235,7 @@ def test_calls_run_while_another_is_paused_leave_every_client_exactly_solo():
         reader = base.base_backend()
         call = a.forward_backward_steps(data_a, "cross_entropy")
         next(call)  # A's first micro-batch; A is paused at its first boundary
-        assert base.shared.gate._owner is None  # a paused call holds no turn
+        assert base.shared.gate.holder is None  # a paused call holds no turn
         inner = {"b": b.forward_backward(data_b, "cross_entropy"), "b_step": b.optim_step(adam),
                  "base": reader.forward(data_b, "cross_entropy")}
         out_a = turns.run_to_end(call)
@@ -304,7 +304,7 @@ def _micro_batch_loops_on_the_stack() -> int:
     return sum(f.filename == runner.__file__ and f.function in ("run", "steps") for f in inspect.stack(0))
 
 
-def test_another_owners_small_call_runs_between_a_big_calls_micro_batches_on_one_thread(tmp_path, monkeypatch):
+def test_another_owners_small_call_runs_between_a_big_calls_micro_batches_on_one_thread(tmp_path):
     """Alice's forward_backward of many micro-batches holds the device; Bob's 4-token forward, sent
     meanwhile, is answered between two of her micro-batches (before her call ends), on its own
     stack: every micro-batch of both runs with exactly one call's loop on the stack (before: Bob's
@@ -313,18 +313,17 @@ def test_another_owners_small_call_runs_between_a_big_calls_micro_batches_on_one
     pytest.importorskip("tinker")
     pytest.importorskip("fastapi")
     from _server_harness import ServerThread
-    from skyrl_sdk.engines.runner import ModelRunner
+    from skyrl_sdk.testing import around_micro_batches
 
     engine = {"micro_batch_tokens": 16}
     keys = {"tml-alice-0123456789": "alice", "tml-bob-0123456789ab": "bob"}
     reached, go = threading.Event(), threading.Event()
-    real = ModelRunner._run_micro_batch
     threads, loops = set(), []
 
-    def held_once(self, *args, **kwargs):  # Alice's call stops after its first micro-batch until Bob's is queued
+    def held_once(compute):  # Alice's call stops after its first micro-batch until Bob's is queued
         threads.add(threading.current_thread())
         loops.append(_micro_batch_loops_on_the_stack())
-        out = real(self, *args, **kwargs)
+        out = compute()
         if not reached.is_set():
             reached.set()
             assert go.wait(HANG)
@@ -339,23 +338,23 @@ def test_another_owners_small_call_runs_between_a_big_calls_micro_batches_on_one
         shared = srv.runtime.executors.shared
         assert srv.runtime.executors.all() == [shared]  # one executor, not one per client
         assert {m.worker.executor for m in srv.runtime.models.values()} == {shared}
-        monkeypatch.setattr(ModelRunner, "_run_micro_batch", held_once)
-        alice, bob = clients["alice"][1], clients["bob"][1]
-        fut_a = alice.forward_backward([_tinker(d) for d in big], "cross_entropy")
-        assert reached.wait(HANG)
-        fut_b = bob.forward([_tinker(d) for d in small], "cross_entropy")
-        queue = srv.runtime.models[bob.model_id].worker
-        deadline = time.monotonic() + HANG
-        while queue.pending() == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        go.set()
-        fut_b.result(timeout=HANG)
-        out_a = fut_a.result(timeout=HANG)
-        history = list(shared.history)
-        assert ("bob", bob.model_id, True) in history  # ran in a gap of Alice's call
-        assert threads == {shared._thread}  # every micro-batch of both ran on the one compute thread
-        assert len(loops) >= 3 and set(loops) == {1}  # ... each with one call's loop on the stack
+        with around_micro_batches(held_once):
+            alice, bob = clients["alice"][1], clients["bob"][1]
+            fut_a = alice.forward_backward([_tinker(d) for d in big], "cross_entropy")
+            assert reached.wait(HANG)
+            fut_b = bob.forward([_tinker(d) for d in small], "cross_entropy")
+            queue = srv.runtime.models[bob.model_id].worker
+            deadline = time.monotonic() + HANG
+            while queue.pending() == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            go.set()
+            fut_b.result(timeout=HANG)
+            out_a = fut_a.result(timeout=HANG)
+            history = list(shared.history)
+            assert ("bob", bob.model_id, True) in history  # ran in a gap of Alice's call
+            assert threads == {shared.thread}  # every micro-batch of both ran on the one compute thread
+            assert len(loops) >= 3 and set(loops) == {1}  # ... each with one call's loop on the stack
         for sc, _ in clients.values():
             sc.close("success").result()
     solo = Backend("tiny", lora={"rank": 4, "seed": 7}, engine_config=engine)

@@ -330,7 +330,7 @@ def test_retry_after_its_record_expired_is_refused(srv, model):
 
         async def sweep():
             rt.futures.retention_s = -1
-            rt.futures._maybe_sweep(force=True)
+            rt.futures.sweep()
             rt.futures.retention_s = 900.0
 
         asyncio.run_coroutine_threadsafe(sweep(), rt.loop).result(HANG_S)
@@ -352,16 +352,16 @@ def test_expired_retry_keys_stay_bounded():
         rec = store.create("alice", "model-1", key(i))
         store.finish(rec, Result.json({}))
         rec.retrieved_at = time.time() - 1
-        store._maybe_sweep(force=True)
-        assert len(store._expired) <= 50 and len(store) == 0
+        store.sweep()
+        assert store.expired_keys <= 50 and len(store) == 0
     for i in (499, 450):  # recent: a retry is refused as expired
         with pytest.raises(InputError, match="expired"):
             store.lookup(key(i))
     assert store.lookup(key(449)) is None  # beyond the cap: forgotten (the oldest first)
     store.expired_horizon_s = 0.01
     time.sleep(0.05)
-    store._maybe_sweep(force=True)
-    assert store._expired == {} and store.lookup(key(499)) is None  # past the horizon: forgotten
+    store.sweep()
+    assert store.expired_keys == 0 and store.lookup(key(499)) is None  # past the horizon: forgotten
     loop.close()
 
 
@@ -379,8 +379,8 @@ def test_sessions_without_heartbeat_are_reaped(tmp_path):
         model = server.runtime.models[model_id]
         assert not model.closed
         sessions = server.runtime.sessions
-        server.runtime.loop.call_soon_threadsafe(sessions._last_seen.__setitem__, sid, time.monotonic() - 61)
-        server.runtime.loop.call_soon_threadsafe(sessions._reap)  # then silence: the next sweep ends it
+        server.runtime.loop.call_soon_threadsafe(sessions.seen, sid, time.monotonic() - 61)
+        server.runtime.loop.call_soon_threadsafe(sessions.reap)  # then silence: the next sweep ends it
         deadline = time.monotonic() + HANG_S
         while model.backend is not None or not model.closed:
             assert time.monotonic() < deadline, "the idle session was not reaped"
@@ -509,7 +509,7 @@ def test_failed_results_kept_are_bounded_in_bytes():
         kept = store.create("alice", "m", dedup_key=("alice", "model", "m", "seq_id", 1))
         store.finish(kept, Result.error("first", "user"))
         ids = [store.failed("alice", InputError(f"bad {i}")).request_id for i in range(50)]
-        assert store._failed_bytes <= store.max_failed_bytes and len(store) <= 12  # of 51
+        assert store.failed_bytes <= store.max_failed_bytes and len(store) <= 12  # of 51
         assert (await store.wait("alice", ids[0], 0))[0] is None  # the oldest went first
         assert (await store.wait("alice", ids[-1], 0))[1].failed  # the newest are kept
         with pytest.raises(InputError, match="expired"):  # a dropped one is never run again

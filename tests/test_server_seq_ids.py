@@ -111,7 +111,7 @@ def test_a_request_the_client_could_not_send_does_not_stall_the_next(server):
     assert out.metrics["loss:sum"] > 0
     assert trainer.optim_step(tt.AdamParams(learning_rate=1e-3)).result(timeout=HANG_S).metrics["grad_norm"] > 0
     model = server.runtime.models[trainer.model_id]
-    assert model.sequencer.next_seq == 5 and not model.sequencer._waiting
+    assert model.sequencer.next_seq == 5 and model.sequencer.held() == []
 
 
 def test_seq_id_rules_are_one_for_json_and_protobuf(server):

@@ -88,7 +88,7 @@ def test_rl_loop_snapshots_in_memory_sample_old_weights_and_stay_bounded(tmp_pat
         keep = srv.config.max_ephemeral_snapshots
         assert counts[-1] == (keep, keep * per)
         assert max(c for c, _ in counts) <= keep
-        assert len(runtime.sampling._targets) <= srv.config.max_sampler_backends
+        assert runtime.sampling.cached_samplers() <= srv.config.max_sampler_backends
 
         def adapters():
             return len(runtime.served.loaded()["bases"][0]["adapters"])

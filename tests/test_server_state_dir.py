@@ -214,21 +214,16 @@ def test_a_delete_cut_short_by_a_crash_never_brings_the_checkpoint_back(tmp_path
     restarted.close()
 
 
-def test_a_crash_between_the_move_and_the_record_finishes_the_delete_at_start(tmp_path, monkeypatch):
+def test_a_crash_between_the_move_and_the_record_finishes_the_delete_at_start(tmp_path):
     """The other moment a crash can cut a delete: its directory is gone, its record is not. The
     next start deletes the record (the checkpoint is not listed with its files gone)."""
+    from _sql_faults import failing
+
     store, tp = _saved_store(tmp_path / "state")
-    real = store._exec
-
-    def dies_at_the_record(sql, params=()):
-        if sql.startswith("DELETE FROM checkpoints"):
-            raise _Killed
-        return real(sql, params)
-
-    monkeypatch.setattr(store, "_exec", dies_at_the_record)
-    with pytest.raises(_Killed):
-        store.delete_checkpoint(tp)
-    monkeypatch.undo()
+    with failing(store.root / "server.sqlite3", "DELETE", "checkpoints"):  # dies at the record
+        with pytest.raises(sqlite3.IntegrityError, match="injected failure"):
+            store.delete_checkpoint(tp)
+    assert not store.checkpoint_dir(tp).exists()  # the directory went first
     store.close()
     restarted = Store(tmp_path / "state")
     restarted.tidy()

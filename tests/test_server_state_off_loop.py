@@ -197,10 +197,9 @@ def test_no_route_reads_the_state_on_the_event_loop(tmp_path, monkeypatch):
         silent = http.post("/api/v1/create_session", json={}).json()["session_id"]
 
         def forget():  # on the loop: the silent session was last seen long ago; the reaper's next round
-            rt.sessions.seen(silent)
-            rt.sessions._last_seen[silent] -= 10 * rt.config.session_timeout_s
-            rt.sessions._reap()
-            rt.weights._sweep_expired()
+            rt.sessions.seen(silent, at=time.monotonic() - 10 * rt.config.session_timeout_s)
+            rt.sessions.reap()
+            rt.weights.sweep_expired()
 
         rt.loop.call_soon_threadsafe(forget)
         deadline = time.monotonic() + HANG_S

@@ -57,21 +57,19 @@ def _prompt(model_input: types.ModelInput) -> tt.ModelInput:
     return _theirs(types.Datum(model_input=model_input)).model_input
 
 
-def test_served_vlm_scores_image_datums_as_transformers(srv, service, vlm_dir, monkeypatch):
+def test_served_vlm_scores_image_datums_as_transformers(srv, service, vlm_dir):
     import threading
 
     from PIL import Image
     from tinker_cookbook.renderers.base import image_to_chunk
 
-    from skyrl_sdk.models.images import ImageInputs
+    from skyrl_sdk.testing import around_image_decodes
 
-    decoded_on, decode = [], ImageInputs._decode
+    decoded_on = []
 
-    def recording(self, *args):
+    def recording(decode):
         decoded_on.append(threading.current_thread().name)
-        return decode(self, *args)
-
-    monkeypatch.setattr(ImageInputs, "_decode", recording)
+        return decode()
 
     proc = processor(vlm_dir)
     capabilities = tinker.RestClient(base_url=srv.url, api_key=API_KEY).get_server_capabilities().result()
@@ -95,7 +93,8 @@ def test_served_vlm_scores_image_datums_as_transformers(srv, service, vlm_dir, m
         data.append(types.Datum(model_input=mi, loss_fn_inputs={
             "target_tokens": np.asarray(ids[1:] + [1], np.int64), "weights": np.ones(len(ids), np.float32)}))
     training = service.create_lora_training_client(base_model=str(vlm_dir), rank=4).result()
-    out = training.forward([_theirs(d) for d in data], "cross_entropy").result()
+    with around_image_decodes(recording):
+        out = training.forward([_theirs(d) for d in data], "cross_entropy").result()
     reference = reference_logprobs(vlm_dir, [types.Datum(model_input=counted(d.model_input),
                                                          loss_fn_inputs=d.loss_fn_inputs) for d in data])
     for got, want in zip(out.loss_fn_outputs, reference, strict=True):
@@ -191,7 +190,7 @@ def test_cookbook_vlm_classifier_recipe(tmp_path, monkeypatch):
     assert len(accuracy) >= 2 and all(0.0 <= a <= 1.0 for a in accuracy)
 
 
-def test_another_owners_call_runs_between_the_images_of_a_call(vlm_dir, tmp_path, monkeypatch):
+def test_another_owners_call_runs_between_the_images_of_a_call(vlm_dir, tmp_path):
     """Issue 41, items 2 and 3: docs/server.md promises another owner waits about one
     micro-batch. Before: a call's images were all decoded in one go (16 distinct 4096x4096 PNGs:
     6.7 s, and another owner's 4-token forward waited as long). Now the call gives way between
@@ -200,16 +199,16 @@ def test_another_owners_call_runs_between_the_images_of_a_call(vlm_dir, tmp_path
     import threading
 
     from _limits import HANG_S
-    from skyrl_sdk.models.images import ImageInputs
+    from skyrl_sdk.testing import around_image_decodes
 
     keys = {"tml-alice-0123456789": "alice", "tml-bob-0123456789ab": "bob"}
-    reached, go, decode = threading.Event(), threading.Event(), ImageInputs._decode
+    reached, go = threading.Event(), threading.Event()
 
-    def held_first(self, *args):  # Alice's first image holds until Bob's request is queued
+    def held_first(decode):  # Alice's first image holds until Bob's request is queued
         if not reached.is_set():
             reached.set()
             assert go.wait(HANG_S)
-        return decode(self, *args)
+        return decode()
 
     proc = processor(vlm_dir)
     mi = types.ModelInput([types.EncodedTextChunk([257, 10])] + [
@@ -220,18 +219,18 @@ def test_another_owners_call_runs_between_the_images_of_a_call(vlm_dir, tmp_path
         alice = alice_sc.create_lora_training_client(base_model=str(vlm_dir), rank=2).result(timeout=HANG_S)
         bob = bob_sc.create_lora_training_client(base_model="tiny", rank=2).result(timeout=HANG_S)
         want = alice.forward([_theirs(datum)], "cross_entropy").result(timeout=HANG_S)
-        monkeypatch.setattr(ImageInputs, "_decode", held_first)
-        try:
-            fut_a = alice.forward([_theirs(datum)], "cross_entropy")
-            assert reached.wait(HANG_S)
-            fut_b = bob.forward([tt.Datum(model_input=tt.ModelInput.from_ints([1, 2, 3, 4]),
-                                          loss_fn_inputs={"target_tokens": [2, 3, 4, 5]})], "cross_entropy")
-            queue, deadline = srv.runtime.models[bob.model_id].worker, time.monotonic() + HANG_S
-            while queue.pending() == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-        finally:
-            go.set()
+        with around_image_decodes(held_first):
+            try:
+                fut_a = alice.forward([_theirs(datum)], "cross_entropy")
+                assert reached.wait(HANG_S)
+                fut_b = bob.forward([tt.Datum(model_input=tt.ModelInput.from_ints([1, 2, 3, 4]),
+                                              loss_fn_inputs={"target_tokens": [2, 3, 4, 5]})], "cross_entropy")
+                queue, deadline = srv.runtime.models[bob.model_id].worker, time.monotonic() + HANG_S
+                while queue.pending() == 0:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            finally:
+                go.set()
         fut_b.result(timeout=HANG_S)
         got = fut_a.result(timeout=HANG_S)
         assert ("bob", bob.model_id, True) in list(srv.runtime.executors.shared.history)  # inside Alice's call

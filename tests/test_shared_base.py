@@ -83,7 +83,7 @@ def test_stats_read_tensors_only_in_the_adapters_turn(data, monkeypatch):
 
     def spy(runner):
         gate = base.shared.gate
-        readers.append(gate._owner == threading.get_ident())
+        readers.append(gate.holder == threading.get_ident())
         return real(runner)
 
     monkeypatch.setattr(offload, "adapter_bytes", spy)

@@ -20,7 +20,7 @@ from skyrl_sdk.engines.turns import run_to_end
 from skyrl_sdk.errors import DatumError, InputError, ModelLoadError
 from skyrl_sdk.models.tiny_vlm import FAMILIES, make_tiny_vlm
 from skyrl_sdk.models.vlm import mrope_positions
-from skyrl_sdk.testing import grads_of
+from skyrl_sdk.testing import around_image_decodes, grads_of
 from skyrl_sdk.types import Datum, EncodedTextChunk, ImageChunk, ModelInput
 from vlm_helpers import image_input, image_tokens, png, processor, reference_logprobs, sft_datum
 
@@ -165,9 +165,8 @@ def test_bad_or_oversized_images_are_refused_before_compute(qwen2_vl_dir, case, 
     }[case]()
     with skyrl_sdk.Backend(model=str(qwen2_vl_dir), lora={"rank": 2}, engine_config=config) as b:
         decoded = []
-        original = b.engine.images._decode
-        b.engine.images._decode = lambda *a: decoded.append(1) or original(*a)
-        with pytest.raises(InputError, match=match):
+        with around_image_decodes(lambda decode: decoded.append(1) or decode()), \
+                pytest.raises(InputError, match=match):
             b.forward_backward([good, bad] + ([bad] if case == "call_tokens" else []), "cross_entropy")
         assert decoded == [] and not b.engine.runner.has_pending_grads()  # nothing decoded, no gradient
         b.forward_backward([good], "cross_entropy")  # the Backend still works
@@ -203,14 +202,13 @@ def test_decoding_work_is_bounded_before_anything_is_decoded(qwen2_vl_dir, case,
     config = {"max_image_pixels_per_call": 5000} if case == "call_pixels" else {}
     with skyrl_sdk.Backend(model=str(qwen2_vl_dir), lora={"rank": 2}, engine_config=config) as b:
         decoded = []
-        original = b.engine.images._decode
-        b.engine.images._decode = lambda *a: decoded.append(1) or original(*a)
-        with pytest.raises(InputError, match=match):
-            b.forward([_image_call(qwen2_vl_dir, images)], "cross_entropy")
-        assert decoded == []
-        # within the limits: 10 scans; the same image three times is one decode of 2400 pixels
-        b.forward([_image_call(qwen2_vl_dir, [(progressive_jpeg(64, 48), "jpeg")])], "cross_entropy")
-        b.forward([_image_call(qwen2_vl_dir, [(png(60, 40, seed=1), "png")] * 3)], "cross_entropy")
+        with around_image_decodes(lambda decode: decoded.append(1) or decode()):
+            with pytest.raises(InputError, match=match):
+                b.forward([_image_call(qwen2_vl_dir, images)], "cross_entropy")
+            assert decoded == []
+            # within the limits: 10 scans; the same image three times is one decode of 2400 pixels
+            b.forward([_image_call(qwen2_vl_dir, [(progressive_jpeg(64, 48), "jpeg")])], "cross_entropy")
+            b.forward([_image_call(qwen2_vl_dir, [(png(60, 40, seed=1), "png")] * 3)], "cross_entropy")
         assert decoded == [1, 1]
     assert progressive_jpeg(64, 48).count(b"\xff\xda") == 10
 
@@ -234,11 +232,10 @@ def test_a_call_gives_way_between_its_images(qwen2_vl_dir):
     order = []
     datum = _image_call(qwen2_vl_dir, [(png(60, 40, seed=s), "png") for s in (1, 2, 1, 3)])
     with skyrl_sdk.Backend(model=str(qwen2_vl_dir), lora={"rank": 2}) as b:
-        original = b.engine.images._decode
-        b.engine.images._decode = lambda *a: order.append("decode") or original(*a)
-        steps = b.forward_steps([datum], "cross_entropy")
-        for _ in steps:  # the call pauses here: the server's compute thread gives others their turns
-            order.append("turn")
+        with around_image_decodes(lambda decode: order.append("decode") or decode()):
+            steps = b.forward_steps([datum], "cross_entropy")
+            for _ in steps:  # the call pauses here: the server's compute thread gives others their turns
+                order.append("turn")
     assert order == ["decode", "turn", "decode", "turn", "decode"]  # 3 distinct images, one micro-batch
 
 

@@ -47,7 +47,7 @@ def test_the_local_engine_pushes_its_current_weights_once_each():
         source.push_weights(_target(), layout)
         rank, got_layout, slices = Keeper.built[-1].got
         assert rank == 0 and got_layout == layout
-        live = source._push_state()
+        live = source.push_state()
         for spec, value in zip(layout.tensors, slices, strict=True):
             assert value.dtype == torch.bfloat16 and tuple(value.shape) == spec.shape
             torch.testing.assert_close(value, live[spec.name].detach().to(torch.bfloat16), rtol=0, atol=0)

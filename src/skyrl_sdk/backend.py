@@ -147,6 +147,11 @@ class Backend:
 
     # ---- compute ----------------------------------------------------------------------
     @property
+    def pending_calls(self) -> int:
+        """forward_backward calls since the last optim_step (or zero_grad): their gradients add up."""
+        return self._calls_since_step
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
@@ -383,14 +388,10 @@ class Backend:
             return SaveWeightsForSamplerOutput(path=str(Path(path).expanduser().resolve()))
 
     def _identity(self) -> dict[str, Any]:
-        return {
-            "model_name": self.model_name,
-            "architecture": self.engine.info.architecture,
-            "vocab_size": self.engine.info.vocab_size,
-            "num_parameters": self.engine.info.num_parameters,
-            "role": self.role,
-            "lora": attrs.asdict(self.lora) if self.lora is not None else None,
-        }
+        info = self.engine.info
+        return {"model_name": self.model_name, "architecture": info.architecture, "vocab_size": info.vocab_size,
+                "num_parameters": info.num_parameters, "role": self.role,
+                "lora": attrs.asdict(self.lora) if self.lora is not None else None}
 
     def save_state(self, path: str | Path, *, overwrite: bool = False) -> SaveStateOutput:
         """Weights, optimizer moments and step counts, LoRA config and metadata; atomic, no pickle."""
@@ -399,8 +400,7 @@ class Backend:
             with atomic_directory(path, overwrite=overwrite) as tmp:
                 engine_meta = self.engine.save_state(tmp)
                 write_json(tmp / METADATA_FILE, {
-                    "format": STATE_FORMAT,
-                    "sdk_version": __version__,
+                    "format": STATE_FORMAT, "sdk_version": __version__,
                     "engine": self.engine_name,
                     "saved_at": time.time(),
                     "identity": self._identity(),

@@ -159,6 +159,58 @@ def count_micro_batches() -> Iterator[list[int]]:
 
 
 @contextlib.contextmanager
+def _around(owner: type, method: str, wrapper: Callable[[Callable[[], Any]], Any]) -> Iterator[None]:
+    """``owner.method`` runs as ``wrapper(call)`` inside the block (every instance, every thread)."""
+    real = getattr(owner, method)
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return wrapper(functools.partial(real, self, *args, **kwargs))
+
+    setattr(owner, method, wrapped)
+    try:
+        yield
+    finally:
+        setattr(owner, method, real)
+
+
+def around_micro_batches(wrapper: Callable[[Callable[[], Any]], Any]) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, every micro-batch an in-process runner computes (on any thread) runs as
+    ``wrapper(compute)``: ``compute()`` runs its forward (and backward) and returns its per-token
+    outputs, which ``wrapper`` returns. A test measures (saved tensors), holds (a scheduler
+    test) or records (the thread) around each micro-batch."""
+    from .engines.runner import ModelRunner
+
+    return _around(ModelRunner, "_run_micro_batch", wrapper)
+
+
+def around_image_decodes(wrapper: Callable[[Callable[[], Any]], Any]) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, every image a call decodes (on any thread) is decoded by
+    ``wrapper(decode)``, which returns what ``decode()`` returned: a test holds or records there."""
+    from .models.images import ImageInputs
+
+    return _around(ImageInputs, "_decode", wrapper)
+
+
+def prepared_call(backend: Any, data: Sequence[Any], loss_fn: str, loss_fn_config: Any = None,
+                  *, backward: bool = True) -> tuple[list[types.Datum], Any]:
+    """The datums and resolved loss that ``backend.forward_backward`` (``backward=False``:
+    ``forward``) hands its engine: checked, a loss's prepare pass run. To drive
+    ``backend.engine.run`` without the Backend around it."""
+    from .engines.turns import run_to_end
+
+    with backend._lock:
+        return run_to_end(backend._prepare(data, loss_fn, loss_fn_config, backward=backward))
+
+
+@contextlib.contextmanager
+def training_call_in_progress(backend: Any) -> Iterator[None]:
+    """Hold ``backend`` as a training call in progress does (its lock), from this thread: for
+    tests of what must not wait for training, such as a sampler that runs apart."""
+    with backend._lock:
+        yield
+
+
+@contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """Run with ``n`` intra-op threads: CPU kernels round differently with another thread
     count (~3e-6 on gradients), which an engine comparison should not measure."""

@@ -63,7 +63,7 @@ def test_each_rank_sends_its_own_rows_and_they_make_the_weights(tmp_path, lora):
             covered = sum(stop - start for start, stop in t.rows)
             assert covered == (t.shape[0] if t.shape else 1), t.name
         if lora:  # the base, no adapter merged: the local engine's (the same seed, the base never trains)
-            reference = {n: v.detach() for n, v in local.engine.weights_source()._push_state().items()}
+            reference = {n: v.detach() for n, v in local.engine.weights_source().push_state().items()}
         else:
             reference = _exported(b, tmp_path)
         assert whole.keys() == reference.keys()

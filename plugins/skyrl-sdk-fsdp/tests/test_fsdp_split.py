@@ -15,7 +15,7 @@ from skyrl_sdk import errors
 from skyrl_sdk.errors import InputError
 from skyrl_sdk_fsdp.options import FSDPOptions, launcher_env
 from skyrl_sdk_fsdp.split import split_by_tokens
-from skyrl_sdk_fsdp.transport import _raise_from_replies
+from skyrl_sdk_fsdp.transport import judge_replies
 
 
 def _check_partition(parts, n):
@@ -137,6 +137,6 @@ def test_rank_errors_keep_a_type_that_says_whose_fault(kind, clean, expected, fa
         return "error", {"rank": rank, "type": kind, "message": f"{kind} here", "traceback": "tb", "clean": clean,
                          "comm": False}
 
-    results, error, is_fatal = _raise_from_replies("run", {0: failed(0), 1: failed(1)}, {}, 2)
+    results, error, is_fatal = judge_replies("run", {0: failed(0), 1: failed(1)}, {}, 2)
     assert results == [] and type(error) is expected and is_fatal is fatal
     assert str(error).startswith(f"{kind} here") or isinstance(error, errors.EngineError)

@@ -98,16 +98,16 @@ def test_sharded_state_round_trip(lora_pair, tmp_path):
     import attrs
 
     engine = fsdp.engine
-    layout = engine._state_layout
+    layout = engine.state_layout
     name = next(iter(layout.trainable))
     wrong = attrs.evolve(layout.trainable[name], shape=(3, 3))
-    engine._state_layout = attrs.evolve(layout, trainable={**layout.trainable, name: wrong})
+    engine.state_layout = attrs.evolve(layout, trainable={**layout.trainable, name: wrong})
     try:
         with pytest.raises(CheckpointError, match=rf"optim.state.{name}.exp_avg: .*expected \[3, 3\]"):
             fsdp.load_state(tmp_path / "s")
         fsdp.load_state(tmp_path / "s", optimizer=False)  # the weights alone still fit
     finally:
-        engine._state_layout = layout
+        engine.state_layout = layout
     (tmp_path / "s" / "sharded" / ".metadata").unlink()
     with pytest.raises(CheckpointError, match="metadata"):
         fsdp.load_state(tmp_path / "s")
@@ -232,12 +232,12 @@ def test_which_modules_get_fsdp_units_of_their_own(tmp_path):
 
     from skyrl_sdk.models import hf_model, load_model
     from skyrl_sdk.models.scoring import ScoringModel
-    from skyrl_sdk_fsdp.parallelize import _untied_embedding_and_head
+    from skyrl_sdk_fsdp.parallelize import untied_embedding_and_head
 
     def units(model, role="policy", lora=None):
         loaded = load_model(model, role=role, lora=lora)
         scoring = ScoringModel(loaded.module, role)
-        embedding, head = _untied_embedding_and_head(scoring)
+        embedding, head = untied_embedding_and_head(scoring)
         inner = hf_model(loaded.module)
         return (embedding is inner.get_input_embeddings(),
                 head is not None and head is inner.get_output_embeddings())

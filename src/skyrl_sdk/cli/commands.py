@@ -98,8 +98,10 @@ def _lazy(module: str, func: str, hint: str) -> Callable[[argparse.Namespace], i
 def _command(sub: Any, common: argparse.ArgumentParser, name: str, summary: str, **kwargs: Any):
     """A subcommand whose one-line summary is both its entry in ``skyrl-sdk --help`` and the
     first line of its own ``--help``."""
-    return sub.add_parser(name, parents=[common], help=summary, description=summary[0].upper() + summary[1:] + ".",
-                          **kwargs)
+    parser = sub.add_parser(name, parents=[common], help=summary, description=summary[0].upper() + summary[1:] + ".",
+                            **kwargs)
+    parser.summary = summary
+    return parser
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
@@ -151,6 +153,8 @@ class CliParser(argparse.ArgumentParser):
 
     #: name -> the command's own parser (see parse_args)
     commands: Mapping[str, argparse.ArgumentParser]
+    #: a command's parser: its one-line summary (its entry in ``skyrl-sdk --help``)
+    summary: str = ""
 
 
 def build_parser() -> CliParser:

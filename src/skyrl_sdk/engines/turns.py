@@ -182,6 +182,11 @@ class FairGate:
         with self._cv:
             return self._order.waiting()
 
+    @property
+    def holder(self) -> int | None:
+        """The thread (``threading.get_ident()``) holding the turn now; None between turns."""
+        return self._owner
+
     @contextlib.contextmanager
     def turn(self, key: Hashable) -> Iterator[None]:
         me = threading.get_ident()

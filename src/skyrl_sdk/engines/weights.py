@@ -74,8 +74,9 @@ class EngineWeights(WeightsSource):
         with self._turn():
             return iter(list(self._base_state().items()))
 
-    def _push_state(self) -> dict[str, torch.Tensor]:
-        """The base state with tied tensors once (the first name: vLLM ties the others itself)."""
+    def push_state(self) -> dict[str, torch.Tensor]:
+        """What :meth:`push_weights` sends, by name: the base state, tied tensors once (the first
+        name: vLLM ties the others itself); the live tensors, no copy."""
         seen: set[int] = set()
         out = {}
         for name, t in self._base_state().items():
@@ -87,7 +88,7 @@ class EngineWeights(WeightsSource):
     def push_layout(self, dtype: str, gathered: bool = False) -> PushLayout:
         """One trainer rank (this process) holding every row (gathered or not)."""
         with self._turn():
-            state = self._push_state()
+            state = self.push_state()
         return PushLayout(ranks=1, gathered=gathered, tensors=tuple(
             TensorSlices(name=n, dtype=dtype if t.is_floating_point() else str(t.dtype).removeprefix("torch."),
                          shape=tuple(t.shape), rows=((0, t.shape[0] if t.dim() else 1),))
@@ -95,7 +96,7 @@ class EngineWeights(WeightsSource):
 
     def push_weights(self, target: PushTarget, layout: PushLayout) -> None:
         with self._turn(), torch.no_grad():
-            state = self._push_state()
+            state = self.push_state()
             push_slices(target, 0, layout, (local_slice(state[t.name], t.rows[0], t.dtype) for t in layout.tensors))
 
     def adapter_weights(self) -> AdapterWeights:

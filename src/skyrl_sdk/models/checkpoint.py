@@ -59,7 +59,7 @@ _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
-class _NoRenameat2(Exception):
+class ExchangeUnsupported(Exception):
     """renameat2 is missing (not Linux, old libc) or unsupported by this file system."""
 
 
@@ -72,12 +72,12 @@ def _renameat2(src: Path, dst: Path, flags: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     func = getattr(libc, "renameat2", None)
     if func is None:
-        raise _NoRenameat2()
+        raise ExchangeUnsupported()
     func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) != 0:
         code = ctypes.get_errno()
         if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise _NoRenameat2()
+            raise ExchangeUnsupported()
         raise OSError(code, os.strerror(code), str(src), None, str(dst))
 
 
@@ -127,7 +127,7 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _exchange(a: Path, b: Path) -> None:
-    """Swap two directories in one step (raises :class:`_NoRenameat2` where unsupported)."""
+    """Swap two directories in one step (raises :class:`ExchangeUnsupported` where unsupported)."""
     _renameat2(a, b, _RENAME_EXCHANGE)
 
 
@@ -319,7 +319,7 @@ def _switch(tmp: Path, target: Path, overwrite: bool, old: Path) -> None:
                 _fsync_dir(target.parent)
                 _remove_tree(tmp)
                 return
-            except _NoRenameat2:
+            except ExchangeUnsupported:
                 pass
             _rename(target, old)  # a crash after this: clean_interrupted_saves restores `old`
             _rename(tmp, target)
@@ -328,7 +328,7 @@ def _switch(tmp: Path, target: Path, overwrite: bool, old: Path) -> None:
             return
         try:
             _renameat2(tmp, target, _RENAME_NOREPLACE)
-        except _NoRenameat2:
+        except ExchangeUnsupported:
             _rename(tmp, target)
         _fsync_dir(target.parent)
     except OSError as exc:

@@ -116,7 +116,8 @@ class FSDPEngine(Engine):
             self.close()
             raise
         first = infos[0]
-        self._state_layout = StateLayout.from_plain(first["state_layout"])
+        #: the tensors (names, shapes, dtypes) a saved state must hold to load: checked before the ranks read it
+        self.state_layout = StateLayout.from_plain(first["state_layout"])
         self.info = EngineInfo(**first["engine_info"])
         #: how the ranks got their weights: "files" (each read its own slices) or "rank0" (scattered)
         self.weights_loaded_from = first["weights_loaded_from"]
@@ -206,10 +207,10 @@ class FSDPEngine(Engine):
         if state_format == "sharded":
             from .sharded_state import check_sharded
 
-            check_sharded(directory / SHARDED_DIR, self._state_layout, optimizer)  # every value too
+            check_sharded(directory / SHARDED_DIR, self.state_layout, optimizer)  # every value too
             steps: dict[str, float] = {}
         elif state_format == "full":
-            steps = check_state_files(directory, self._state_layout, optimizer=optimizer).steps
+            steps = check_state_files(directory, self.state_layout, optimizer=optimizer).steps
         else:
             raise CheckpointError(f"{directory}: unknown state_format {state_format!r}")
         self._all("load_state", directory=str(directory), optimizer=bool(optimizer),

@@ -65,7 +65,7 @@ def parallelize(
     for block in transformer_blocks(scoring.model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                     offload_policy=offload)
-    embedding, head = _untied_embedding_and_head(scoring)
+    embedding, head = untied_embedding_and_head(scoring)
     if embedding is not None:
         fully_shard(embedding, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                     offload_policy=offload)
@@ -92,7 +92,7 @@ def parallelize(
     return loss_scale
 
 
-def _untied_embedding_and_head(scoring: ScoringModel) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+def untied_embedding_and_head(scoring: ScoringModel) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
     """The input embedding and the policy's plain linear head, when they share no weight.
 
     A tied pair stays in the root (one parameter cannot live in two units); a head that is

@@ -69,8 +69,8 @@ def _own_type(failure: dict) -> type | None:
     return cls if isinstance(cls, type) and issubclass(cls, (errors.InputError, errors.PluginError)) else None
 
 
-def _raise_from_replies(op: str, replies: dict[int, Any], deaths: dict[int, str], world_size: int,
-                        timed_out: bool = False) -> tuple[list, BaseException | None, bool]:
+def judge_replies(op: str, replies: dict[int, Any], deaths: dict[int, str], world_size: int,
+                  timed_out: bool = False) -> tuple[list, BaseException | None, bool]:
     """Turn the ranks' answers into results, or into (error, fatal)."""
     failures = {r: rep[1] for r, rep in replies.items() if rep[0] == "error"}
     if not deaths and not failures and not timed_out and len(replies) == world_size:
@@ -123,7 +123,7 @@ class _Transport:
             except BaseException as exc:  # KeyboardInterrupt mid-call: ranks are out of step
                 self._fail(f"{op} interrupted by {type(exc).__name__}")
                 raise
-            results, error, fatal = _raise_from_replies(op, replies, deaths, self.world_size, timed_out)
+            results, error, fatal = judge_replies(op, replies, deaths, self.world_size, timed_out)
             if error is not None:
                 if fatal:
                     self._fail(str(error).split("\n", 1)[0])

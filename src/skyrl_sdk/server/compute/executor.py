@@ -101,14 +101,15 @@ class Executor:
         self._gap_served: set[Queue] = set()
         #: (owner, queue name, in a paused call's gap) of the last turns, oldest first (tests read it)
         self.history: collections.deque = collections.deque(maxlen=1024)
-        self._thread = threading.Thread(target=self._loop, name=f"skyrl-compute-{name}", daemon=True)
-        self._thread.start()
+        #: the one compute thread: every job and every micro-batch of a stepped call runs here
+        self.thread = threading.Thread(target=self._loop, name=f"skyrl-compute-{name}", daemon=True)
+        self.thread.start()
 
     def queue(self, name: str, owner: str, max_batch: int = 64, batch_wait_s: float = 0.0) -> Queue:
         return Queue(self, name, owner, max_batch, batch_wait_s)
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.thread.is_alive()
 
     # ---- what a Queue asks ----------------------------------------------------------------------
     def put(self, q: Queue, job: Job) -> None:
@@ -131,7 +132,7 @@ class Executor:
             job.done(Result.error(f"{q.name}: {why}", "server"))
         if self.dedicated:
             self.stop()
-        if wait and threading.current_thread() is not self._thread:
+        if wait and threading.current_thread() is not self.thread:
             end = None if timeout is None else time.monotonic() + timeout
             with self._cv:
                 while q.running:
@@ -298,9 +299,9 @@ class Executor:
 
     def join(self, timeout: float | None) -> bool:
         """Wait for the thread to end (after :meth:`stop`); whether it did."""
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+        return not self.thread.is_alive()
 
 
 @attrs.define(eq=False)

@@ -137,6 +137,10 @@ class Sequencer:
         self._proof: int | None = None
         self._grace_timer: asyncio.TimerHandle | None = None
 
+    def held(self) -> list[int]:
+        """The seq_ids held back, waiting for a lower one (ascending)."""
+        return sorted(self._waiting)
+
     def submit(self, seq_id: int | None, job: Job, *, boundary: bool = False) -> None:
         if seq_id is None:
             self.worker.put(job)
@@ -268,6 +272,16 @@ class FutureStore:
     def __len__(self) -> int:
         return len(self._records)
 
+    @property
+    def failed_bytes(self) -> int:
+        """The bytes counted for the failed results kept (bounded by ``max_failed_bytes``)."""
+        return self._failed_bytes
+
+    @property
+    def expired_keys(self) -> int:
+        """How many swept de-duplication keys are remembered (bounded by ``max_expired``)."""
+        return len(self._expired)
+
     def unfinished_by_owner(self) -> dict[str, int]:
         """Owner -> requests accepted and not finished yet (queued or running; the console)."""
         return dict(collections.Counter(r.owner for r in self._records.values() if r.result is None))
@@ -364,11 +378,14 @@ class FutureStore:
         rec.retrieved_at = time.time()
         return rec, rec.result
 
-    def _maybe_sweep(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last_sweep < 60 and not force:
-            return
-        self._last_sweep = now
+    def _maybe_sweep(self) -> None:
+        if time.monotonic() - self._last_sweep >= 60:
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Drop the results kept past their retention and the remembered keys past the horizon
+        or the cap (at most once a minute on its own; a test or an operator may call it now)."""
+        now = self._last_sweep = time.monotonic()
         wall = time.time()
         dead = [
             rid for rid, r in self._records.items()

@@ -120,6 +120,11 @@ class Sampling:
         #: on an executor of its own, so they run while the model trains (Sampler.runs_apart)
         self._apart: dict[str, Queue] = {}
 
+    def cached_samplers(self) -> int:
+        """Sampler Backends cached for snapshots and checkpoints (at most ``max_sampler_backends``)."""
+        with self._targets_lock:
+            return len(self._targets)
+
     # ---- sessions -------------------------------------------------------------------------------
     async def create(self, owner: str, session_id: str | None, sid: str, model_path: Any, base_model: Any
                      ) -> SamplingSession:

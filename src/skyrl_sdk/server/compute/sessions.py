@@ -88,9 +88,9 @@ class Sessions:
         if self._owners.get(session_id) != owner:
             await self.open(owner, session_id)
 
-    def seen(self, session_id: str) -> None:
-        """A sign of life from ``session_id``'s client."""
-        self._last_seen[session_id] = time.monotonic()
+    def seen(self, session_id: str, at: float | None = None) -> None:
+        """A sign of life from ``session_id``'s client, at ``at`` (``time.monotonic()``; default now)."""
+        self._last_seen[session_id] = time.monotonic() if at is None else at
 
     def silent_for(self, session_id: str) -> float | None:
         """Seconds since the last sign of life of an open session's client (None: not open)."""
@@ -124,11 +124,16 @@ class Sessions:
 
     def _schedule_reap(self) -> None:
         period = max(0.05, min(self.config.session_timeout_s / 4, 15.0))
-        self._reaper = self.loop.call_later(period, self._reap)
+        self._reaper = self.loop.call_later(period, self._timer)
 
-    def _reap(self) -> None:
-        """(event loop timer) Finish sessions with no sign of life for ``session_timeout_s``: the
-        records are written by a task, on a thread."""
+    def _timer(self) -> None:
+        self.reap()
+        if self._reaper is not None:  # not stopped
+            self._schedule_reap()
+
+    def reap(self) -> None:
+        """(event loop; a timer calls it every quarter timeout) Finish the sessions with no sign of
+        life for ``session_timeout_s``: their records are written by a task, on a thread."""
         now = time.monotonic()
         timeout = self.config.session_timeout_s
         expired = []
@@ -141,8 +146,6 @@ class Sessions:
             task = self.loop.create_task(self._expire(expired, f"its session expired (no heartbeat for {timeout:g} s)"))
             self._expiring.add(task)
             task.add_done_callback(self._expiring.discard)
-        if self._reaper is not None:
-            self._schedule_reap()
 
     async def _expire(self, session_ids: list[str], why: str) -> None:
         for sid in session_ids:

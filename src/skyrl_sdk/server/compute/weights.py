@@ -39,7 +39,7 @@ class WeightRequests:
         self.sampling = sampling
         self.sequenced = sequenced
         self.loop = loop
-        self._sweep: asyncio.TimerHandle | None = loop.call_later(EXPIRY_SWEEP_S, self._sweep_expired)
+        self._sweep: asyncio.TimerHandle | None = loop.call_later(EXPIRY_SWEEP_S, self._timer)
 
     def save_weights(self, owner: str, body: dict) -> FutureRecord:
         def make(model: TrainingModel):
@@ -102,9 +102,13 @@ class WeightRequests:
         return self.sequenced(owner, body, "save_weights_for_sampler", make, cost=None if named else 0)
 
     # ---- the expiry sweep -------------------------------------------------------------------------
-    def _sweep_expired(self) -> None:
-        """(event loop, every EXPIRY_SWEEP_S) Delete expired checkpoints' records and files, off the loop."""
-        self._sweep = self.loop.call_later(EXPIRY_SWEEP_S, self._sweep_expired)
+    def _timer(self) -> None:
+        self._sweep = self.loop.call_later(EXPIRY_SWEEP_S, self._timer)
+        self.sweep_expired()
+
+    def sweep_expired(self) -> None:
+        """(event loop; a timer calls it every EXPIRY_SWEEP_S) Delete expired checkpoints' records
+        and files, off the loop."""
         self.loop.run_in_executor(None, self.store.delete_expired)
 
     def stop(self) -> None:

@@ -130,7 +130,7 @@ def _syncs(rt: Runtime) -> list[dict[str, Any]]:
     return out
 
 
-def _limits(rt: Runtime) -> list[dict[str, Any]]:
+def limits_table(rt: Runtime) -> list[dict[str, Any]]:
     """The limits table: every setting declared ``console=True`` (server/settings.py), by its flag
     (or its name), with the value in force, its unit, and what an unset one means."""
     in_force = {"max_connections": rt.config.max_connections or default_max_connections()}
@@ -147,6 +147,6 @@ async def server(request: Request):
     loaded = rt.served.loaded()
     copies = [{**c, "model": rt.redact(str(c["model"]))} for c in loaded["own_copies"]]  # tinker:// paths only
     return {"bases": _bases(rt, loaded), "own_copies": copies, "memory": loaded["memory"],
-            "snapshots": rt.sampling.snapshots.stats(), "work": _work(rt), "limits": _limits(rt),
+            "snapshots": rt.sampling.snapshots.stats(), "work": _work(rt), "limits": limits_table(rt),
             "weight_syncs": _syncs(rt),
             "history_dropped": rt.catalog.history_dropped()}
