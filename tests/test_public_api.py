@@ -15,7 +15,7 @@ from skyrl_sdk import types
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_AUTHOR_API = (
-    "hookimpl", "LossInput", "LossOutput", "LossSpec", "Metric", "metric_sum", "metric_mean", "metric_max",
+    "hookimpl", "Register", "LossInput", "LossOutput", "LossSpec", "Metric", "metric_sum", "metric_mean", "metric_max",
     "metric_min", "segment_sum", "segment_mean", "safe_ratio", "number_validator", "evaluate_loss",
 )
 

@@ -2,7 +2,7 @@
 
 Everything a loss-plugin author needs is importable from here::
 
-    from skyrl_sdk import LossInput, LossOutput, hookimpl, metric_sum, segment_mean
+    from skyrl_sdk import LossInput, LossOutput, Register, hookimpl, metric_sum, segment_mean
 
 Engine authors use :mod:`skyrl_sdk.engines`; callers use :class:`Backend` and
 :mod:`skyrl_sdk.types`.
@@ -10,8 +10,10 @@ Engine authors use :mod:`skyrl_sdk.engines`; callers use :class:`Backend` and
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import errors, types
-from .hooks import hookimpl, register_dialect, register_engine, register_loss, register_sampler
+from .hooks import Register, hookimpl, register_dialect, register_engine, register_loss, register_sampler
 from .types.numbers import number_validator
 from .version import __version__
 
@@ -36,7 +38,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'skyrl_sdk' has no attribute {name!r}")
@@ -51,6 +53,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Backend",
+    "Register",
     "LossInput",
     "LossOutput",
     "LossSpec",

@@ -125,7 +125,7 @@ class Backend:
     def __enter__(self) -> Backend:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -152,7 +152,7 @@ class Backend:
         return self._calls_since_step
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     @property
@@ -166,7 +166,7 @@ class Backend:
             loss_fn = "value" if self.role == "critic" else "cross_entropy"
         return get_registry().resolve(loss_fn, loss_fn_config, dialect=self.dialect, role=self.role)
 
-    def _prepare(self, data: Sequence[Any], loss_fn: str | None, loss_fn_config,
+    def _prepare(self, data: Sequence[Any], loss_fn: str | None, loss_fn_config: Mapping[str, Any] | None,
                  backward: bool = True) -> Steps[tuple[list[Datum], ResolvedLoss]]:
         """(stepped: a loss's ``prepare`` runs a forward first) A call's datums and loss, checked."""
         resolved = self.resolve(loss_fn, loss_fn_config)

@@ -22,12 +22,16 @@ import pluggy
 
 #: pluggy's project name for these hooks (the entry-point group too)
 PROJECT = "skyrl_sdk"
+
+#: the ``register`` callback a hook is handed: ``register(name, what, **keywords)`` (the
+#: keywords of each hook: its docstring, docs/hooks.md)
+Register = Callable[..., None]
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def skyrl_sdk_register_losses(register):
+def skyrl_sdk_register_losses(register: Register) -> None:
     """Register loss functions.
 
     Call ``register(name, fn, *, description, required_inputs, optional_inputs=(),
@@ -41,7 +45,7 @@ def skyrl_sdk_register_losses(register):
 
 
 @hookspec
-def skyrl_sdk_register_dialects(register):
+def skyrl_sdk_register_dialects(register: Register) -> None:
     """Register config dialects: how a client's loss names and configs map onto native losses.
 
     Call ``register(name, convert, *, description='')`` where
@@ -52,7 +56,7 @@ def skyrl_sdk_register_dialects(register):
 
 
 @hookspec
-def skyrl_sdk_register_engines(register):
+def skyrl_sdk_register_engines(register: Register) -> None:
     """Register execution engines.
 
     Call ``register(name, factory, *, description='')``; ``factory(**engine_kwargs)`` returns an
@@ -63,7 +67,7 @@ def skyrl_sdk_register_engines(register):
 
 
 @hookspec
-def skyrl_sdk_register_samplers(register):
+def skyrl_sdk_register_samplers(register: Register) -> None:
     """Register samplers: what serves ``Backend.sample`` (and the server's sampling clients).
 
     Call ``register(name, factory, *, description='')``; ``Backend(sampler=name)`` selects one

@@ -24,6 +24,7 @@ from .types import (
     ImageChunk,
     ModelInput,
     PromptProvenanceSpan,
+    ProvenanceSpan,
     SampledProvenanceSpan,
     SampledSequence,
 )
@@ -132,10 +133,10 @@ def to_tinker(datum: Datum) -> Any:
     inputs = {k: v.to_numpy() for k, v in datum.loss_fn_inputs.items()}
     # tinker annotates TensorData values; its Datum converts numpy arrays itself (__post_init__)
     out = tt.Datum(model_input=tt.ModelInput(chunks=chunks), loss_fn_inputs=inputs)  # type: ignore[arg-type]
-    if datum.model_input_spans is None:
+    if datum.model_input_spans is None or datum.loss_fn_input_spans is None:  # both or neither
         return out
 
-    def spans(values) -> list:
+    def spans(values: Sequence[ProvenanceSpan]) -> list:
         return [(tt.SampledProvenanceSpan if isinstance(s, SampledProvenanceSpan) else tt.PromptProvenanceSpan)(
             sequence_id=s.sequence_id, length=s.length, offset=s.offset) for s in values]
 

@@ -93,5 +93,5 @@ class SharedBase:
     def __enter__(self) -> SharedBase:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

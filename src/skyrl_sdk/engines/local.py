@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import EngineError, InputError
-from ..hooks import hookimpl
+from ..hooks import Register, hookimpl
 from ..losses.resolve import ResolvedLoss
 from ..models.activation_checkpointing import enable_activation_checkpointing
 from ..models.attention import check_available
@@ -176,5 +176,5 @@ class LocalEngine(Engine):
 
 
 @hookimpl
-def skyrl_sdk_register_engines(register):
+def skyrl_sdk_register_engines(register: Register) -> None:
     register("local", LocalEngine, description="One process on one device (CPU or CUDA).")

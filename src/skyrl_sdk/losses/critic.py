@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..hooks import hookimpl
+from ..hooks import Register, hookimpl
 from ..types.numbers import number_validator
 from . import metrics as M
 from .base import LossInput, LossOutput
@@ -50,7 +50,7 @@ def value(batch: LossInput, config: ValueConfig) -> LossOutput:
 
 
 @hookimpl
-def skyrl_sdk_register_losses(register):
+def skyrl_sdk_register_losses(register: Register) -> None:
     register(
         "value",
         value,

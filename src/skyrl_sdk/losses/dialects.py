@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import LossConfigError, did_you_mean
-from ..hooks import hookimpl
+from ..hooks import Register, hookimpl
 from ..types.numbers import check_number, check_representable
 from .terms import term_keys
 
@@ -142,7 +142,7 @@ convert_tinker.config_keys = tinker_config_keys  # type: ignore[attr-defined]
 
 
 @hookimpl
-def skyrl_sdk_register_dialects(register):
+def skyrl_sdk_register_dialects(register: Register) -> None:
     register("native", convert_native, description="Native (SkyRL) loss names and config keys, unchanged.")
     register(
         "tinker",

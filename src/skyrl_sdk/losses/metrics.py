@@ -79,13 +79,13 @@ def metric_min(x: torch.Tensor, mask: torch.Tensor | None = None) -> Metric:
     return _extreme(x, mask, math.inf, largest=False)
 
 
-def _combine(reduction: str, a, b):
+def _combine(reduction: str, a: float | torch.Tensor, b: float | torch.Tensor) -> float | torch.Tensor:
     """Two values of one key combined (sums add; max / min pick), tensors kept on their device."""
     if reduction in ("sum", "mean"):
         return a + b
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         pick = torch.maximum if reduction == "max" else torch.minimum
-        device = a.device if isinstance(a, torch.Tensor) else b.device
+        device = next(x.device for x in (a, b) if isinstance(x, torch.Tensor))
         return pick(torch.as_tensor(a, dtype=torch.float64, device=device),
                     torch.as_tensor(b, dtype=torch.float64, device=device))
     return max(a, b) if reduction == "max" else min(a, b)

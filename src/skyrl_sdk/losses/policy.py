@@ -29,7 +29,7 @@ import math
 import attrs
 import torch
 
-from ..hooks import hookimpl
+from ..hooks import Register, hookimpl
 from ..types.numbers import number_validator
 from . import metrics as M
 from .base import LossInput, LossOutput, safe_ratio, segment_mean
@@ -357,7 +357,7 @@ _CLIPPED = ("weights",) + THRESHOLD_INPUTS
 
 
 @hookimpl
-def skyrl_sdk_register_losses(register):
+def skyrl_sdk_register_losses(register: Register) -> None:
     common = dict(required_inputs=RL_REQUIRED, outputs=OUTPUTS, role="policy")
     register(
         "importance_sampling", importance_sampling,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..hooks import hookimpl
+from ..hooks import Register, hookimpl
 from . import metrics as M
 from .base import LossInput, LossOutput
 
@@ -25,7 +25,7 @@ def cross_entropy(batch: LossInput, config: None) -> LossOutput:
 
 
 @hookimpl
-def skyrl_sdk_register_losses(register):
+def skyrl_sdk_register_losses(register: Register) -> None:
     register(
         "cross_entropy",
         cross_entropy,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..hooks import hookimpl
+from ..hooks import Register, hookimpl
 from ..types.numbers import number_validator
 from . import metrics as M
 from .base import LOG_RATIO_CLAMP, LossInput, LossOutput
@@ -66,7 +66,7 @@ def stable_reinforce(batch: LossInput, config: StableReinforceConfig) -> LossOut
 
 
 @hookimpl
-def skyrl_sdk_register_losses(register):
+def skyrl_sdk_register_losses(register: Register) -> None:
     register(
         "stable_reinforce", stable_reinforce,
         description="StableReinforce: REINFORCE on sampled tokens with a truncated importance weight "

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InputError
-from ..hooks import hookimpl
+from ..hooks import Register, hookimpl
 from ..plugins.samplers import AdapterWeights, Sampler, WeightsSource
 from ..types import SampleOutput, SampleRequest
 from .decoder import Decoder, ModuleDecoder
@@ -53,6 +53,6 @@ class TransformersSampler(Sampler):
 
 
 @hookimpl
-def skyrl_sdk_register_samplers(register):
+def skyrl_sdk_register_samplers(register: Register) -> None:
     register("transformers", TransformersSampler,
              description="Our KV-cached decode loop on the engine's own model, in-process (the default).")

@@ -25,12 +25,14 @@ Request values are read by :mod:`skyrl_sdk.inputs` (the protobuf request by ``in
 See docs/server.md and docs/architecture.md.
 """
 
+from typing import Any
+
 from .config import ServerConfig
 
 __all__ = ["ServerConfig", "create_app"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name == "create_app":
         from .http import app
 

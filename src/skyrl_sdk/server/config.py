@@ -10,7 +10,7 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +136,7 @@ def _models(value: Any) -> tuple[str, ...]:
     return models or ("tiny",)
 
 
-def _json_object(flag: str):
+def _json_object(flag: str) -> Callable[[Any], dict[str, Any]]:
     def convert(value: Any) -> dict[str, Any]:
         if value is None or value == "":
             return {}
@@ -183,7 +183,7 @@ class ServerConfig:
     api_keys: dict[str, str] = _declared("api_keys")
 
     @api_keys.validator
-    def _no_default_owner(self, _, value: dict[str, str]) -> None:
+    def _no_default_owner(self, _: Any, value: dict[str, str]) -> None:
         if DEFAULT_OWNER in value.values():
             raise InputError(f"api_keys: the owner name {DEFAULT_OWNER!r} is reserved (the owner of --api-key and of "
                              f"a server without keys); use another name")

@@ -24,6 +24,14 @@ def _loss_fn_inputs(value: Any) -> dict[str, TensorData]:
     return out
 
 
+def _model_input_spans(value: Any) -> tuple[ProvenanceSpan, ...] | None:
+    return spans_from_any(value, "model_input_spans")
+
+
+def _loss_fn_input_spans(value: Any) -> tuple[ProvenanceSpan, ...] | None:
+    return spans_from_any(value, "loss_fn_input_spans")
+
+
 @attrs.frozen(eq=False)
 class Datum:
     """One sequence and the per-position inputs of the loss.
@@ -39,10 +47,10 @@ class Datum:
     loss_fn_inputs: dict[str, TensorData] = attrs.field(factory=dict, converter=_loss_fn_inputs)
     #: Runs tiling ``model_input``: which recorded sequence each input token came from.
     model_input_spans: tuple[ProvenanceSpan, ...] | None = attrs.field(
-        default=None, converter=lambda v: spans_from_any(v, "model_input_spans"))
+        default=None, converter=_model_input_spans)
     #: Runs tiling ``target_tokens`` (one per position): which recorded sequence each target came from.
     loss_fn_input_spans: tuple[ProvenanceSpan, ...] | None = attrs.field(
-        default=None, converter=lambda v: spans_from_any(v, "loss_fn_input_spans"))
+        default=None, converter=_loss_fn_input_spans)
 
     def __attrs_post_init__(self) -> None:
         if (self.model_input_spans is None) != (self.loss_fn_input_spans is None):

@@ -83,12 +83,12 @@ def _image_bytes(value: Any) -> bytes:
     return value
 
 
-def _image_format(instance, attribute, value) -> None:
+def _image_format(instance: Any, attribute: Any, value: Any) -> None:
     if value not in IMAGE_FORMATS:
         raise InputError(f"image chunk format: expected one of {list(IMAGE_FORMATS)}, got {value!r}")
 
 
-def _expected_tokens(instance, attribute, value) -> None:
+def _expected_tokens(instance: Any, attribute: Any, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise InputError(f"image chunk expected_tokens: expected a positive integer or null, got {value!r}")
 

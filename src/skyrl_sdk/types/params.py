@@ -3,6 +3,7 @@ names and defaults). Every number goes through :mod:`skyrl_sdk.types.numbers`.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -16,7 +17,7 @@ from .numbers import INT64_MAX, INT64_MIN, check_number, check_representable, nu
 MIN_ADAM_EPS = float(np.finfo(np.float32).tiny)
 
 
-def _adam(low=None, high=None, **kw):
+def _adam(low: float | None = None, high: float | None = None, **kw: Any) -> Callable[[Any, Any, Any], None]:
     return number_validator(low, high, qualified=True, error=AdamParamsError, **kw)
 
 

@@ -20,7 +20,7 @@ vocabulary, its positions) are checked by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -55,7 +55,7 @@ def _flag(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise InputError(f"{attribute.name}: expected true or false, got {quoted(value)}")
 
 
-def _count(low: int):
+def _count(low: int) -> Callable[[Any, attrs.Attribute, Any], None]:
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         check_number(attribute.name, value, low=low, integer=True)
     return check

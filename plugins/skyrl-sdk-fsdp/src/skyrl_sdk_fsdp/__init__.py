@@ -12,14 +12,17 @@ Importing this module is cheap: torch.distributed is imported when an engine is 
 
 from __future__ import annotations
 
+from typing import Any
+
 import skyrl_sdk
+from skyrl_sdk import Register
 
 __version__ = "0.1.0"
 
 __all__ = ["FSDPEngine", "worker_main", "__version__"]
 
 
-def _factory(**kwargs):
+def _factory(**kwargs: Any) -> Any:
     from .engine import FSDPEngine
 
     return FSDPEngine(**kwargs)
@@ -35,7 +38,7 @@ def worker_main() -> None:
     _worker_main()
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name == "FSDPEngine":
         from .engine import FSDPEngine
 
@@ -44,7 +47,7 @@ def __getattr__(name: str):
 
 
 @skyrl_sdk.hookimpl
-def skyrl_sdk_register_engines(register):
+def skyrl_sdk_register_engines(register: Register) -> None:
     register(
         "fsdp",
         _factory,

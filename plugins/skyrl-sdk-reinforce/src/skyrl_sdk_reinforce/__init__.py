@@ -7,7 +7,7 @@ hook the built-in losses use, so every engine and both dialects can call it by n
 
 from __future__ import annotations
 
-from skyrl_sdk import LossInput, LossOutput, hookimpl, metric_sum
+from skyrl_sdk import LossInput, LossOutput, Register, hookimpl, metric_sum
 
 __version__ = "0.1.0"
 
@@ -34,7 +34,7 @@ def reinforce(batch: LossInput, config: None) -> LossOutput:
 
 
 @hookimpl
-def skyrl_sdk_register_losses(register):
+def skyrl_sdk_register_losses(register: Register) -> None:
     register(
         "reinforce",
         reinforce,

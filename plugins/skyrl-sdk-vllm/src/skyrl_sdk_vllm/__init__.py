@@ -11,7 +11,11 @@ loads a model, so ``Backend(...)`` and ``skyrl-sdk serve`` work without uninstal
 
 from __future__ import annotations
 
-from skyrl_sdk import hookimpl
+from collections.abc import Mapping
+from typing import Any
+
+from skyrl_sdk import Register, hookimpl
+from skyrl_sdk.plugins.samplers import Sampler, WeightsSource
 
 from .loading import hide_unimportable
 from .sampler import VllmSampler
@@ -21,7 +25,7 @@ hide_unimportable()
 __all__ = ["VllmSampler", "vllm_sampler"]
 
 
-def vllm_sampler(*, source, config):
+def vllm_sampler(*, source: WeightsSource, config: Mapping[str, Any]) -> Sampler:
     """The ``vllm`` sampler: vLLM's engine in this process reading the trainer's live tensors
     (:class:`VllmSampler`), or engines that get the weights pushed through vLLM's weight-transfer
     API (``placement="ray"``, or a trainer whose weights live in other processes: :mod:`.pushed`)."""
@@ -41,7 +45,7 @@ vllm_sampler.own_weights = True  # type: ignore[attr-defined]
 
 
 @hookimpl
-def skyrl_sdk_register_samplers(register):
+def skyrl_sdk_register_samplers(register: Register) -> None:
     register("vllm", vllm_sampler,
              description="vLLM: an engine in this process (weights reloaded in place after each change, LoRA "
                          "adapters from memory), or engines placed by Ray, the weights pushed through vLLM's "
