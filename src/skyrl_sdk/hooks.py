@@ -26,6 +26,7 @@ PROJECT = "skyrl_sdk"
 #: the ``register`` callback a hook is handed: ``register(name, what, **keywords)`` (the
 #: keywords of each hook: its docstring, docs/hooks.md)
 Register = Callable[..., None]
+
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
