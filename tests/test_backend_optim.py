@@ -51,7 +51,9 @@ def test_optim_step_equals_clip_plus_torch_adamw(clip):
             assert res.metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-6)
             assert res.metrics["learning_rate"] == params.learning_rate
             assert res.metrics["skipped"] == 0.0
-            assert_tensors_close(weights_of(backend), {n: p.detach() for n, p in named.items()}, atol=1e-7)
+            # within two float32 ulps: a norm weight near 1.0 has an ulp of 1.2e-7, and the clip
+            # coefficient comes from a norm summed in another order than clip_grad_norm_'s
+            assert_tensors_close(weights_of(backend), {n: p.detach() for n, p in named.items()}, atol=1e-7, rtol=2.4e-7)
 
 
 def test_every_adam_field_changes_the_update():
