@@ -28,7 +28,7 @@ import torch.distributed as dist
 _last_message: tuple = ()
 
 
-def send(objects: list, group) -> Any:
+def send(objects: list, group: dist.ProcessGroup | None) -> Any:
     """Rank 0: give ``objects[r]`` to rank r (r >= 1); return ``objects[0]`` (rank 0's own share)."""
     global _last_message
     payloads = [pickle.dumps(obj) for obj in objects]
@@ -44,7 +44,7 @@ def send(objects: list, group) -> Any:
     return objects[0]
 
 
-def receive(group) -> Any:
+def receive(group: dist.ProcessGroup | None) -> Any:
     """Ranks != 0: the object rank 0 sent to this rank with :func:`send`."""
     sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64)
     dist.broadcast(sizes, src=0, group=group)

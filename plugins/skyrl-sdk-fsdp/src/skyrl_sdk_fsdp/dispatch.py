@@ -84,7 +84,7 @@ class TorchrunJob:
     _lock = threading.Lock()
     _current: TorchrunJob | None = None
 
-    def __init__(self, session: DistSession, dispatcher) -> None:
+    def __init__(self, session: DistSession, dispatcher: Dispatcher) -> None:
         self.session = session
         self.dispatcher = dispatcher
         self.closed = False

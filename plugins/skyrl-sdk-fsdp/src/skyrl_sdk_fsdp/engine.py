@@ -13,7 +13,7 @@ import logging
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -29,9 +29,13 @@ from skyrl_sdk.models.attention import check_available
 from skyrl_sdk.models.prefix import find_groups
 from skyrl_sdk.types import AdamParams, Datum, LoraConfig, SampleOutput
 
-from .options import FSDP_KEYS, SHARDED_DIR, FSDPOptions, launcher_env
+from .options import FSDP_KEYS, SHARDED_DIR, FSDPOptions, LauncherEnv, launcher_env
 from .sampling import FSDPWeights
 from .split import split_by_tokens
+
+if TYPE_CHECKING:
+    from .ray_transport import RayTransport
+    from .transport import CollectiveTransport, SpawnTransport
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +132,13 @@ class FSDPEngine(Engine):
         self.images = image_inputs(str(model), self.config)
         logger.info("fsdp engine: %d ranks (%s, %s launcher)", self.world_size, self.device_type, launcher)
 
-    def _start_transport(self, env):
+    def _start_transport(self, env: LauncherEnv | None) -> SpawnTransport | CollectiveTransport | RayTransport:
         if self.launcher == "torchrun":
             from .dispatch import TorchrunJob
             from .entrypoint import worker_main
             from .transport import CollectiveTransport
 
+            assert env is not None  # __init__ refused the torchrun launcher without its environment
             if env.rank != 0:
                 # Same script on every rank: ranks != 0 serve rank 0 from here, then exit.
                 worker_main()
@@ -160,7 +165,7 @@ class FSDPEngine(Engine):
         """Process ids of the spawned ranks (empty under torchrun)."""
         return self._transport.pids
 
-    def _all(self, op: str, **payload) -> list:
+    def _all(self, op: str, **payload: Any) -> list:
         return self._transport.request(op, [payload] * self.world_size)
 
     # ---- compute ----------------------------------------------------------------------

@@ -9,7 +9,7 @@ before the next one. LoRA layers are merged one layer at a time, on rank 0.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,7 +25,9 @@ from skyrl_sdk.engines.export import (
     write_hf_weights_stream,
     write_tensor_stream,
 )
-from skyrl_sdk.models import hf_model
+from skyrl_sdk.models import LoadedModel, hf_model
+
+from .sharded_runner import ShardedRunner
 
 _BASE = ".base_layer."
 
@@ -58,14 +60,15 @@ def gathered(t: torch.Tensor, rank: int) -> torch.Tensor | None:
     return torch.cat(pieces)[:rows].cpu()
 
 
-def _plan(items) -> list[TensorPlan]:
+def _plan(items: Sequence[tuple[str, torch.Tensor]]) -> list[TensorPlan]:
     return [(name, tuple(t.shape), t.dtype) for name, t in items]
 
 
 class StreamingGather:
     """Rank 0 writes; every rank runs the same gathers (see module docstring)."""
 
-    def __init__(self, loaded, runner, aliases: dict[str, str], hf_aliases: dict[str, str], rank: int) -> None:
+    def __init__(self, loaded: LoadedModel, runner: ShardedRunner, aliases: dict[str, str],
+                 hf_aliases: dict[str, str], rank: int) -> None:
         self.loaded = loaded
         self.runner = runner
         self.aliases = aliases
@@ -120,7 +123,7 @@ class StreamingGather:
                 items.append((name, t, None))
         return items
 
-    def _merged_tensors(self, items) -> Iterator[torch.Tensor | None]:
+    def _merged_tensors(self, items: list[tuple[str, torch.Tensor, str | None]]) -> Iterator[torch.Tensor | None]:
         """Each merged weight on rank 0; None on the other ranks (see :func:`gathered`)."""
         state = hf_model(self.loaded.module).state_dict(keep_vars=True)
         layers = self._lora_layers()
@@ -136,7 +139,7 @@ class StreamingGather:
                     weight = merge_lora_delta(layer, weight, lora_a, lora_b)
             yield weight
 
-    def export_hf(self, directory: Path | None, tokenizer, max_shard_bytes: int,
+    def export_hf(self, directory: Path | None, tokenizer: Any, max_shard_bytes: int,
                   dtype: torch.dtype | None = None, image_processor: Any = None) -> None:
         """An HF directory (LoRA merged) written by rank 0, one gathered tensor at a time;
         ``dtype`` (the compute dtype of a mixed-precision run) casts the floating tensors; a

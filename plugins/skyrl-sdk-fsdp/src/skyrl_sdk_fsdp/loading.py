@@ -70,7 +70,7 @@ def _sliceable(loaded: LoadedModel) -> str | None:
 
 
 def load_rank_model(*, model: str, role: str, lora: LoraConfig | None, seed: int, dtype: torch.dtype,
-                    rank: int, group, train_vision_tower: bool = False,
+                    rank: int, group: dist.ProcessGroup, train_vision_tower: bool = False,
                     attn_implementation: str | None = None) -> tuple[LoadedModel, str]:
     """This rank's unsharded-but-empty model and where its weights will come from."""
     loaded = load_model(model, role=role, lora=lora, seed=seed, dtype=dtype, materialize=False,

@@ -13,9 +13,10 @@ needs no weight), and the head's gradient is reduce-scattered as soon as backwar
 from __future__ import annotations
 
 import types
-from typing import cast
+from typing import Any, cast
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from skyrl_sdk.models import hf_model
@@ -28,7 +29,7 @@ class ShardedScoringModel(ScoringModel):
     """The FSDP root: never returns a view (an in-place op on a view output would drop
     FSDP2's pre-backward hook and skip an all-gather; the critic's ``squeeze`` is one)."""
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         scores, entropy = super().forward(*args, **kwargs)
         if scores._base is not None:
             scores = scores.clone()
@@ -36,7 +37,7 @@ class ShardedScoringModel(ScoringModel):
 
 
 def parallelize(
-    scoring: ShardedScoringModel, mesh, *, reshard_after_forward: bool = True,
+    scoring: ShardedScoringModel, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
     compute_dtype: torch.dtype | None = None, gradient_checkpointing: bool = False, cpu_offload: bool = False,
 ) -> int:
     """``fully_shard`` every transformer block, then the root; gradients reduce by SUM.
@@ -108,7 +109,8 @@ def untied_embedding_and_head(scoring: ScoringModel) -> tuple[torch.nn.Module | 
     return embedding, fusable_linear(scoring.head) if head is not None else None
 
 
-def _fused_target_logprobs(self, hidden, targets, chunk, want_entropy):
+def _fused_target_logprobs(self: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
+                           want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The head unit's fused scoring, called through FSDP2's forward hooks: ``self.weight`` is
     the gathered weight here, and the gradient of ``hidden`` triggers the reduce-scatter."""
     lp, entropy = linear_target_logprobs(self.weight, self.bias, hidden, targets, chunk, want_entropy)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from skyrl_sdk.models import hf_model
+from skyrl_sdk.models import LoadedModel, hf_model
 from skyrl_sdk.plugins.weight_push import PushLayout, PushTarget, local_slice, push_slices
 
 from .loading import shard_rows
@@ -35,7 +35,7 @@ def _name_of_dtype(t: torch.Tensor, wire: str) -> str:
 class RankPush:
     """One rank's side of a push (see the module docstring)."""
 
-    def __init__(self, loaded, hf_aliases: dict[str, str], rank: int, world_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, hf_aliases: dict[str, str], rank: int, world_size: int) -> None:
         self.loaded = loaded
         self.hf_aliases = hf_aliases
         self.rank = rank

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import attrs
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -27,7 +28,7 @@ from skyrl_sdk.models import hf_model
 from skyrl_sdk.models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, load_tensors
 from skyrl_sdk.models.vlm import auto_class
 from skyrl_sdk.sampling import generate
-from skyrl_sdk.types import AdamParams, LoraConfig
+from skyrl_sdk.types import AdamParams, LoraConfig, SampleOutput
 
 from .gather import StreamingGather, gathered
 from .loading import load_rank_model, materialize, tied_aliases
@@ -119,22 +120,23 @@ class RankEngine:
         self.in_collectives = True
 
     # ---- compute ----------------------------------------------------------------------
-    def op_run(self, items: list, loss: dict, backward: bool):
+    def op_run(self, items: list, loss: dict,
+               backward: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, tuple[float, float]], str]:
         resolved = loss_from_plain(loss, get_registry().losses, where=f"rank {self.rank}")
         data = datums_from_plain(items)
         self._collectives()
         result = self.runner.run(data, resolved, backward=backward)
         return result.outputs, result.metric_state, self.runner.prefix_status
 
-    def op_optim_step(self, params: dict, grad_scale: float):
+    def op_optim_step(self, params: dict, grad_scale: float) -> dict[str, float]:
         self._collectives()
         return self.runner.optimizer.step(AdamParams(**params), grad_scale)
 
-    def op_zero_grad(self):
+    def op_zero_grad(self) -> None:
         self.runner.zero_grad()
 
     # ---- state ------------------------------------------------------------------------
-    def op_save_state(self, directory: str | Path, state_format: str):
+    def op_save_state(self, directory: str | Path, state_format: str) -> dict[str, Any]:
         self._collectives()
         directory = Path(directory)
         meta = {"tied_aliases": self.aliases, "step": self.runner.optimizer.step_count, "state_format": state_format}
@@ -168,7 +170,7 @@ class RankEngine:
                 del full
 
     def op_load_state(self, directory: str | Path, optimizer: bool, step: int, state_format: str,
-                      optimizer_steps: dict[str, float]):
+                      optimizer_steps: dict[str, float]) -> None:
         directory = Path(directory)
         self._collectives()
         if state_format == "sharded":
@@ -218,7 +220,7 @@ class RankEngine:
             set_model_state_dict(self.loaded.module, state["model"])
 
     # ---- export / sampling ------------------------------------------------------------
-    def op_export_weights(self, directory: str | Path, merge_lora: bool):
+    def op_export_weights(self, directory: str | Path, merge_lora: bool) -> None:
         self._collectives()
         directory = Path(directory)
         if self.loaded.lora is not None and not merge_lora:
@@ -229,7 +231,7 @@ class RankEngine:
                               dtype=self.config.torch_dtype)
         return None
 
-    def _sampler_model(self, weights_version: int):
+    def _sampler_model(self, weights_version: int) -> torch.nn.Module | None:
         """Rank 0's unsharded copy of the weights at the controller's ``weights_version`` (the
         engine's one count of weight changes: gathered again when it moved)."""
         if self._sampler is not None and self._sampler[0] == weights_version:
@@ -250,19 +252,21 @@ class RankEngine:
         self._sampler = (weights_version, model)
         return model
 
-    def op_sample(self, request: dict, weights_version: int):
+    def op_sample(self, request: dict, weights_version: int) -> list[SampleOutput] | None:
         self._collectives()
         model = self._sampler_model(weights_version)
         if self.rank != 0:
             return None
+        assert model is not None  # rank 0 always builds it (the other ranks returned above)
         return generate(model, self.loaded.tokenizer, sample_request_from_plain(request), device=self.device,
                         eos_token_id=self.engine_info["eos_token_id"], pad_token_id=self.runner.pad_id)
 
     # ---- pushing the weights to an inference engine (push.py) ------------------------
-    def op_push_layout(self, dtype: str, gathered: bool):
+    def op_push_layout(self, dtype: str,
+                       gathered: bool) -> list[tuple[str, str, tuple[int, ...], tuple[int, int]]]:
         return self.push.layout(dtype, gathered)
 
-    def op_push_weights(self, target: dict, layout: dict):
+    def op_push_weights(self, target: dict, layout: dict) -> str | None:
         from skyrl_sdk.plugins.weight_push import PushLayout, PushTarget
 
         plan = PushLayout.from_plain(layout)
@@ -270,12 +274,12 @@ class RankEngine:
             self._collectives()
         return self.push.send(PushTarget.from_plain(target), plan)
 
-    def op_adapter_weights(self):
+    def op_adapter_weights(self) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
         self._collectives()
         return self.push.adapter()
 
     # ---- introspection ----------------------------------------------------------------
-    def op_gradients(self):
+    def op_gradients(self) -> dict[str, np.ndarray] | None:
         """Full gradients by parameter name (numpy, on rank 0): for tests and debugging."""
         self._collectives()
         out = {}
@@ -287,7 +291,7 @@ class RankEngine:
                     out[name] = full.float().numpy()
         return out if self.rank == 0 else None
 
-    def op_memory(self):
+    def op_memory(self) -> dict[str, int]:
         """Bytes this rank holds: parameter shards, gradient shards, optimizer-state shards."""
         params = grads = 0
         seen = set()
@@ -301,7 +305,7 @@ class RankEngine:
         return {"rank": self.rank, "param_bytes": params, "grad_bytes": grads,
                 "optimizer_bytes": self.runner.optimizer.state_bytes()}
 
-    def op_debug_fail(self, rank: int, mode: str):
+    def op_debug_fail(self, rank: int, mode: str) -> None:
         """Tests: make ``rank`` fail ("raise" or "exit") while the others wait in a collective."""
         self._collectives()
         if self.rank == rank:

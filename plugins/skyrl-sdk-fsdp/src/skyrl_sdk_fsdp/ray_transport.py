@@ -77,7 +77,7 @@ class RayTransport(_Transport):
     def pids(self) -> list[int]:
         return [w["pid"] for w in getattr(self, "where", [])]
 
-    def _exchange(self, op: str, payloads: Sequence[Any]):
+    def _exchange(self, op: str, payloads: Sequence[Any]) -> tuple[dict[int, Any], dict[int, str], bool]:
         import ray
         from ray.exceptions import RayActorError
 

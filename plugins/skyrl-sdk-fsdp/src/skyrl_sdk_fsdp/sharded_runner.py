@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ class ShardedRunner(ModelRunner):
     busiest one runs zero-weight dummy passes (one pad token, loss multiplied by 0).
     """
 
-    def __init__(self, scoring: ScoringModel, *, group=None, **kwargs) -> None:
+    def __init__(self, scoring: ScoringModel, *, group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
         super().__init__(scoring, **kwargs)
         self.group = group
 

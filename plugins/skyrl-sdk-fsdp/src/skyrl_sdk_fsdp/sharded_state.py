@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 
 from skyrl_sdk.engines.state import StateLayout, TensorSpec
 from skyrl_sdk.errors import CheckpointError
@@ -77,7 +78,7 @@ class SafeReader(FileSystemReader):
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, with non-tensor items unpickled ``weights_only`` (plain data only)."""
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raw = value.read()
         try:
             torch.load(io.BytesIO(raw), weights_only=True)  # refuses anything but plain data

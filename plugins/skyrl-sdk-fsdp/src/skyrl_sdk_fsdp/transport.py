@@ -31,11 +31,14 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from skyrl_sdk import errors
 
 from .options import ENV_PREFIX
+
+if TYPE_CHECKING:
+    from .dispatch import TorchrunJob
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +191,7 @@ class SpawnTransport(_Transport):
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def _exchange(self, op: str, payloads: Sequence[Any]):
+    def _exchange(self, op: str, payloads: Sequence[Any]) -> tuple[dict[int, Any], dict[int, str], bool]:
         deaths: dict[int, str] = {}
         replies: dict[int, Any] = {}
         for rank, conn in enumerate(self.conns):
@@ -278,7 +281,7 @@ class CollectiveTransport(_Transport):
 
     _lock = threading.RLock()  # one request at a time per process (engines share the group)
 
-    def __init__(self, job, engine_id: int) -> None:
+    def __init__(self, job: TorchrunJob, engine_id: int) -> None:
         self.job = job
         self.engine_id = engine_id
         self.world_size = job.session.world_size
@@ -287,7 +290,7 @@ class CollectiveTransport(_Transport):
     def pids(self) -> list[int]:
         return []
 
-    def _exchange(self, op: str, payloads: Sequence[Any]):
+    def _exchange(self, op: str, payloads: Sequence[Any]) -> tuple[dict[int, Any], dict[int, str], bool]:
         import torch.distributed as dist
 
         from . import control

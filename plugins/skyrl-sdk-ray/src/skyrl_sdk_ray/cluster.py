@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from skyrl_sdk.errors import InputError
@@ -48,7 +49,7 @@ def _answers(host: str, port: int) -> bool:
 
 
 @contextlib.contextmanager
-def keep_loopback(address: str | None):
+def keep_loopback(address: str | None) -> Iterator[None]:
     """While joining ``address``: when its GCS answers on a loopback host, keep that host (Ray
     would rewrite it to the interface address, where such a cluster does not listen)."""
     host, _, port = (address or "").rpartition(":")

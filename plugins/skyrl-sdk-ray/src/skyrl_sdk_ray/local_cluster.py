@@ -91,7 +91,7 @@ class LoopbackCluster:
     def __enter__(self) -> LoopbackCluster:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

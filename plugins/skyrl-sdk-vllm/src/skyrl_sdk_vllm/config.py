@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -22,46 +22,46 @@ OWN_ENGINE_ARGS = frozenset({
 })
 
 
-def _opt(check):
-    def validate(instance, attribute, value):
+def _opt(check: Callable[[str, Any], object]) -> Callable[[Any, attrs.Attribute, Any], None]:
+    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value is not None:
             check(f"sampler_config[{attribute.name!r}]", value)
     return validate
 
 
-def _fraction(what, value):
+def _fraction(what: str, value: Any) -> None:
     check_number(what, value, low=0.0, high=1.0, low_open=True)
 
 
-def _positive_int(what, value):
+def _positive_int(what: str, value: Any) -> None:
     check_number(what, value, low=1, integer=True)
 
 
-def _positive(what, value):
+def _positive(what: str, value: Any) -> None:
     check_number(what, value, low=0.0, low_open=True)
 
 
-def _bool(instance, attribute, value):
+def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, bool):
         raise InputError(f"sampler_config[{attribute.name!r}]: expected true or false, got {value!r}")
 
 
-def _dtype(instance, attribute, value):
+def _dtype(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and value not in ("float32", "bfloat16", "float16"):
         raise InputError(f"sampler_config['dtype']: expected 'float32', 'bfloat16' or 'float16', got {value!r}")
 
 
-def _rank(instance, attribute, value):
+def _rank(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and value not in LORA_RANKS:
         raise InputError(f"sampler_config['max_lora_rank']: expected one of vLLM's {LORA_RANKS}, got {value!r}")
 
 
-def _sleep(instance, attribute, value):
+def _sleep(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in (0, 1, 2) or isinstance(value, bool):
         raise InputError(f"sampler_config['sleep_level']: expected 0 (never sleep), 1 or 2, got {value!r}")
 
 
-def _engine_args(instance, attribute, value):
+def _engine_args(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, Mapping):
         raise InputError(f"sampler_config['engine_args']: expected a mapping of vllm.LLM arguments, got {value!r}")
     own = sorted(OWN_ENGINE_ARGS & set(value))

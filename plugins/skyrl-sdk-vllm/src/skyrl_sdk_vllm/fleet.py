@@ -33,7 +33,7 @@ import attrs
 import numpy as np
 
 from skyrl_sdk.errors import EngineError
-from skyrl_sdk.plugins.weight_push import PushTarget
+from skyrl_sdk.plugins.weight_push import PushLayout, PushTarget
 from skyrl_sdk.sampling import SampleRequest, WeightsSource
 from skyrl_sdk.types import SampleOutput
 
@@ -146,7 +146,7 @@ class Fleet:
         return PushTarget(sender=SENDERS[self.backend], options=options, key=f"skyrl-vllm-fleet-{self.id}",
                           generation=self.generation)
 
-    def _update_info(self, layout) -> dict[str, Any]:
+    def _update_info(self, layout: PushLayout) -> dict[str, Any]:
         if self.backend == "nccl":
             return {"names": [t.name for t in layout.tensors], "dtype_names": [t.dtype for t in layout.tensors],
                     "shapes": [list(t.shape) for t in layout.tensors]}
@@ -209,7 +209,7 @@ class Fleet:
         self.last_sync = {"kind": kind, "seconds": time.perf_counter() - t0, "bytes": layout.nbytes() * len(self.slots),
                           "version": self.source.version, "engines": len(self.slots), "transfer": self.backend}
 
-    def _after_failed_push(self, calls, exc: BaseException) -> None:
+    def _after_failed_push(self, calls: list[tuple[Slot, Any]], exc: BaseException) -> None:
         deadline = time.monotonic() + PUSH_GRACE_S
         names = []
         for slot, call in calls:

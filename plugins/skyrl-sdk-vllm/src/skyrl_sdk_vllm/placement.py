@@ -11,7 +11,7 @@ keys of placement and transfer (README: Placement), split off before the engine'
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -26,18 +26,18 @@ KEYS = ("placement", "engines", "tensor_parallel_size", "colocate", "transfer", 
         "transfer_timeout_s", "bucket_mib", "cpus_per_engine", "overlap")
 
 
-def _choice(options):
-    def validate(instance, attribute, value):
+def _choice(options: tuple[str, ...]) -> Callable[[Any, attrs.Attribute, Any], None]:
+    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value not in options:
             raise InputError(f"sampler_config[{attribute.name!r}]: expected one of {list(options)}, got {value!r}")
     return validate
 
 
-def _count(instance, attribute, value):
+def _count(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     check_number(f"sampler_config[{attribute.name!r}]", value, low=1, integer=True)
 
 
-def _positive(instance, attribute, value):
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     check_number(f"sampler_config[{attribute.name!r}]", value, low=0.0, low_open=True)
 
 

@@ -74,12 +74,15 @@ def sequences(output: Any) -> list[SampledSequence]:
     return seqs
 
 
-def prompt_scores(output: Any, prompt: np.ndarray, request: SampleRequest):
+def prompt_scores(
+    output: Any, prompt: np.ndarray, request: SampleRequest,
+) -> tuple[list[float | None] | None, list[list[tuple[int, float]] | None] | None]:
     """``(prompt_logprobs, topk_prompt_logprobs)`` of one prompt, as ``SampleOutput`` holds them."""
     table = output.prompt_logprobs
     if table is None:
         return None, None
-    plps = topks = None
+    plps: list[float | None] | None = None
+    topks: list[list[tuple[int, float]] | None] | None = None
     if request.prompt_logprobs:
         plps = [None] + [float(table[i][int(prompt[i])].logprob) for i in range(1, len(prompt))]
     if request.topk_prompt_logprobs > 0:

@@ -14,19 +14,22 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import numpy as np
 
 from skyrl_sdk.errors import InputError
-from skyrl_sdk.sampling import Sampler, SampleRequest, WeightsSource
+from skyrl_sdk.sampling import AdapterWeights, Sampler, SampleRequest, WeightsSource
 from skyrl_sdk.types import ModelInput, SampleOutput
 
 from . import engines, requests
 from .config import VllmSamplerConfig, sampler_dtype
 from .loading import on_cpu
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 _names = itertools.count(1)
@@ -115,19 +118,19 @@ class VllmSampler(Sampler):
             raise InputError(f"topk_prompt_logprobs={request.topk_prompt_logprobs} is more than the vllm sampler's "
                              f"max_logprobs {self.options.max_logprobs} (sampler_config['max_logprobs'])")
 
-    def _full_weights_if_changed(self):
+    def _full_weights_if_changed(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
         """The current weights when they changed since the engine got them (full fine-tuning), else None."""
         if self.source.lora is not None or self.source.version == self._synced:
             return None
         return self.source.version, list(self.source.base_weights())
 
-    def _adapter_if_changed(self):
+    def _adapter_if_changed(self) -> tuple[int, AdapterWeights] | None:
         """The adapter's tensors when it changed since the engine got it (LoRA), else None."""
         if self.source.lora is None or (self._adapter is not None and self._adapter[0] == self.source.version):
             return None
         return self.source.version, self.source.adapter_weights()
 
-    def _lora_request(self, changed) -> tuple[Any, tuple[float, int] | None]:
+    def _lora_request(self, changed: tuple[int, AdapterWeights] | None) -> tuple[Any, tuple[float, int] | None]:
         """(holding the engine lock) The adapter's request, registering a new version first; and
         that registration's (seconds, bytes), None when nothing was registered."""
         if self.source.lora is None:
@@ -149,7 +152,8 @@ class VllmSampler(Sampler):
         logger.debug("vllm sampler %s: %s weights synced, %.1f MiB; the sample waited %.3fs (reading %.3fs, waking "
                      "%.3fs, loading %.3fs)", self._label, kind, nbytes / 2**20, seconds, fetch, wake, load)
 
-    def _generate(self, request: SampleRequest, distinct: list[np.ndarray], n: list[int], lora: Any):
+    def _generate(self, request: SampleRequest, distinct: list[np.ndarray], n: list[int],
+                  lora: Any) -> list[tuple[Any, Any]]:
         """vLLM's outputs per distinct prompt: (the samples, the prompt scores)."""
         eos = self.source.eos_token_id
         plp = requests.prompt_logprobs_of(request)
@@ -180,7 +184,8 @@ class VllmSampler(Sampler):
         return (self.options.prefill_groups_once and self.options.enable_prefix_caching and plp is None
                 and any(k > 1 and len(p) >= self.open_engine().block_size for p, k in zip(distinct, n, strict=True)))
 
-    def _outputs(self, request: SampleRequest, distinct, source_of, outs) -> list[SampleOutput]:
+    def _outputs(self, request: SampleRequest, distinct: list[np.ndarray], source_of: list[int],
+                 outs: list[tuple[Any, Any]]) -> list[SampleOutput]:
         per_prompt = []
         for prompt, (out, scored) in zip(distinct, outs, strict=True):
             per_prompt.append((requests.sequences(out), requests.prompt_scores(scored, prompt, request)))
@@ -203,7 +208,7 @@ class VllmSampler(Sampler):
         engines.release(engine)
 
 
-def _distinct(prompts) -> tuple[list[np.ndarray], list[int], list[int]]:
+def _distinct(prompts: Sequence[np.ndarray | ModelInput]) -> tuple[list[np.ndarray], list[int], list[int]]:
     """The distinct prompts (first-seen order), each prompt's index among them, and their counts."""
     seen: dict[bytes, int] = {}
     distinct: list[np.ndarray] = []

@@ -88,7 +88,8 @@ def assemble(layout: PushLayout, index: int, pieces: Sequence[torch.Tensor]) -> 
     return ordered[0] if len(ordered) == 1 else torch.cat(ordered)
 
 
-def open_group(host: str, port: int, prefix: str, rank: int, world_size: int, timeout_s: float):
+def open_group(host: str, port: int, prefix: str, rank: int, world_size: int,
+               timeout_s: float) -> dist.ProcessGroupGloo:
     """Join one transfer group (a gloo process group of its own: the default process group, a
     trainer's or vLLM's, is never touched) through the store at ``host:port``."""
     timeout = datetime.timedelta(seconds=timeout_s)

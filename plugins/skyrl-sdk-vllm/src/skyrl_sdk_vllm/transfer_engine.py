@@ -55,7 +55,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     update_info_cls = GlooUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config, vllm_config, device, model) -> None:
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:  # vLLM's objects
         super().__init__(config, vllm_config, device, model)
         self.group: Any = None
         self.trainer_ranks = 0
