@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
-def main(argv=None) -> int:
+
+def main(argv: Sequence[str] | None = None) -> int:
     """The console script's entry (``skyrl-sdk``); imports the parser only when run."""
     from .commands import main as run
 

@@ -95,7 +95,8 @@ def _lazy(module: str, func: str, hint: str) -> Callable[[argparse.Namespace], i
     return handler
 
 
-def _command(sub: Any, common: argparse.ArgumentParser, name: str, summary: str, **kwargs: Any):
+def _command(sub: Any, common: argparse.ArgumentParser, name: str, summary: str, **kwargs: Any
+             ) -> argparse.ArgumentParser:
     """A subcommand whose one-line summary is both its entry in ``skyrl-sdk --help`` and the
     first line of its own ``--help``."""
     parser = sub.add_parser(name, parents=[common], help=summary, description=summary[0].upper() + summary[1:] + ".",

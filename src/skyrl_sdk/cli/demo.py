@@ -9,13 +9,14 @@ with ``save_weights_for_sampler`` and prints a summary and what to try next (or 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -23,6 +24,9 @@ from tqdm.auto import tqdm
 
 from .. import types
 from .threads import apply as apply_threads
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +37,7 @@ RL_ADAM = types.AdamParams(learning_rate=5e-4, beta1=0.9, beta2=0.98, grad_clip_
 class ReverseTask:
     """Prompts and rewards for string reversal, tokenized by the tiny byte-level tokenizer."""
 
-    def __init__(self, tokenizer, seed: int, min_len: int = 2, max_len: int = 4) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, seed: int, min_len: int = 2, max_len: int = 4) -> None:
         self.tok = tokenizer
         self.rng = random.Random(seed)
         self.min_len, self.max_len = min_len, max_len
@@ -200,7 +204,7 @@ def summary(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     steps, rl_steps, batch = args.steps, args.rl_steps, 32
     if args.short:
         steps, rl_steps, batch = min(steps, 12), min(rl_steps, 2), 8

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 
 DEFAULT_THREADS = 1
 
@@ -26,7 +27,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def choose(requested: int | None, environ=os.environ) -> tuple[int | None, str]:
+def choose(requested: int | None, environ: Mapping[str, str] = os.environ) -> tuple[int | None, str]:
     """``(threads to set or None to leave torch's choice, why)``."""
     if requested is not None:
         return requested, "--threads"

@@ -12,6 +12,8 @@ run in ``__call__``, around ``forward``) are unchanged.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -36,9 +38,9 @@ def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def _checkpointed(forward):
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
-    def run(*args, **kwargs):
+    def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # scoring without backward, sampling: nothing to save
             return forward(*args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)

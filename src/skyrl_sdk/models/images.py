@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -34,6 +34,9 @@ import numpy as np
 from ..errors import InputError, ModelLoadError, install_hint
 from ..types import ImageChunk, ModelInput, PreparedImageChunk
 from ..types.model_input import ImageFormat
+
+if TYPE_CHECKING:
+    from transformers.image_processing_utils import BaseImageProcessor
 
 #: PIL's names of the formats Tinker's image chunks carry.
 _PIL_FORMATS: dict[str, ImageFormat] = {"PNG": "png", "JPEG": "jpeg"}
@@ -57,7 +60,7 @@ class ImageLimits:
     max_decode_s: float = 10.0
 
 
-def load_image_processor(directory: str | None, config: Any):
+def load_image_processor(directory: str | None, config: Any) -> BaseImageProcessor:
     """The model's image processor, PIL backend: from ``preprocessor_config.json`` when the
     directory has one, else the family's defaults sized to its vision tower."""
     try:

@@ -12,7 +12,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -32,6 +32,10 @@ from .vlm import (
 )
 from .weight_files import read_rows, weight_files
 
+if TYPE_CHECKING:
+    import peft
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    from transformers.models.llama import LlamaConfig
 logger = logging.getLogger(__name__)
 
 TINY_NAME = "tiny"
@@ -49,7 +53,7 @@ def _weights_bytes(directory: Path) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_progress(enabled: bool):
+def _quiet_progress(enabled: bool) -> Iterator[None]:
     """Turn transformers' progress bars off for one small load, then restore the user's setting."""
     from transformers.utils import logging as hf_logging
 
@@ -79,7 +83,7 @@ def _byte_to_unicode() -> dict[int, str]:
 
 
 def build_tiny_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS, *, bos: str | None = "<|bos|>",
-                         eos: str = "<|eos|>", pad: str = "<|pad|>"):
+                         eos: str = "<|eos|>", pad: str = "<|pad|>") -> PreTrainedTokenizerFast:
     """A byte-level tokenizer: token id = byte value, then the special tokens (the tiny
     vision-language models add Qwen's chat and vision markers)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -101,7 +105,7 @@ def build_tiny_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS, *, bo
     )
 
 
-def tiny_config():
+def tiny_config() -> LlamaConfig:
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -141,7 +145,7 @@ class LoadedModel:
     weights_dir: str | None = None
 
     @property
-    def config(self):
+    def config(self) -> PretrainedConfig:
         return hf_model(self.module).config
 
     @property
@@ -187,13 +191,13 @@ def max_positions(config: Any) -> int | None:
     return None
 
 
-def hf_model(module):
+def hf_model(module: torch.nn.Module) -> Any:
     """The transformers model inside a possible peft wrapper."""
     get_base = getattr(module, "get_base_model", None)
     return get_base() if callable(get_base) else module
 
 
-def load_config(name: str):
+def load_config(name: str) -> tuple[PretrainedConfig, str]:
     """``(config, tokenizer directory)`` of ``tiny`` or a local HF directory, reading no
     weights; a missing or unreadable directory is a :class:`ModelLoadError` naming it."""
     from transformers import AutoConfig
@@ -216,7 +220,7 @@ def load_config(name: str):
     return config, str(path)
 
 
-def load_tokenizer(directory: str):
+def load_tokenizer(directory: str) -> PreTrainedTokenizerBase | None:
     from transformers import AutoTokenizer
 
     if Path(directory) == TINY_DIR:
@@ -230,7 +234,8 @@ def load_tokenizer(directory: str):
         return None
 
 
-def lora_targets(model, lora: LoraConfig, train_vision_tower: bool = False) -> list[str]:
+def lora_targets(model: PreTrainedModel | ValueHeadModel, lora: LoraConfig, train_vision_tower: bool = False
+                 ) -> list[str]:
     """Names of the Linear modules LoRA should wrap, chosen by their role in the block (none in a
     vision-language model's vision tower unless ``train_vision_tower``)."""
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -255,7 +260,8 @@ def lora_targets(model, lora: LoraConfig, train_vision_tower: bool = False) -> l
     return names
 
 
-def apply_lora(model, lora: LoraConfig, seed: int, train_vision_tower: bool = False):
+def apply_lora(model: PreTrainedModel | ValueHeadModel, lora: LoraConfig, seed: int,
+               train_vision_tower: bool = False) -> peft.PeftModel:
     """Wrap ``model`` with peft LoRA adapters; only the adapters train."""
     try:
         import peft
@@ -286,7 +292,7 @@ def apply_lora(model, lora: LoraConfig, seed: int, train_vision_tower: bool = Fa
     return wrapped
 
 
-def peft_model(model, config, adapter_name: str = "default"):
+def peft_model(model: torch.nn.Module, config: peft.LoraConfig, adapter_name: str = "default") -> Any:
     """``peft.get_peft_model``: every LoRA wrap goes through here (``apply_lora``, the shared
     base's first adapter; later adapters through :func:`quiet_peft_wrap` too)."""
     import peft
@@ -315,7 +321,7 @@ def quiet_peft_wrap() -> Iterator[None]:
         yield
 
 
-def _cpu_placeholders(model, targets: list[str]) -> list[tuple[torch.nn.Linear, torch.nn.Parameter]]:
+def _cpu_placeholders(model: torch.nn.Module, targets: list[str]) -> list[tuple[torch.nn.Linear, torch.nn.Parameter]]:
     """Give meta-device target layers a zero-byte CPU weight while peft wraps them.
 
     peft creates each adapter on the CPU (drawing its initial values from the seeded
@@ -331,11 +337,11 @@ def _cpu_placeholders(model, targets: list[str]) -> list[tuple[torch.nn.Linear, 
             placeholder = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
             layer.weight = torch.nn.Parameter(placeholder, requires_grad=False)
             swapped.append((layer, weight))
-    return swapped
+    return swapped  # type: ignore[return-value]  # get_submodule says Module: targets are Linear (lora_targets)
 
 
 @contextlib.contextmanager
-def parameters_on_meta():
+def parameters_on_meta() -> Iterator[None]:
     """Parameters created inside go to the meta device; buffers stay real.
 
     Buffers (RoPE frequency tables) are small, rarely in checkpoints and computed in the
@@ -343,20 +349,21 @@ def parameters_on_meta():
     """
     original = torch.nn.Module.register_parameter
 
-    def register(module, name, param):
+    def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
         original(module, name, param)
         if param is not None and param.device.type != "meta":
             module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    # a class attribute patched for the block: mypy refuses assignments to methods
-    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    # a class attribute patched for the block: mypy refuses assignments to methods (and ``module`` is not ``self``)
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
         torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _build(name: str, config, role: str, *, materialize: bool, dtype: torch.dtype, attn_implementation: str | None):
+def _build(name: str, config: PretrainedConfig, role: str, *, materialize: bool, dtype: torch.dtype,
+           attn_implementation: str | None) -> PreTrainedModel:
     """The causal LM (policy) or its backbone (critic): from the seed, the files, or on meta."""
     auto = auto_class(config, role)
     if not materialize:
@@ -367,7 +374,7 @@ def _build(name: str, config, role: str, *, materialize: bool, dtype: torch.dtyp
     return auto.from_pretrained(name, config=config, dtype=dtype, attn_implementation=attn_implementation)
 
 
-def _value_head_weights(files: dict, config, seed: int, dtype: torch.dtype) -> tuple[dict, bool]:
+def _value_head_weights(files: dict, config: PretrainedConfig, seed: int, dtype: torch.dtype) -> tuple[dict, bool]:
     """A critic's head: from the files (an exported critic) or new from the seed."""
     names = (f"{VALUE_HEAD}.weight", f"{VALUE_HEAD}.bias")
     if all(n in files for n in names):
@@ -411,8 +418,8 @@ def load_model(
     with torch.random.fork_rng(devices=[]), _quiet_progress(quiet):
         torch.manual_seed(seed)
         try:
-            model = _build(name, config, role, materialize=materialize, dtype=dtype,
-                           attn_implementation=attn_implementation)
+            model: Any = _build(name, config, role, materialize=materialize, dtype=dtype,
+                                attn_implementation=attn_implementation)
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"model {name!r} could not be loaded: {exc}") from None
     if role == "critic":

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import overload
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -68,13 +68,13 @@ class _Entropy(torch.autograd.Function):
     """Entropy of softmax(logits) with its exact gradient; keeps only the logits for backward."""
 
     @staticmethod
-    def forward(ctx, logits):
+    def forward(ctx: Any, logits: torch.Tensor) -> torch.Tensor:
         entropy = _entropy(logits)
         ctx.save_for_backward(logits, entropy)
         return entropy
 
     @staticmethod
-    def backward(ctx, grad_entropy):
+    def backward(ctx: Any, grad_entropy: torch.Tensor) -> torch.Tensor:
         logits, entropy = ctx.saved_tensors
         return _entropy_grad_(torch.softmax(logits.float(), dim=-1), entropy, grad_entropy.float()).to(logits.dtype)
 
@@ -103,7 +103,7 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | N
 FUSED_METHOD = "fused_target_logprobs"
 
 
-def fusable_linear(head) -> torch.nn.Linear | None:
+def fusable_linear(head: object) -> torch.nn.Linear | None:
     """The head's projection when the fused path applies to it: a plain ``nn.Linear`` (no
     wrapper, no hook) with no logit scale or soft-cap; ``None`` otherwise (the generic path)."""
     proj = getattr(head, "proj", None)
@@ -114,7 +114,7 @@ def fusable_linear(head) -> torch.nn.Linear | None:
     return proj
 
 
-def _fused_entry(head) -> Callable | None:
+def _fused_entry(head: object) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """How to run the fused path for ``head``: the projection's own ``FUSED_METHOD`` (an
     engine's wrapper installed it on a head that was fusable), else the plain linear's."""
     entry = getattr(getattr(head, "proj", None), FUSED_METHOD, None)
@@ -170,7 +170,8 @@ class _LinearLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int, want_entropy: bool):
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, chunk: int, want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = hidden.shape[0]
         keep = num_tokens <= chunk  # one chunk: keep the probabilities, no recompute
         ctx.compute_dtype = compute = matmul_dtype(hidden, weight)
@@ -203,7 +204,8 @@ class _LinearLogprobs(torch.autograd.Function):
         return lp, empty
 
     @staticmethod
-    def backward(ctx, grad_lp, grad_entropy):
+    def backward(ctx: Any, grad_lp: torch.Tensor | None, grad_entropy: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
         hidden, weight, bias, targets, saved = ctx.saved_tensors
         if grad_lp is None:
             grad_lp = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)

@@ -96,8 +96,8 @@ def find_groups(seqs: Sequence[np.ndarray], min_tokens: int, max_tokens: int, ma
     return groups[::-1], sorted(alone)
 
 
-def _cut(seqs, members: list[int], prefix: int, max_tokens: int, min_tokens: int, groups: list, alone: list,
-         max_total: int | None = None) -> None:
+def _cut(seqs: Sequence[np.ndarray], members: list[int], prefix: int, max_tokens: int, min_tokens: int,
+         groups: list[Group], alone: list[int], max_total: int | None = None) -> None:
     """Cut a run into groups of at most ``max_tokens`` unique tokens (and ``max_total`` tokens);
     keep those worth sharing."""
 
@@ -172,7 +172,7 @@ class PrefixPlan:
         self._masks: dict[tuple, torch.Tensor] = {}
 
     def to(self, device: torch.device | str) -> PrefixPlan:
-        def move(t):
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
         if all(g.gather is None or g.gather.device == torch.device(device) for g in self.groups):
@@ -180,7 +180,7 @@ class PrefixPlan:
         return PrefixPlan([attrs.evolve(g, gather=move(g.gather), unpad=move(g.unpad)) for g in self.groups],
                           self.length)
 
-    def mask(self, queries: int, prefix: int, keys: int, window: int | None, device) -> torch.Tensor:
+    def mask(self, queries: int, prefix: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:
         """(1, 1, queries, keys) bool, True = may attend: query i is at position ``prefix + i``
         (a suffix, or with ``prefix=0`` the prefix itself), keys are at positions 0.. keys-1,
         causal and within ``window`` positions when one is given."""

@@ -36,13 +36,18 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from .loading import hf_model
-from .prefix import PrefixPlan
+from .prefix import GroupSlots, PrefixPlan
 from .vlm import is_vision_language
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 #: The backbone keyword that carries the :class:`PrefixPlan` down to every attention layer.
 PLAN_KWARG = "skyrl_prefix_plan"
@@ -54,7 +59,7 @@ IMPLEMENTATIONS = {"sdpa": "skyrl_prefix_sdpa", "eager": "skyrl_prefix_eager"}
 BASES = {ours: base for base, ours in IMPLEMENTATIONS.items()}
 
 
-def _model_eager(module):
+def _model_eager(module: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
     """The eager attention of the module's own modeling file (Gemma2's applies soft-capping)."""
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
@@ -62,7 +67,8 @@ def _model_eager(module):
     return fn
 
 
-def _attend(q, k, v, mask, scaling, softcap, math: bool, dropout, gqa: bool = False):
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+            softcap: float | None, math: bool, dropout: float, gqa: bool = False) -> torch.Tensor:
     """(B, H, Q, d) attention; ``mask`` bool (True = may attend), or None for plain causal
     (SDPA only). ``gqa``: ``k`` and ``v`` have fewer heads, each shared by H / Hkv queries."""
     if not math:
@@ -78,12 +84,14 @@ def _attend(q, k, v, mask, scaling, softcap, math: bool, dropout, gqa: bool = Fa
     w = torch.matmul(q, k.transpose(-1, -2)) * scaling
     if softcap is not None:
         w = torch.tanh(w / softcap) * softcap
-    w = w.masked_fill(~mask, torch.finfo(w.dtype).min)
+    w = w.masked_fill(~mask, torch.finfo(w.dtype).min)  # type: ignore[operator]  # math: callers always pass a mask
     w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(F.dropout(w, p=dropout), v)
 
 
-def _suffixes(q, k, v, g, rows: slice, a: int, p: int, *, scaling, softcap, window, math: bool, dropout, plan):
+def _suffixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: GroupSlots, rows: slice, a: int, p: int, *,
+              scaling: float, softcap: float | None, window: int | None, math: bool, dropout: float,
+              plan: PrefixPlan) -> torch.Tensor:
     """Attention of suffix rows ``rows`` of group ``g``: (R, H, Smax, d). ``k`` and ``v`` have
     the model's key-value heads; the prefix's are expanded over the R rows and to the query
     heads here, so that only this call's copy exists (see the module docstring)."""
@@ -91,7 +99,7 @@ def _suffixes(q, k, v, g, rows: slice, a: int, p: int, *, scaling, softcap, wind
 
     heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[2]
     width = g.width
-    index = g.gather[rows.start * width:rows.stop * width]
+    index = g.gather[rows.start * width:rows.stop * width]  # type: ignore[index]  # None only when count 0 (skipped)
     count = rows.stop - rows.start
 
     def padded(t: torch.Tensor) -> torch.Tensor:  # (h, N, d) -> (R, h, Smax, d), right-padded
@@ -102,13 +110,15 @@ def _suffixes(q, k, v, g, rows: slice, a: int, p: int, *, scaling, softcap, wind
         return out if kv_heads == heads else out.repeat_interleave(heads // kv_heads, dim=1)
 
     if window is None and not math:  # no mask tensor: SDPA's own lower-right causal kernels
-        smask = causal_lower_right(width, p + width)
+        smask: torch.Tensor = causal_lower_right(width, p + width)
     else:
         smask = plan.mask(width, p, p + width, window, q.device)
     return _attend(padded(q), keys(k), keys(v), smask, scaling, softcap, math, dropout)
 
 
-def _two_part(module, query, key, value, plan: PrefixPlan, *, scaling, softcap, window, math: bool, dropout):
+def _two_part(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: PrefixPlan,
+              *, scaling: float | None, softcap: float | None, window: int | None, math: bool, dropout: float
+              ) -> tuple[torch.Tensor, None]:
     # imported here: torch.utils.checkpoint loads torch._dynamo
     from torch.utils.checkpoint import checkpoint
 
@@ -120,7 +130,8 @@ def _two_part(module, query, key, value, plan: PrefixPlan, *, scaling, softcap, 
     gqa = k.shape[0] != heads
     device = q.device
     keeps_graph = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    options = dict(scaling=scaling, softcap=softcap, window=window, math=math, dropout=dropout, plan=plan)
+    options: dict[str, Any] = dict(scaling=scaling, softcap=softcap, window=window, math=math, dropout=dropout,
+                                   plan=plan)
     outs = []
     for g in plan.groups:
         a, p = g.start, g.prefix
@@ -144,8 +155,9 @@ def _two_part(module, query, key, value, plan: PrefixPlan, *, scaling, softcap, 
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
-def _implementation(base: str):
-    def attention(module, query, key, value, attention_mask, **kwargs):
+def _implementation(base: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         plan = kwargs.get(PLAN_KWARG)
         if plan is None:  # an ordinary call: the base implementation, as if we were not here
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -175,7 +187,7 @@ def _register() -> None:
         AttentionMaskInterface.register(ours, sdpa_mask if base == "sdpa" else eager_mask)
 
 
-def unsupported_reason(model) -> str | None:
+def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``model``'s attention cannot take shared rows (None: it can)."""
     config = hf_model(model).config
     model_type = getattr(config, "model_type", None)
@@ -195,7 +207,7 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def enable(model) -> str | None:
+def enable(model: torch.nn.Module) -> str | None:
     """Switch ``model`` (a causal LM, a critic or a peft wrapper) to the prefix-aware
     implementation of its attention, for good; returns why it cannot, or None."""
     reason = unsupported_reason(model)
@@ -206,18 +218,18 @@ def enable(model) -> str | None:
     return reason
 
 
-def disable(model) -> None:
+def disable(model: torch.nn.Module) -> None:
     """Back to the base implementation (only before any forward that checkpointing may replay)."""
     config = hf_model(model).config
     config._attn_implementation = BASES.get(config._attn_implementation, config._attn_implementation)
 
 
-def enabled(model) -> bool:
+def enabled(model: torch.nn.Module) -> bool:
     return hf_model(model).config._attn_implementation in BASES
 
 
-def shared_hidden(backbone, input_ids: torch.Tensor, position_ids: torch.Tensor | None, plan: PrefixPlan
-                  ) -> torch.Tensor:
+def shared_hidden(backbone: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                  plan: PrefixPlan) -> torch.Tensor:
     """The (N, H) last hidden states of a shared-prefix row (refused on a model whose attention
     would ignore the plan: never silently wrong)."""
     if backbone.config._attn_implementation not in BASES:
@@ -227,7 +239,7 @@ def shared_hidden(backbone, input_ids: torch.Tensor, position_ids: torch.Tensor 
     return out.last_hidden_state[0]
 
 
-def sentinel_mask(device) -> torch.Tensor:
+def sentinel_mask(device: torch.device) -> torch.Tensor:
     """The ``attention_mask`` of a shared call: a 4D tensor, which transformers' mask builders
     pass through untouched (no N x N mask is built, and positions that restart are not read
     as packed sequences); the attention above never reads it."""

@@ -7,6 +7,7 @@ gather the embedding / lm_head shards, see a single forward call.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,8 +18,11 @@ from .logprobs import CHUNK_THRESHOLD_ELEMENTS, target_logprobs
 from .prefix import PrefixPlan
 from .vlm import is_vision_language, text_config
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
-def backbone_of(model: nn.Module) -> nn.Module:
+
+def backbone_of(model: nn.Module) -> PreTrainedModel:
     """The decoder stack of ``model`` (a causal LM, a critic or a peft wrapper of either): what
     computes hidden states, without the output head."""
     inner = hf_model(model)
@@ -32,7 +36,7 @@ class Head:
     model, and registering it twice would duplicate it in state dicts and FSDP groups.
     """
 
-    def __init__(self, proj: nn.Module, config) -> None:
+    def __init__(self, proj: nn.Module, config: PretrainedConfig) -> None:
         self.proj = proj
         config = text_config(config)
         self.scale = getattr(config, "logit_scale", None)
@@ -120,7 +124,8 @@ class ScoringModel(nn.Module):
             hidden, self.head, targets, self.vocab_size, want_entropy=want_entropy, chunk_elements=self.chunk_elements
         )
 
-    def _deduplicated_logprobs(self, hidden, flat_index, targets, want_entropy):
+    def _deduplicated_logprobs(self, hidden: torch.Tensor, flat_index: torch.Tensor, targets: torch.Tensor,
+                               want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A shared row's logprobs with the head run once per distinct (slot, target) pair: the
         samples of a group share the prompt's hidden states and next tokens (top-K targets,
         rows of K, are not deduplicated)."""

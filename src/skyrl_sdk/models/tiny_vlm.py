@@ -16,13 +16,17 @@ defaults and wrong image sizes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ModelLoadError, install_hint
 from .checkpoint import atomic_directory
 from .loading import build_tiny_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 #: Qwen's chat and vision markers, ids 256.. after the 256 bytes.
 VLM_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -55,7 +59,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def tiny_vlm_config(family: str = "qwen2_vl"):
+def tiny_vlm_config(family: str = "qwen2_vl") -> PretrainedConfig:
     """The family's config at toy size (hidden 64, 2 layers; a 2-block vision tower)."""
     import transformers
 
@@ -69,12 +73,12 @@ def tiny_vlm_config(family: str = "qwen2_vl"):
     )
 
 
-def tiny_vlm_tokenizer():
+def tiny_vlm_tokenizer() -> PreTrainedTokenizerFast:
     """The byte-level tokenizer with Qwen's markers; ``<|im_end|>`` ends a turn (EOS)."""
     return build_tiny_tokenizer(VLM_SPECIAL_TOKENS, bos=None, eos="<|im_end|>", pad="<|endoftext|>")
 
 
-def tiny_image_processor(config):
+def tiny_image_processor(config: PretrainedConfig) -> Qwen2VLImageProcessorPil:
     """Qwen's image processor (the PIL one: no torchvision) for ``config``'s vision tower."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

@@ -46,13 +46,14 @@ class ValueHeadModel(nn.Module):
         """What an export's ``config.architectures`` names: the backbone, loadable by ``AutoModel``."""
         return type(self.backbone).__name__
 
-    def get_output_embeddings(self):
+    def get_output_embeddings(self) -> None:
         return None
 
-    def get_input_embeddings(self):
+    def get_input_embeddings(self) -> nn.Module:
         return self.backbone.get_input_embeddings()
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False, **kwargs)
         return self.value_head(out.last_hidden_state).squeeze(-1)

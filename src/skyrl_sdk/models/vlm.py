@@ -55,7 +55,7 @@ def text_config(config: Any) -> Any:
     return get() if callable(get) else config
 
 
-def auto_class(config: Any, role: str):
+def auto_class(config: Any, role: str) -> Any:
     """The transformers auto class that builds ``role``'s module for ``config``."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
