@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ def _owner(key: str, names: set[str]) -> str | None:
     return next((part for part in key.split(".") if part in names), None)
 
 
-def solo_state(module, adapter: str | None, names: set[str]) -> dict[str, torch.Tensor]:
+def solo_state(module: torch.nn.Module, adapter: str | None, names: set[str]) -> dict[str, torch.Tensor]:
     """``module``'s state as a solo model with only ``adapter`` (None: no adapter) has it: other
     adapters' tensors left out, the adapter named as a solo one, and layers wrapped only for
     other adapters under their plain names (``q_proj.weight``, not ``q_proj.base_layer.weight``)."""
@@ -55,7 +56,7 @@ def solo_state(module, adapter: str | None, names: set[str]) -> dict[str, torch.
     return out
 
 
-def merged_state(module, adapter: str | None, names: set[str]) -> dict[str, torch.Tensor]:
+def merged_state(module: torch.nn.Module, adapter: str | None, names: set[str]) -> dict[str, torch.Tensor]:
     """The HF model's weights with ``adapter``'s delta merged in (other adapters ignored).
 
     The same formula as :func:`~.export.merged_lora_state_dict` (peft's
@@ -109,7 +110,7 @@ class _OnSharedBase(LocalEngine):
     def _key(self) -> str | None:
         return self.adapter.name if self.adapter is not None else None
 
-    def turn(self):
+    def turn(self) -> AbstractContextManager[None]:
         """This adapter's turn on the shared base (the bare base's for the read-only engine)."""
         return self.shared.using(self.adapter)
 
@@ -132,7 +133,7 @@ class _OnSharedBase(LocalEngine):
                 image_processor=self.images.processor if self.images is not None else None,
             )
 
-    def _save_adapter(self, module, directory: Path) -> None:
+    def _save_adapter(self, module: Any, directory: Path) -> None:
         """peft's adapter files, as a solo model's ``save_pretrained`` writes them."""
         assert self.adapter is not None  # called for a LoRA export: only an adapter's engine has one
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -221,7 +222,7 @@ class ReadOnlyBaseEngine(_OnSharedBase):
         super().__init__(shared, None)
         self.runner = shared.base_runner
 
-    def _read_only(self, what: str):
+    def _read_only(self, what: str) -> InputError:
         return InputError(f"{what}: this Backend is the shared base model {self.shared.model_name}, which is "
                           f"read-only (its clients train LoRA adapters on it); train a LoRA Backend instead")
 

@@ -36,7 +36,7 @@ import attrs
 import numpy as np
 import torch
 
-from ..models.prefix import ExpansionBudget, PrefixPlan, fill_rows, find_groups, layout_groups
+from ..models.prefix import ExpansionBudget, Group, PrefixPlan, fill_rows, find_groups, layout_groups
 from ..models.vlm import image_tensors, mrope_positions
 from ..types import Datum
 
@@ -225,7 +225,8 @@ def _largest_micro_batch(lengths: np.ndarray, budget: int, layout: Layout) -> in
     return max(int(lengths[g].max()) * len(g) for g in groups)
 
 
-def _shared_batch(tokens, lengths: np.ndarray, groups, largest: int) -> MicroBatch:
+def _shared_batch(tokens: Sequence[np.ndarray], lengths: np.ndarray, groups: Sequence[Group],
+                  largest: int) -> MicroBatch:
     """One shared row of ``groups``; ``largest``: tokens of the unshared layout's largest
     micro-batch of the call. What the row's attention keeps of its expanded prefixes fits the
     tokens the row leaves unused of that (:data:`KEPT_SLOTS_PER_TOKEN` per token); each call

@@ -19,25 +19,25 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
-def _positive(instance, attribute, value):
+def _positive(instance: object, attribute: attrs.Attribute, value: Any) -> None:
     check_number(f"engine_config[{attribute.name!r}]", value, low=1, integer=True)
 
 
-def _positive_seconds(instance, attribute, value):
+def _positive_seconds(instance: object, attribute: attrs.Attribute, value: Any) -> None:
     check_number(f"engine_config[{attribute.name!r}]", value, low=0.0, low_open=True)
 
 
-def _bool(instance, attribute, value):
+def _bool(instance: object, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, bool):
         raise InputError(f"engine_config[{attribute.name!r}]: expected true or false, got {value!r}")
 
 
-def _bool_or_none(instance, attribute, value):
+def _bool_or_none(instance: object, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, bool):
         raise InputError(f"engine_config[{attribute.name!r}]: expected true, false or null, got {value!r}")
 
 
-def _peak(instance, attribute, value):
+def _peak(instance: object, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None:
         check_number(f"engine_config[{attribute.name!r}] (TFLOP/s of one device)", value, low=0.0, low_open=True)
 

@@ -11,12 +11,16 @@ import json
 import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..models.checkpoint import WEIGHTS_FILE, WEIGHTS_INDEX, dedupe_shared, write_hf_weights
 from ..models.loading import hf_model
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
+    from transformers import PretrainedConfig
 
 #: safetensors' dtype names.
 _DTYPE_NAMES = {
@@ -29,12 +33,13 @@ _DTYPE_NAMES = {
 TensorPlan = tuple[str, tuple[int, ...], torch.dtype]
 
 
-def full_state_dict(module) -> dict[str, torch.Tensor]:
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The HF model's own state dict (names as transformers saves them)."""
     return dict(hf_model(module).state_dict())
 
 
-def merged_lora_state_dict(peft_module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def merged_lora_state_dict(peft_module: torch.nn.Module,
+                           state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Base weights with every LoRA delta merged in, without touching the live model.
 
     ``state`` is a full state dict of ``hf_model(peft_module)`` (the FSDP engine passes the
@@ -58,7 +63,7 @@ def merged_lora_state_dict(peft_module, state: dict[str, torch.Tensor] | None = 
     return {k: v for k, v in state.items() if "lora_" not in k}
 
 
-def save_peft_adapter(peft_module, directory: str | Path, adapter: str | None = None) -> None:
+def save_peft_adapter(peft_module: Any, directory: str | Path, adapter: str | None = None) -> None:
     """peft's adapter files (``adapter`` alone, or every adapter), with ``save_embedding_layers``
     decided here rather than by peft's ``"auto"``, which warns on every such save and otherwise
     looks the base up for a resized vocabulary: the embedding layers' base weights go with the
@@ -72,7 +77,7 @@ def save_peft_adapter(peft_module, directory: str | Path, adapter: str | None = 
     peft_module.save_pretrained(str(directory), selected_adapters=names, save_embedding_layers=embedding_targeted)
 
 
-def merge_lora_delta(layer, weight: torch.Tensor, lora_a: dict, lora_b: dict) -> torch.Tensor:
+def merge_lora_delta(layer: LoraLayer, weight: torch.Tensor, lora_a: dict, lora_b: dict) -> torch.Tensor:
     """``weight`` plus every active adapter's ``transpose(B @ A, fan_in_fan_out) * scaling``."""
     with torch.no_grad():
         for adapter in layer.active_adapters:
@@ -163,7 +168,7 @@ def write_hf_weights_stream(directory: Path, plan: Sequence[TensorPlan], tensors
     (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
 
 
-def lora_unties_head(model, adapter: str | None = None) -> bool:
+def lora_unties_head(model: torch.nn.Module, adapter: str | None = None) -> bool:
     """Whether a merged export must untie the embeddings: the config ties the input embedding
     and the output head, and LoRA adapts the head (``adapter``, or any adapter), so the merged
     head is no longer the embedding and both are written."""
@@ -176,8 +181,8 @@ def lora_unties_head(model, adapter: str | None = None) -> bool:
     return adapter is None or adapter in head.lora_A
 
 
-def write_hf_config(config, tokenizer, directory: Path, dtype: torch.dtype | None, architecture: str | None,
-                    untie_embeddings: bool = False) -> None:
+def write_hf_config(config: PretrainedConfig, tokenizer: Any, directory: Path, dtype: torch.dtype | None,
+                    architecture: str | None, untie_embeddings: bool = False) -> None:
     """config.json (+ generation config, tokenizer) of an export, weights aside;
     ``untie_embeddings`` (:func:`lora_unties_head`) writes ``tie_word_embeddings: false``."""
     from transformers import GenerationConfig
@@ -200,7 +205,7 @@ def write_hf_config(config, tokenizer, directory: Path, dtype: torch.dtype | Non
 
 
 def export_hf_directory(
-    config, state: dict[str, torch.Tensor], tokenizer, directory: Path, max_shard_bytes: int,
+    config: PretrainedConfig, state: dict[str, torch.Tensor], tokenizer: Any, directory: Path, max_shard_bytes: int,
     architecture: str | None = None, dtype: torch.dtype | None = None, image_processor: Any = None,
     untie_embeddings: bool = False,
 ) -> None:
@@ -221,7 +226,7 @@ def export_hf_directory(
         image_processor.save_pretrained(str(directory))
 
 
-def base_state_dict(peft_module) -> dict[str, torch.Tensor]:
+def base_state_dict(peft_module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The base weights under a peft wrapper, named as the plain model names them, with no
     adapter merged (every ``lora_*`` tensor left out): what a LoRA sampler starts from."""
     from peft.tuners.lora import LoraLayer

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -48,6 +48,10 @@ from .base import image_inputs, runner_options, scoring_model
 from .config import EngineConfig
 from .runner import ModelRunner
 from .turns import FairGate
+
+if TYPE_CHECKING:
+    import peft
+    from peft import PeftMixedModel, PeftModel
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +123,7 @@ class AdapterPool:
         #: the transformers model itself: peft injects adapter layers into it in place, and it
         #: stays valid when no adapter is left (the peft wrapper then has no active config)
         self.plain = base
-        self._peft = None
+        self._peft: PeftModel | PeftMixedModel | None = None
         self.base_parameters, _ = count_parameters(base)
         self.base_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in base.parameters()}.values())
         # Targets are chosen on the plain model (once wrapped, its Linears are peft layers).
@@ -153,7 +157,7 @@ class AdapterPool:
 
     # ---- the module -------------------------------------------------------------------------------
     @property
-    def module(self):
+    def module(self) -> Any:  # a PeftModel while adapters exist (None before the first one and once closed)
         """The peft wrapper of the shared model (None until the first adapter): its state dict
         and ``save_pretrained`` name things as a solo LoRA model's do."""
         return self._peft
@@ -167,7 +171,7 @@ class AdapterPool:
         for a in self.adapters.values():
             a.runner.scoring = self.scoring
 
-    def _peft_config(self, lora: LoraConfig):
+    def _peft_config(self, lora: LoraConfig) -> peft.LoraConfig:
         import peft
 
         targets = self._targets[(lora.train_attn, lora.train_mlp, lora.train_unembed)]

@@ -20,7 +20,7 @@ from ..losses.run import run_loss
 from ..models.scoring import ScoringModel
 from ..types import Datum
 from .base import EngineResult, scores_key
-from .batching import Layout, make_micro_batches, pack_inputs
+from .batching import Layout, MicroBatch, make_micro_batches, pack_inputs
 from .call_grads import call_gradients
 from .optimizer import Optimizer, total_norm
 from .sharing import PrefixSharing
@@ -161,7 +161,8 @@ class ModelRunner:
         logger.debug("%s: %d datums in %d micro-batches", spec.name, len(data), len(batches))
         return EngineResult(outputs=outputs, metric_state=acc.state())  # type: ignore[arg-type]
 
-    def _run_micro_batch(self, data, mb, loss: ResolvedLoss, backward: bool, acc) -> dict[str, torch.Tensor]:
+    def _run_micro_batch(self, data: Sequence[Datum], mb: MicroBatch, loss: ResolvedLoss, backward: bool,
+                         acc: MetricAccumulator) -> dict[str, torch.Tensor]:
         """One micro-batch's forward (and backward); returns its per-token outputs, still on the
         device: nothing here waits for the device (the metrics stay tensors too, read at the end)."""
         spec = loss.spec

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -19,6 +19,9 @@ import torch
 from ..errors import CheckpointError
 from ..models.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, read_json, reject_symlinks
 from .optimizer import MOMENT_KINDS
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 #: How many problems one error message lists.
 MAX_LISTED = 5
@@ -62,14 +65,14 @@ class StateLayout:
 
     def to_plain(self) -> dict[str, Any]:
         """Builtins only (sent between processes)."""
-        def plain(specs):
+        def plain(specs: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
             return {k: [list(s.shape), str(s.dtype).removeprefix("torch.")] for k, s in specs.items()}
 
         return {"weights": plain(self.weights), "trainable": plain(self.trainable), "aliases": sorted(self.aliases)}
 
     @classmethod
     def from_plain(cls, plain: Mapping[str, Any]) -> StateLayout:
-        def specs(d):
+        def specs(d: Mapping[str, Any]) -> dict[str, TensorSpec]:
             return {k: TensorSpec(tuple(shape), getattr(torch, dtype)) for k, (shape, dtype) in d.items()}
 
         return cls(specs(plain["weights"]), specs(plain["trainable"]), frozenset(plain["aliases"]))
@@ -116,7 +119,7 @@ def _tensor_problem(tensor: torch.Tensor, spec: TensorSpec) -> str | None:
     return None
 
 
-def _open(file: Path):
+def _open(file: Path) -> safe_open:
     from safetensors import safe_open
 
     if file.is_symlink():
@@ -129,7 +132,7 @@ def _open(file: Path):
         raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from None
 
 
-def _read(handle, file: Path, key: str) -> torch.Tensor:
+def _read(handle: safe_open, file: Path, key: str) -> torch.Tensor:
     try:
         return handle.get_tensor(key)
     except Exception as exc:

@@ -22,11 +22,17 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ..models.vlm import text_config
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..types import Datum, ModelInput, SampleOutput
+    from .base import Engine
 
 #: Dense (no sparsity) peak TFLOP/s of one GPU by compute dtype, from NVIDIA's datasheets: bf16
 #: on tensor cores; float32 without TF32 (torch's default matmul precision). The first name found
@@ -93,7 +99,7 @@ class ModelShape:
     attention_width: int
 
     @classmethod
-    def of(cls, num_parameters: int, hf_config) -> ModelShape:
+    def of(cls, num_parameters: int, hf_config: object) -> ModelShape:
         """From the parameter count and the model's (text) config; a config without the usual
         fields counts matmuls only."""
         config = text_config(hf_config)
@@ -139,7 +145,7 @@ class CallClock:
     call (the model's config is read then; a model whose config cannot be read counts matmuls
     only, from the parameter count)."""
 
-    def __init__(self, engine, *, lora: bool) -> None:
+    def __init__(self, engine: Engine, *, lora: bool) -> None:
         self.engine = engine
         self.lora = lora
         self._model: tuple[ModelShape, float | None] | None = None
@@ -156,18 +162,21 @@ class CallClock:
             self._model = (ModelShape.of(info.num_parameters, config), self.engine.peak_flops())
         return self._model
 
-    def training(self, datums, seconds: float, *, backward: bool) -> dict[str, float]:
+    def training(self, datums: Sequence[Datum], seconds: float, *, backward: bool) -> dict[str, float]:
         """Metrics of a ``forward_backward`` (``backward``) or ``forward`` over ``datums``."""
         shape, peak = self._shape_and_peak()
         lengths = [d.model_input.length for d in datums]
         factor = BACKWARD_FACTOR[("lora" if self.lora else "full") if backward else "forward"]
         return call_metrics(sum(lengths), seconds, factor * shape.forward_flops(lengths), peak)
 
-    def sampling(self, prompts, outputs, seconds: float) -> dict[str, float]:
+    def sampling(self, prompts: Sequence[np.ndarray | ModelInput], outputs: Sequence[SampleOutput],
+                 seconds: float) -> dict[str, float]:
         """Metrics of a ``sample`` call: tokens per second are the sampled tokens'."""
         shape, peak = self._shape_and_peak()
         # token arrays or ModelInputs; a sampler that answered for fewer prompts is counted as it answered
-        prompt_lengths = [int(getattr(p, "length", None) or len(p)) for p in prompts][:len(outputs)]
+        # a ModelInput prompt holds images (SampleRequest checks), so its length is never 0 and len() never sees it
+        prompt_lengths = [int(getattr(p, "length", None) or len(p))  # type: ignore[arg-type]
+                          for p in prompts][:len(outputs)]
         sampled = [[len(s.tokens) for s in out.sequences] for out in outputs][:len(prompt_lengths)]
         tokens = sum(sum(lengths) for lengths in sampled)
         metrics = call_metrics(tokens, seconds, shape.sample_flops(prompt_lengths, sampled), peak)

@@ -116,7 +116,7 @@ class EngineWeights(WeightsSource):
                              self.pad_token_id, session=self._decoding)
 
     @contextlib.contextmanager
-    def _decoding(self):
+    def _decoding(self) -> Iterator[int | None]:
         """The turn and the compute precision; yields prefix sharing's threshold (see ModuleDecoder)."""
         runner = self._engine.runner
         with self._turn():

@@ -88,7 +88,8 @@ def convert_tinker_loss_config(cfg: Mapping[str, Any] | None, loss: str = "regul
     return {**_thresholds(cfg, loss), **{k: v for k, v in cfg.items() if k in shared}}
 
 
-def convert_tinker(loss_fn: str, loss_fn_config: Mapping[str, Any] | None, role: str):
+def convert_tinker(loss_fn: str, loss_fn_config: Mapping[str, Any] | None,
+                   role: str) -> tuple[str, dict[str, Any]] | None:
     table = _CRITIC if role == "critic" else _POLICY
     if loss_fn not in table:
         return None
@@ -115,7 +116,8 @@ def convert_tinker(loss_fn: str, loss_fn_config: Mapping[str, Any] | None, role:
 _CRITIC_ALIASES = {"ppo_critic_loss": "value"}
 
 
-def convert_native(loss_fn, loss_fn_config, role):
+def convert_native(loss_fn: str, loss_fn_config: Mapping[str, Any] | None,
+                   role: str) -> tuple[str, dict[str, Any]] | None:
     """Native names pass straight through to the loss registry (plus SkyRL's critic alias)."""
     if role == "critic" and loss_fn in _CRITIC_ALIASES:
         return _CRITIC_ALIASES[loss_fn], dict(loss_fn_config or {})

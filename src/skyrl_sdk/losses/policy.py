@@ -42,12 +42,12 @@ OUTPUTS = ("logprobs", "elementwise_loss")
 # ---- config validation ------------------------------------------------------------------
 
 
-def _eps_low(default: float):
+def _eps_low(default: float) -> float:
     """A lower clip offset: the lower ratio bound ``1 - eps`` must lie in [0, 1]."""
     return attrs.field(default=default, validator=number_validator(0.0, 1.0))
 
 
-def _eps_high(default: float):
+def _eps_high(default: float) -> float:
     return attrs.field(default=default, validator=number_validator(0.0))
 
 
@@ -94,7 +94,7 @@ class ClipCovConfig:
     eps_clip_high: float = _eps_high(0.2)
     seed: int = attrs.field(default=0, validator=number_validator(integer=True))
 
-    def __attrs_post_init__(self):
+    def __attrs_post_init__(self) -> None:
         if self.clip_cov_lb >= self.clip_cov_ub:
             raise ValueError(
                 f"clip_cov_lb ({self.clip_cov_lb}) must be smaller than clip_cov_ub ({self.clip_cov_ub})"
@@ -110,7 +110,7 @@ class KLCovConfig:
 # ---- shared pieces ------------------------------------------------------------------------
 
 
-def _rl_inputs(batch: LossInput):
+def _rl_inputs(batch: LossInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """(lp, q, A, mask, has_weights) for a ratio-based loss."""
     lp = batch.require_target_logprobs()
     return lp, batch.inputs["logprobs"], batch.inputs["advantages"], batch.mask(), "weights" in batch.inputs
@@ -122,7 +122,7 @@ def _scored(batch: LossInput) -> torch.Tensor:
     return (w != 0) if w is not None else (batch.inputs["advantages"] != 0)
 
 
-def _bounds(batch: LossInput, eps_low: float, eps_high: float, like: torch.Tensor):
+def _bounds(batch: LossInput, eps_low: float, eps_high: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute ratio bounds per token: the per-token inputs if sent, else the config's."""
     lo = batch.inputs.get("clip_low_threshold")
     hi = batch.inputs.get("clip_high_threshold")
@@ -133,14 +133,15 @@ def _bounds(batch: LossInput, eps_low: float, eps_high: float, like: torch.Tenso
     return lo.to(like.dtype), hi.to(like.dtype)
 
 
-def _ppo(ratio, adv, lo, hi):
+def _ppo(ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tensor,
+         hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clip per-token loss ``max(-A*r, -A*clamp(r))`` and where the clipped term won."""
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, lo, hi)
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def _ratio_metrics(ratio, lp, q, scored) -> dict[str, M.Metric]:
+def _ratio_metrics(ratio: torch.Tensor, lp: torch.Tensor, q: torch.Tensor, scored: torch.Tensor) -> dict[str, M.Metric]:
     r = ratio.detach()
     return {
         "ratio_max:max": M.metric_max(r, scored),
@@ -150,7 +151,9 @@ def _ratio_metrics(ratio, lp, q, scored) -> dict[str, M.Metric]:
     }
 
 
-def _finish(per_token, mask, scored, *, ratio, lp, q, clipped=None, extra_metrics=None) -> LossOutput:
+def _finish(per_token: torch.Tensor, mask: torch.Tensor, scored: torch.Tensor, *, ratio: torch.Tensor, lp: torch.Tensor,
+            q: torch.Tensor, clipped: torch.Tensor | None = None,
+            extra_metrics: dict[str, M.Metric] | None = None) -> LossOutput:
     """Sum ``per_token * mask`` and attach the common metrics."""
     weighted = per_token * mask
     loss = weighted.sum()
@@ -263,7 +266,7 @@ def dro(batch: LossInput, config: DroConfig) -> LossOutput:
 # ---- covariance-selected losses (Entropy Mechanism of RL, arXiv 2505.22617) --------------
 
 
-def _covariance(batch: LossInput):
+def _covariance(batch: LossInput) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``cov_t = (sg(lp_t) - mean(sg(lp))) * (A_t - mean(A))``, means over the scored tokens
     of this LossInput (the whole call, when called from ``prepare``)."""
     lp = batch.require_target_logprobs().detach()

@@ -18,6 +18,7 @@ every micro-batch and rank, so micro-batch sums add up to exactly the formula ab
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -53,7 +54,10 @@ def call_normalizers(datums: Sequence) -> tuple[float, float]:
     return total, float(len(datums))
 
 
-def _inverse(x: float | torch.Tensor):
+_Scale = TypeVar("_Scale", float, torch.Tensor)
+
+
+def _inverse(x: _Scale) -> _Scale:
     """``1/x``, and 0 where ``x == 0`` (all-zero masks: the masked loss is 0 there anyway)."""
     if isinstance(x, torch.Tensor):
         return torch.where(x != 0, 1.0 / torch.where(x != 0, x, torch.ones_like(x)), torch.zeros_like(x))

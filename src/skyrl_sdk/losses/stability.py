@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 
 from ..errors import DatumError, InputError
-from ..types import Datum, SampledProvenanceSpan, SampledSequence, SampleOutput, TensorData
+from ..types import Datum, ProvenanceSpan, SampledProvenanceSpan, SampledSequence, SampleOutput, TensorData
 from .base import check_finite_inputs
 
 #: how long a recorded sequence stays usable after sampling or its last use (Tinker: one day)
@@ -259,7 +259,7 @@ def resolve_provenance(datums: Sequence[Datum], records: SequenceRecords) -> lis
     return [_resolve(i, d, found) for i, d in enumerate(datums)]
 
 
-def _claimed(span, rec: RecordedSequence, index: int, field: str) -> np.ndarray:
+def _claimed(span: ProvenanceSpan, rec: RecordedSequence, index: int, field: str) -> np.ndarray:
     """The recorded tokens a span claims (its prompt's or its sampled tokens' run)."""
     source = rec.tokens if isinstance(span, SampledProvenanceSpan) else rec.prompt
     what = "sampled tokens" if isinstance(span, SampledProvenanceSpan) else "prompt"
@@ -269,7 +269,8 @@ def _claimed(span, rec: RecordedSequence, index: int, field: str) -> np.ndarray:
     return source[span.offset:span.offset + span.length]
 
 
-def _check_run(index: int, field: str, span, actual: np.ndarray, claimed: np.ndarray, start: int) -> None:
+def _check_run(index: int, field: str, span: ProvenanceSpan, actual: np.ndarray, claimed: np.ndarray,
+               start: int) -> None:
     bad = np.flatnonzero(actual != claimed)
     if bad.size:
         p = int(bad[0])

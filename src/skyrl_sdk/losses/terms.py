@@ -154,7 +154,7 @@ def required_inputs(terms: LossTerms) -> tuple[str, ...]:
     return ("ref_logprobs",) if terms.kl_coef > 0 else ()
 
 
-def with_call_normalizers(resolved, datums: Sequence):
+def with_call_normalizers(resolved: Any, datums: Sequence) -> Any:  # a ResolvedLoss (.resolve imports this module)
     """The ResolvedLoss with the call-level normalizers its reduction needs filled in.
 
     Called once per call on all datums (before micro-batching and the rank split); a
@@ -192,7 +192,7 @@ def elementwise_loss_problem(terms: LossTerms, batch: LossInput, out: LossOutput
     return None
 
 
-def _reduced_loss(out: LossOutput, scale) -> torch.Tensor:
+def _reduced_loss(out: LossOutput, scale: float | torch.Tensor) -> torch.Tensor:
     if not isinstance(scale, torch.Tensor):
         return out.loss * scale if scale != 1.0 else out.loss
     assert out.elementwise_loss is not None  # elementwise_loss_problem refused a missing one

@@ -25,7 +25,8 @@ tokens continue from its largest position plus one, as the families' ``generate`
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from transformers import DynamicCache
 from ..models.loading import hf_model
 from ..models.scoring import Head, backbone_of
 from ..models.vlm import as_model_input, is_vision_language, padded_rows_inputs, text_config
-from ..types import ModelInput, PromptAltTokens, SampledSequence, SampleOutput, SampleRequest
+from ..types import ModelInput, PromptAltTokens, SampledSequence, SampleOutput, SampleRequest, SamplingParams
 from .draw import choose, request_generator
 from .scores import needs_rescoring, prompt_alt_tokens, rescore
 from .scores import prompt_logprobs as score_prompt
@@ -42,8 +43,12 @@ from .scores import target_prompt_logprobs as score_targets
 from .scores import topk_prompt_logprobs as topk_prompt
 from .stops import StopRules, StopStringWatcher
 
+#: what the step loop returns per row: tokens, logprobs, length, stopped, and the top-k pairs (or None)
+_Decoded = tuple[list[list[int]], list[list[float]], list[int], list[bool], list[list[list[tuple[int, float]]]] | None]
 
-def _left_padded(prompts: Sequence[np.ndarray], pad_token_id: int, device: torch.device):
+
+def _left_padded(prompts: Sequence[np.ndarray], pad_token_id: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -56,8 +61,8 @@ def _left_padded(prompts: Sequence[np.ndarray], pad_token_id: int, device: torch
 
 @torch.no_grad()
 def generate(
-    module,
-    tokenizer,
+    module: torch.nn.Module,
+    tokenizer: Any,
     request: SampleRequest,
     *,
     device: torch.device,
@@ -160,20 +165,21 @@ def _distinct(prompts: Sequence[np.ndarray | ModelInput]) -> tuple[list[np.ndarr
     return distinct, np.asarray(source, dtype=np.int64)
 
 
-def _stepper(backbone, cache):
+def _stepper(backbone: torch.nn.Module, cache: DynamicCache) -> Callable[..., Any]:
     """``step(ids, mask, positions)``: one backbone call that extends ``cache`` in place."""
     params = inspect.signature(backbone.forward).parameters
     name = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2x: ``cache``
 
-    def step(ids, mask, positions, **vision):
+    def step(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, **vision: torch.Tensor) -> Any:
         return backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache},
                         **vision)
 
     return step
 
 
-def _decode(step_fn, head, cache, logits, mask, next_pos, params, rules: StopRules, generator, tokenizer,
-            pad_token_id, topk: int = 0):
+def _decode(step_fn: Callable[..., Any], head: Head, cache: DynamicCache, logits: torch.Tensor, mask: torch.Tensor,
+            next_pos: torch.Tensor, params: SamplingParams, rules: StopRules, generator: torch.Generator,
+            tokenizer: Any, pad_token_id: int, topk: int = 0) -> _Decoded:
     """The step loop: returns per row (tokens, logprobs, length, stopped) as Python lists, and
     with ``topk`` per row and step the ``topk`` most likely (token, logprob) pairs (else None)."""
     rows, steps, device = logits.shape[0], params.max_tokens, logits.device
@@ -224,7 +230,8 @@ def _decode(step_fn, head, cache, logits, mask, next_pos, params, rules: StopRul
             topk_rows)
 
 
-def _string_hits(watcher: StopStringWatcher, texts, live: list[int], toks: list[int], done: list[bool]) -> list[bool]:
+def _string_hits(watcher: StopStringWatcher, texts: list[list[int]], live: list[int], toks: list[int],
+                 done: list[bool]) -> list[bool]:
     """Append this step's tokens to the live rows' texts and check them for stop strings."""
     running = [i for i, d in enumerate(done) if not d]
     for i in running:

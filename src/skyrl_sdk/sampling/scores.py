@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -83,7 +83,9 @@ def rescore(
     return out
 
 
-def _rescore_shared(backbone, head, vocab_size, rows, lengths, min_tokens, device, out) -> list[int]:
+def _rescore_shared(backbone: torch.nn.Module, head: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
+                    rows: list[np.ndarray], lengths: list[int], min_tokens: int, device: torch.device,
+                    out: list[list[float]]) -> list[int]:
     """Score the rows ``forward`` would share in its shared-prefix rows (``forward``'s datums
     are the rows without their last token); returns the rows left to the padded path."""
     datums = {r: rows[r][:-1] for r in range(len(rows)) if lengths[r] > 0}
@@ -134,7 +136,7 @@ def topk_prompt_logprobs(
     return out
 
 
-def _position_chunks(n: int, vocab_size: int):
+def _position_chunks(n: int, vocab_size: int) -> Iterator[range]:
     """Ranges of prompt positions whose (positions x vocab) logits fit one chunk."""
     chunk = max(1, CHUNK_SIZE_ELEMENTS // max(1, vocab_size))
     return (range(start, min(start + chunk, n)) for start in range(0, n, chunk))

@@ -12,6 +12,7 @@ cut out of the tokens). ``stop_reason`` is ``"stop"``, else ``"length"`` at ``ma
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -31,7 +32,7 @@ class StopRules:
     strings: tuple[str, ...]
 
     @classmethod
-    def of(cls, params: SamplingParams, eos_token_id: int | None, tokenizer=None) -> StopRules:
+    def of(cls, params: SamplingParams, eos_token_id: int | None, tokenizer: Any = None) -> StopRules:
         if params.stop is None:
             return cls(token_ids=() if eos_token_id is None else (int(eos_token_id),), strings=())
         strings = tuple(s for s in params.stop if isinstance(s, str))
@@ -53,7 +54,7 @@ class StopStringWatcher:
     caught at the step that completed it.
     """
 
-    def __init__(self, tokenizer, strings: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Any, strings: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.strings = tuple(strings)
         self.window = _TOKENS_PER_CHAR * max(len(s) for s in self.strings) + 1

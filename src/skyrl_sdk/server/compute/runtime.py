@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 
@@ -26,6 +26,7 @@ from ...errors import InputError, NotFoundError, quoted
 from ...inputs import tinker_proto
 from ...inputs.coerce import lora_config_from_any
 from ...losses.stability import sequence_ids
+from ...types import SampleOutput
 from ..config import ServerConfig
 from ..state.history import History
 from ..state.statedir import StateDirLock
@@ -95,8 +96,7 @@ class Runtime:
             "create_model": self.create_model, "load_weights": self.load_weights, "optim_step": self.optim_step,
             "save_weights": self.weights.save_weights,
             "save_weights_for_sampler": self.weights.save_weights_for_sampler,
-            "save_weights_external": self.weights.save_weights_external,
-            "asample": self.sample,
+            "save_weights_external": self.weights.save_weights_external, "asample": self.sample,
         }
         try:
             self._admit(owner)
@@ -191,7 +191,7 @@ class Runtime:
     async def create_model(self, owner: str, body: dict) -> FutureRecord:
         req = envelopes.parse_new_model(body)
 
-        def plan():
+        def plan() -> tuple:  # (base, lora, user metadata, directory): what _create's plan returns
             return self.served.resolve(req.base_model), lora_config_from_any(req.lora_config), req.user_metadata, None
 
         return await self._create(owner, req, plan, {"model_id": req.model_id, "type": "create_model"})
@@ -201,7 +201,7 @@ class Runtime:
         if body.get("session_id") is not None:
             req = envelopes.parse_new_model(body, from_state=True)
 
-            def plan():
+            def plan() -> tuple:
                 tp, directory = self.store.resolve_checkpoint(req.path, owner, kind="training", readable=True)
                 if (run := self.store.run(tp.run_id, None)) is None:  # the caller's, or another owner's published
                     raise InputError(f"checkpoint {tp} cannot be loaded: its training run is gone")
@@ -211,7 +211,7 @@ class Runtime:
             answer = {"model_id": req.model_id, "path": req.path, "type": "load_weights"}
             return await self._create(owner, req, plan, answer)
 
-        def make(model: TrainingModel):
+        def make(model: TrainingModel) -> Callable[[], Result]:
             req = envelopes.parse_load(body)
 
             def load() -> Result:
@@ -258,7 +258,7 @@ class Runtime:
                     except BaseException:
                         backend.close()
                         raise
-                backend.sequences = records  # provenance names the sequences its session sampled
+                backend.sequences = records  # type: ignore[assignment]  # provenance's session records (duck-typed)
                 model.backend = backend
             except BaseException as exc:
                 model.error = str(exc)
@@ -301,7 +301,7 @@ class Runtime:
         try:
             run = make_run(model)
         except InputError as exc:
-            def run(exc=exc):
+            def run(exc: InputError = exc) -> NoReturn:
                 raise exc
         rec = self.futures.create(owner, model.model_id, dedup)
         self.loop.run_in_executor(None, self.store.touch_run, model.model_id)  # never raises
@@ -316,7 +316,7 @@ class Runtime:
         return self.served.max_seq_len(model.base_model if (model := self.models.get(model_id)) else None)
 
     def forward_backward(self, owner: str, req: tinker_proto.ForwardBackwardRequest) -> FutureRecord:
-        def make(model: TrainingModel):
+        def make(model: TrainingModel) -> Callable[[], Steps[Result]]:
             if req.error is not None or (data := req.data) is None:  # data is None only with an error
                 raise InputError(req.error or "forward_backward: no data")
 
@@ -336,7 +336,7 @@ class Runtime:
         return self.sequenced(owner, None, what, make, model_id=req.model_id, seq=req.seq_id, cost=cost)
 
     def optim_step(self, owner: str, body: dict) -> FutureRecord:
-        def make(model: TrainingModel):
+        def make(model: TrainingModel) -> Callable[[], Result]:
             params = envelopes.parse_adam_params(body)
 
             def run() -> Result:
@@ -390,7 +390,7 @@ class Runtime:
                     raise InputError(f"record_stability_info: {exc}") from None
                 records, prompt = self.recorded.of(owner, session.session_id), spec.request.prompt_token_ids()[0]
 
-                def record(out):
+                def record(out: SampleOutput) -> None:
                     records.record_outputs([prompt], [out], [rec.request_id])
             await self.sampling.submit(session, spec, self.futures.completer(rec), record)
         except InputError as exc:

@@ -29,7 +29,7 @@ import threading
 import uuid
 from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -47,6 +47,9 @@ from .futures import Job, Result
 from .served import RNG_LOCK, ServedModels
 from .sessions import TrainingModel
 from .snapshots import SnapshotCache, WeightsSnapshot, load_snapshot, take_snapshot
+
+if TYPE_CHECKING:
+    from ...backend import Backend
 
 
 @attrs.define(eq=False)
@@ -98,7 +101,7 @@ class SamplerTarget:
     owner: str = ""
     backend: Any = None
 
-    def get(self):
+    def get(self) -> Backend:
         if self.backend is None:
             self.backend = self.loader()
         return self.backend
@@ -237,7 +240,8 @@ class Sampling:
             await asyncio.to_thread(self._target_for, session)
         target.worker.put(self._sample_job(work, done, target.get, target.key, None))
 
-    def _sample_job(self, work: SampleWork, done, get_backend, target_key, snapshot: SamplingSession | None) -> Job:
+    def _sample_job(self, work: SampleWork, done: Callable[[Result], None], get_backend: Callable[[], Backend],
+                    target_key: Hashable, snapshot: SamplingSession | None) -> Job:
         def stale() -> bool:
             return snapshot is not None and snapshot.pinned_model().weights_version != snapshot.version
 
@@ -321,7 +325,7 @@ class Sampling:
         if isinstance(snap, WeightsSnapshot):
             self.snapshots.tensors(snap, sid)  # fails now if evicted; marks it used
 
-            def load():
+            def load() -> Backend:
                 backend = self.served.sampler_backend(model.base_model, model.lora, own_copy=not shared)
                 try:
                     load_snapshot(backend, self.snapshots.tensors(snap, sid))
@@ -353,7 +357,7 @@ class Sampling:
         """A sampler of ``model`` (a served model or an exported directory), with a training state
         loaded from ``directory`` when given."""
 
-        def load():
+        def load() -> Backend:
             if directory is None:
                 return self.served.sampler_backend(model)
             backend = self.served.sampler_backend(model, lora, own_copy=lora is None)

@@ -13,12 +13,16 @@ import logging
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InputError, quoted
 from ...types import LoraConfig
 from ..config import ServerConfig
 from .memory import TRAINING_COPIES, MemoryBudget, weight_bytes
+
+if TYPE_CHECKING:
+    from ...backend import Backend
+    from ...shared_base import SharedBase
 
 logger = logging.getLogger(__name__)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -120,7 +124,7 @@ class ServedModels:
             pools = list(self._pools.values())
         return sum(s["base_bytes"] + s["adapter_bytes"] for s in (p.stats() for p in pools))
 
-    def _pool(self, base_model: str):
+    def _pool(self, base_model: str) -> SharedBase:
         from ...shared_base import SharedBase
 
         with self._pools_lock:
@@ -138,7 +142,7 @@ class ServedModels:
                     pool.stats()["base_bytes"] / 2**20)
         return pool
 
-    def _own_copy(self, model: str, lora: LoraConfig | None, what: str, training: bool):
+    def _own_copy(self, model: str, lora: LoraConfig | None, what: str, training: bool) -> Backend:
         from ...backend import Backend
 
         need = weight_bytes(model, self._dtype_bytes()) * (TRAINING_COPIES if training and lora is None else 1)
@@ -148,7 +152,7 @@ class ServedModels:
         self.budget.add(backend, need)
         return backend
 
-    def open_backend(self, base_model: str, lora: LoraConfig | None, label: str = ""):
+    def open_backend(self, base_model: str, lora: LoraConfig | None, label: str = "") -> Backend:
         """A training client's Backend (holding the RNG lock while it initialises): an adapter on
         the shared base for LoRA, else a copy of its own."""
         with RNG_LOCK:
@@ -161,7 +165,7 @@ class ServedModels:
         self.log_loaded()
         return backend
 
-    def sampler_backend(self, model: str, lora: LoraConfig | None = None, own_copy: bool = False):
+    def sampler_backend(self, model: str, lora: LoraConfig | None = None, own_copy: bool = False) -> Backend:
         """A Backend to sample from: the shared base itself (read-only) for a served model, an
         adapter on it for a LoRA training state, else (exported weights, a full fine-tuning
         state: ``own_copy``) a copy of its own."""

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -32,6 +32,9 @@ from ..wire import caps, envelopes
 from .executor import Queue
 from .futures import Sequencer
 from .snapshots import WeightsSnapshot
+
+if TYPE_CHECKING:
+    from ...backend import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +207,7 @@ class TrainingModel:
         every ``optim_step`` that changed the weights and every ``load_weights``)."""
         return self.require_backend().weights_version
 
-    def require_backend(self):
+    def require_backend(self) -> Backend:
         if self.closed:
             raise InputError(f"model {self.model_id} was released: {self.closed}")
         if self.backend is None:

@@ -42,7 +42,7 @@ class WeightRequests:
         self._sweep: asyncio.TimerHandle | None = loop.call_later(EXPIRY_SWEEP_S, self._timer)
 
     def save_weights(self, owner: str, body: dict) -> FutureRecord:
-        def make(model: TrainingModel):
+        def make(model: TrainingModel) -> Callable[[], Result]:
             save = envelopes.parse_save(body)
             tp = TinkerPath(model.model_id, "training", save.name)
 
@@ -59,7 +59,7 @@ class WeightRequests:
 
     def save_weights_external(self, owner: str, body: dict) -> FutureRecord:
         """Export the weights for download (:mod:`.exports`): an external_weights checkpoint."""
-        def make(model: TrainingModel):
+        def make(model: TrainingModel) -> Callable[[], Result]:
             save, raw_recipients = envelopes.parse_external_save(body)
             recipients = age_recipients(raw_recipients)
             tp = TinkerPath(model.model_id, "external", save.name)
@@ -78,7 +78,7 @@ class WeightRequests:
         return self.sequenced(owner, body, "save_weights_external", make, cost=None)
 
     def save_weights_for_sampler(self, owner: str, body: dict) -> FutureRecord:
-        def make(model: TrainingModel):
+        def make(model: TrainingModel) -> Callable[[], Result]:
             req = envelopes.parse_sampler_save(body)
             if (save := req.save) is not None:
                 tp = TinkerPath(model.model_id, "sampler", save.name)

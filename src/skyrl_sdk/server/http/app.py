@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,7 +38,7 @@ def create_app(config: ServerConfig | None = None, state_lock: StateDirLock | No
     bodies = Bodies.of(config)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.runtime = Runtime(config, asyncio.get_running_loop(), bodies, state_lock)
         logger.info("skyrl-sdk serve: models %s, state dir %s", list(config.models), config.state_dir)
         try:

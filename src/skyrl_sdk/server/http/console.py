@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import importlib.resources
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -44,7 +45,7 @@ def _static_file(path: str) -> tuple[str, str]:
     return name, _MEDIA[name.rsplit(".", 1)[1]]
 
 
-def _static_route(path: str):
+def _static_route(path: str) -> Callable[[], Awaitable[Response]]:
     name, media = _static_file(path)
 
     async def static() -> Response:
@@ -138,8 +139,8 @@ def limits_table(rt: Runtime) -> list[dict[str, Any]]:
              "value": in_force.get(s.name, getattr(rt.config, s.name))} for s in SETTINGS if s.console]
 
 
-@router.get("/console/api/server")
-async def server(request: Request):
+@router.get("/console/api/server", response_model=None)
+async def server(request: Request) -> JSONResponse | dict[str, Any]:
     rt, who = runtime(request), owner(request)
     if not rt.config.is_operator(who):
         return JSONResponse({"detail": "the server view is for operators (the --api-key holder, or owners marked "

@@ -180,7 +180,7 @@ class Guard:
             return
         sent = False
 
-        async def replay():
+        async def replay() -> dict[str, Any]:
             nonlocal sent
             if not sent:
                 sent = True

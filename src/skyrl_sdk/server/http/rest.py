@@ -9,6 +9,7 @@ would otherwise take ``DELETE .../publish`` for a checkpoint name.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse
@@ -65,7 +66,7 @@ async def search_sessions(request: Request) -> dict:
     return await runtime(request).catalog.search_sessions(_owner(request), search)
 
 
-def _declined(method: str, path: str):
+def _declined(method: str, path: str) -> Callable[[], Awaitable[JSONResponse]]:
     async def handler() -> JSONResponse:
         return JSONResponse({"detail": not_served_detail(method, path)}, status_code=404)
 

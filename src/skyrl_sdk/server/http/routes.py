@@ -10,6 +10,7 @@ by :class:`~.guard.Guard`) and passes it on: another owner's ids read as unknown
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -102,8 +103,8 @@ async def create_session(request: Request) -> dict:
     return {"type": "create_session", "session_id": sid}
 
 
-@router.post("/session_heartbeat")
-async def session_heartbeat(request: Request):
+@router.post("/session_heartbeat", response_model=None)
+async def session_heartbeat(request: Request) -> JSONResponse | dict[str, str]:
     ended = await runtime(request).sessions.heartbeat(owner(request), await json_body(request, "session_heartbeat"))
     if ended is not None:
         return JSONResponse({"detail": ended}, status_code=410)
@@ -143,7 +144,7 @@ FUTURE_ROUTES = ("create_model", "forward_backward", "optim_step", "save_weights
                  "load_weights", "asample")
 
 
-def _future_route(route: str):
+def _future_route(route: str) -> Callable[[Request], Awaitable[dict]]:
     async def handler(request: Request) -> dict:
         return await submit(request, route)
 
