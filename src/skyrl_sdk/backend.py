@@ -32,7 +32,7 @@ from .losses.calls import CallModel, prepare_call, prepare_sample
 from .losses.metrics import MetricAccumulator
 from .losses.resolve import ResolvedLoss
 from .losses.run import add_prepared_inputs
-from .losses.stability import SequenceRecords
+from .losses.stability import Records, SequenceRecords
 from .models.checkpoint import atomic_directory, write_json
 from .models.value_head import critic_export_note, write_critic_card
 from .plugins.samplers import Sampler, check_sampler
@@ -108,7 +108,7 @@ class Backend:
         self._lock = threading.RLock()
         #: sequences sampled with ``record_stability_info=True``, which provenance names
         #: (``stable_reinforce``); replaceable by a store shared with other samplers (the server's session)
-        self.sequences = SequenceRecords()
+        self.sequences: Records = SequenceRecords()
         self._calls_since_step = 0
         self._closed = False
         t0 = time.perf_counter()

@@ -21,7 +21,7 @@ from ..inputs.coerce import data_from_any
 from ..types import Datum, ModelInput, SampleRequest
 from .base import LossSpec
 from .resolve import ResolvedLoss, reading_values
-from .stability import SequenceRecords, resolve_provenance
+from .stability import Records, resolve_provenance
 from .validation import check_call, check_prompts, check_target_ids, inputs_for_forward
 
 T = TypeVar("T")
@@ -47,7 +47,7 @@ class CallModel:
     vocab_size: int
     max_positions: int | None
     images: ImageReader | None
-    sequences: SequenceRecords
+    sequences: Records
 
     def read_images(self, inputs: list[ModelInput],
                     error: Callable[[int, str], InputError]) -> Generator[None, None, list[ModelInput]]:

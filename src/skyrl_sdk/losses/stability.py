@@ -224,6 +224,10 @@ class ScopedRecords:
             self.records.drop(self.name)
 
 
+#: what a Backend records into and provenance reads: the records, or one session's scope of them
+Records = SequenceRecords | ScopedRecords
+
+
 def _record_outputs(record: Callable[[np.ndarray, Sequence[SampledSequence], Sequence[str]], None],
                     prompts: Sequence[np.ndarray], outs: Sequence[SampleOutput],
                     request_ids: Sequence[str] | None) -> list[SampleOutput]:
@@ -238,7 +242,7 @@ def _record_outputs(record: Callable[[np.ndarray, Sequence[SampledSequence], Seq
     return recorded
 
 
-def resolve_provenance(datums: Sequence[Datum], records: SequenceRecords) -> list[Datum]:
+def resolve_provenance(datums: Sequence[Datum], records: Records) -> list[Datum]:
     """Check every datum's provenance against ``records`` and return the datums with the
     recorded sampler logprobs as ``logprobs`` and ``sampled_mask`` (1 where the target is a
     sampled token); the records used are renewed. Nothing is changed when a datum fails.

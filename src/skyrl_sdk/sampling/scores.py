@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from ..models.prefix import ExpansionBudget, fill_rows, find_groups, layout_grou
 from ..models.prefix_attention import enabled, shared_hidden
 from ..models.vlm import as_model_input, padded_rows_inputs
 from ..types import EncodedTextChunk, ModelInput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 #: Padded tokens per rescoring micro-batch (bounds activations, like ``micro_batch_tokens``).
 RESCORE_TOKENS = 8192
@@ -40,7 +44,7 @@ def needs_rescoring(module: torch.nn.Module) -> bool:
 
 
 def rescore(
-    backbone: torch.nn.Module, head: Callable, vocab_size: int, prompts: Sequence[np.ndarray | ModelInput],
+    backbone: PreTrainedModel, head: Callable, vocab_size: int, prompts: Sequence[np.ndarray | ModelInput],
     num_samples: int, tokens: list[list[int]], lengths: list[int], pad_token_id: int, device: torch.device,
     prefix_min_tokens: int | None = None, vision_language: bool = False,
 ) -> list[list[float]]:
@@ -83,7 +87,7 @@ def rescore(
     return out
 
 
-def _rescore_shared(backbone: torch.nn.Module, head: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
+def _rescore_shared(backbone: PreTrainedModel, head: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
                     rows: list[np.ndarray], lengths: list[int], min_tokens: int, device: torch.device,
                     out: list[list[float]]) -> list[int]:
     """Score the rows ``forward`` would share in its shared-prefix rows (``forward``'s datums

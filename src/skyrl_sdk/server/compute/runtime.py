@@ -258,7 +258,7 @@ class Runtime:
                     except BaseException:
                         backend.close()
                         raise
-                backend.sequences = records  # type: ignore[assignment]  # provenance's session records (duck-typed)
+                backend.sequences = records  # provenance's session records
                 model.backend = backend
             except BaseException as exc:
                 model.error = str(exc)
