@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ..models.vlm import text_config
+from ..types import ModelInput
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..types import Datum, ModelInput, SampleOutput
+    from ..types import Datum, SampleOutput
     from .base import Engine
 
 #: Dense (no sparsity) peak TFLOP/s of one GPU by compute dtype, from NVIDIA's datasheets: bf16
@@ -174,9 +175,7 @@ class CallClock:
         """Metrics of a ``sample`` call: tokens per second are the sampled tokens'."""
         shape, peak = self._shape_and_peak()
         # token arrays or ModelInputs; a sampler that answered for fewer prompts is counted as it answered
-        # a ModelInput prompt holds images (SampleRequest checks), so its length is never 0 and len() never sees it
-        prompt_lengths = [int(getattr(p, "length", None) or len(p))  # type: ignore[arg-type]
-                          for p in prompts][:len(outputs)]
+        prompt_lengths = [p.length if isinstance(p, ModelInput) else len(p) for p in prompts][:len(outputs)]
         sampled = [[len(s.tokens) for s in out.sequences] for out in outputs][:len(prompt_lengths)]
         tokens = sum(sum(lengths) for lengths in sampled)
         metrics = call_metrics(tokens, seconds, shape.sample_flops(prompt_lengths, sampled), peak)
