@@ -3,12 +3,15 @@ fields on every public type, and modules small enough to read."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
 import re
 from pathlib import Path
 
 import attrs
 import pytest
+import tomllib
 
 import skyrl_sdk
 from skyrl_sdk import types
@@ -31,6 +34,35 @@ def test_everything_in_all_resolves():
         getattr(skyrl_sdk, name)
     for name in types.__all__:
         getattr(types, name)
+
+
+def test_a_type_checker_sees_every_lazy_name_as_itself():
+    """skyrl_sdk's torch-heavy names are imported on first use (``__getattr__``, typed ``Any``);
+    the ``if TYPE_CHECKING`` block imports each from the module ``__getattr__`` uses, so a
+    plugin's or a user's mypy checks calls to ``skyrl_sdk.Backend`` against its signature."""
+    tree = ast.parse(Path(skyrl_sdk.__file__).read_text())
+    guarded = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    assert len(guarded) == 1, "skyrl_sdk/__init__.py has no (or more than one) `if TYPE_CHECKING:` block"
+    imported = {alias.asname or alias.name: node.module for node in guarded[0].body
+                if isinstance(node, ast.ImportFrom) for alias in node.names}
+    lazy = {name for name in skyrl_sdk.__all__ if name not in vars(skyrl_sdk)}
+    assert set(imported) == lazy
+    for name, module in imported.items():
+        assert getattr(importlib.import_module(f"skyrl_sdk.{module}"), name) is getattr(skyrl_sdk, name), name
+
+
+def test_every_package_is_marked_typed():
+    """PEP 561: the core and each plugin ship ``py.typed`` (declared as package data, present in
+    the package), or a type checker treats them as untyped and every call into them as ``Any``."""
+    projects = [ROOT, *sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file())]
+    assert len(projects) == 5
+    for project in projects:
+        config = tomllib.loads((project / "pyproject.toml").read_text())
+        data = config["tool"]["setuptools"]["package-data"]
+        packages = [p.name for p in (project / "src").iterdir() if (p / "__init__.py").is_file()]
+        assert len(packages) == 1, project
+        assert "py.typed" in data.get(packages[0], []), f"{project.name}: py.typed not in package-data"
+        assert (project / "src" / packages[0] / "py.typed").is_file(), f"{packages[0]}/py.typed is missing"
 
 
 def _public_attrs_classes():

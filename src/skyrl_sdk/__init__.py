@@ -10,12 +10,31 @@ Engine authors use :mod:`skyrl_sdk.engines`; callers use :class:`Backend` and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import errors, types
 from .hooks import Register, hookimpl, register_dialect, register_engine, register_loss, register_sampler
 from .types.numbers import number_validator
 from .version import __version__
+
+if TYPE_CHECKING:  # the lazy names' own types for a type checker (at run time __getattr__ imports them)
+    from .backend import Backend
+    from .builtin_plugins import get_plugins, get_registry
+    from .evaluate import evaluate_loss
+    from .losses import (
+        LossInput,
+        LossOutput,
+        LossSpec,
+        Metric,
+        metric_max,
+        metric_mean,
+        metric_min,
+        metric_sum,
+        safe_ratio,
+        segment_mean,
+        segment_sum,
+    )
+    from .shared_base import SharedBase
 
 #: Names that pull in torch, resolved on first use so ``import skyrl_sdk`` stays cheap.
 _LAZY = {

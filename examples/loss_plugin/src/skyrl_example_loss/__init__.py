@@ -20,7 +20,7 @@ class ClippedPGConfig:
 
 
 def clipped_pg(batch: LossInput, config: ClippedPGConfig) -> LossOutput:
-    lp = batch.target_logprobs                       # (T,) packed tokens of every datum, differentiable
+    lp = batch.require_target_logprobs()             # (T,) packed tokens of every datum, differentiable
     adv = batch.inputs["advantages"]
     clipped = adv.clamp(-config.max_abs_advantage, config.max_abs_advantage)
     per_token = -(clipped * lp * batch.mask().to(lp.dtype))

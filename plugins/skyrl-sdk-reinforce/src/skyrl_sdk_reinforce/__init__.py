@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 def reinforce(batch: LossInput, config: None) -> LossOutput:
     """Vanilla policy gradient on packed tokens; a plain sum, so micro-batching cannot change it."""
-    lp = batch.target_logprobs
+    lp = batch.require_target_logprobs()  # None only in a critic's input: refused by name
     adv = batch.inputs["advantages"]
     mask = batch.mask().to(lp.dtype)
     per_token = -(adv * lp * mask)
