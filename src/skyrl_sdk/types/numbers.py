@@ -16,6 +16,9 @@ from typing import Any
 
 from ..errors import InputError, quoted
 
+#: an attrs field validator, as ``attrs.field(validator=...)`` calls it: (instance, attribute, value)
+Validator = Callable[[Any, Any, Any], None]
+
 
 def check_number(
     what: str,
@@ -117,7 +120,7 @@ def number_validator(
     integer: bool = False,
     qualified: bool = False,
     error: type[InputError] = InputError,
-) -> Callable[[Any, Any, Any], None]:
+) -> Validator:
     """An attrs validator applying :func:`check_number` to a field.
 
     Plugin authors use it on their loss config classes::

@@ -20,7 +20,7 @@ vocabulary, its positions) are checked by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import InputError, quoted
 from .model_input import ModelInput
-from .numbers import check_number
+from .numbers import Validator, check_number
 from .params import SamplingParams
 
 #: metadata role of a field holding one entry per prompt (a batch concatenates it)
@@ -55,7 +55,7 @@ def _flag(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise InputError(f"{attribute.name}: expected true or false, got {quoted(value)}")
 
 
-def _count(low: int) -> Callable[[Any, attrs.Attribute, Any], None]:
+def _count(low: int) -> Validator:
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         check_number(attribute.name, value, low=low, integer=True)
     return check

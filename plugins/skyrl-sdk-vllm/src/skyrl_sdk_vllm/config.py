@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from skyrl_sdk.errors import InputError, did_you_mean_keys
-from skyrl_sdk.types.numbers import check_number
+from skyrl_sdk.types.numbers import Validator, check_number
 
 #: vLLM's allowed ``max_lora_rank`` values
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -22,7 +22,7 @@ OWN_ENGINE_ARGS = frozenset({
 })
 
 
-def _opt(check: Callable[[str, Any], object]) -> Callable[[Any, attrs.Attribute, Any], None]:
+def _opt(check: Callable[[str, Any], object]) -> Validator:
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value is not None:
             check(f"sampler_config[{attribute.name!r}]", value)

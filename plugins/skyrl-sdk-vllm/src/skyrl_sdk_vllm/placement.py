@@ -11,13 +11,13 @@ keys of placement and transfer (README: Placement), split off before the engine'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
 from skyrl_sdk.errors import InputError
-from skyrl_sdk.types.numbers import check_number
+from skyrl_sdk.types.numbers import Validator, check_number
 
 PLACEMENTS = ("local", "ray")
 #: ``auto``: NCCL between GPUs of different processes, gloo otherwise (CPUs, or a colocated GPU)
@@ -26,7 +26,7 @@ KEYS = ("placement", "engines", "tensor_parallel_size", "colocate", "transfer", 
         "transfer_timeout_s", "bucket_mib", "cpus_per_engine", "overlap")
 
 
-def _choice(options: tuple[str, ...]) -> Callable[[Any, attrs.Attribute, Any], None]:
+def _choice(options: tuple[str, ...]) -> Validator:
     def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value not in options:
             raise InputError(f"sampler_config[{attribute.name!r}]: expected one of {list(options)}, got {value!r}")
