@@ -9,7 +9,6 @@ compute and leaves no trace.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -22,6 +21,7 @@ import numpy as np
 from .builtin_plugins import get_registry
 from .engines import call_grads
 from .engines.base import Engine, EngineFactory
+from .engines.call_slot import CallSlot
 from .engines.state import read_state_metadata
 from .engines.throughput import CallClock
 from .engines.turns import Steps, run_to_end, timed
@@ -105,7 +105,8 @@ class Backend:
         self.lora = lora_config_from_any(lora)
         self.grad_accumulation = grad_accumulation
         self.engine_name = engine if isinstance(engine, str) else str(getattr(engine, "engine_name", "custom"))
-        self._lock = threading.RLock()
+        #: one call at a time (engines/call_slot.py): a call while a stepped call is paused is refused
+        self._slot = CallSlot(f"the Backend of {self.model_name!r}")
         #: sequences sampled with ``record_stability_info=True``, which provenance names
         #: (``stable_reinforce``); replaceable by a store shared with other samplers (the server's session)
         self.sequences: Records = SequenceRecords()
@@ -129,7 +130,8 @@ class Backend:
         self.close()
 
     def close(self) -> None:
-        with self._lock:
+        """Free the engine (and the sampler); waits for a call running or paused on another thread."""
+        with self._slot.call("close", wait_if_paused=True):
             if not self._closed:
                 if self._sampler is not None:
                     self._sampler.close()
@@ -185,7 +187,7 @@ class Backend:
 
     def _run_steps(self, datums: list[Datum], resolved: ResolvedLoss, *, backward: bool,
                    **options: Any) -> Steps[ForwardBackwardOutput]:
-        """(holding the lock) The engine's stepped call as a ``ForwardBackwardOutput``, timed over
+        """(holding the slot) The engine's stepped call as a ``ForwardBackwardOutput``, timed over
         its own steps (not the pauses in which a scheduler ran other calls)."""
         self._training_turn()
         seconds = [0.0]
@@ -213,24 +215,33 @@ class Backend:
         keep_grads_on_error: bool | None = None,
     ) -> Steps[ForwardBackwardOutput]:
         """:meth:`forward_backward` as a stepped call (``engines.turns``), yielding at micro-batch
-        boundaries; it holds the Backend throughout: drive it to its end on the thread that started it."""
-        options = call_grads.keep_option(self.engine.run, self.engine_name, keep_grads_on_error)
-        with self._lock:
-            self._check_open()
-            datums, resolved = yield from self._prepare(data, loss_fn, loss_fn_config)
-            try:
-                out = yield from self._run_steps(datums, resolved, backward=True, **options)
-            except BaseException as exc:
-                kept = call_grads.note_failure(exc, self._calls_since_step)
-                self._calls_since_step = self._calls_since_step if kept is None else kept
-                raise
-            self._calls_since_step += 1
-            logger.info("forward_backward(%s): %d datums, %.3fs", resolved.name, len(datums),
-                        out.metrics["seconds:sum"])
-            return out
+        boundaries. It holds the Backend's call slot from its first step to its end: any other call
+        on this Backend meanwhile, from any thread, is refused (``CallInProgressError``) while it is
+        paused. Drive it to its end, or ``close()`` it, on the thread that started it."""
+        body = self._call(data, loss_fn, loss_fn_config, backward=True, keep_grads_on_error=keep_grads_on_error)
+        return self._slot.stepped("forward_backward", body)
+
+    def _call(self, data: Sequence[Any], loss_fn: str | None, loss_fn_config: Mapping[str, Any] | None, *,
+              backward: bool, keep_grads_on_error: bool | None = None) -> Steps[ForwardBackwardOutput]:
+        """(holding the slot) A forward_backward's (``backward``) or forward's stepped call."""
+        self._check_open()
+        options = call_grads.keep_option(self.engine.run, self.engine_name, keep_grads_on_error) if backward else {}
+        datums, resolved = yield from self._prepare(data, loss_fn, loss_fn_config, backward=backward)
+        if not backward:
+            return (yield from self._run_steps(datums, resolved, backward=False))
+        try:
+            out = yield from self._run_steps(datums, resolved, backward=True, **options)
+        except BaseException as exc:
+            kept = call_grads.note_failure(exc, self._calls_since_step)
+            self._calls_since_step = self._calls_since_step if kept is None else kept
+            raise
+        self._calls_since_step += 1
+        logger.info("forward_backward(%s): %d datums, %.3fs", resolved.name, len(datums),
+                    out.metrics["seconds:sum"])
+        return out
 
     def _training_turn(self) -> None:
-        """(holding the lock) Before the trainer computes: a sampler that sampled since gives the
+        """(holding the slot) Before the trainer computes: a sampler that sampled since gives the
         device back once (vLLM sleeps), then the trainer's offloaded tensors come back."""
         if self._sampled and self._sampler is not None:  # sampled since: a sampler was built
             self._sampled = False
@@ -250,16 +261,13 @@ class Backend:
     def forward_steps(
         self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, Any] | None = None
     ) -> Steps[ForwardBackwardOutput]:
-        """:meth:`forward` as a stepped call (see :meth:`forward_backward_steps`)."""
-        with self._lock:
-            self._check_open()
-            datums, resolved = yield from self._prepare(data, loss_fn, loss_fn_config, backward=False)
-            return (yield from self._run_steps(datums, resolved, backward=False))
+        """:meth:`forward` as a stepped call, holding the call slot (see :meth:`forward_backward_steps`)."""
+        return self._slot.stepped("forward", self._call(data, loss_fn, loss_fn_config, backward=False))
 
     def optim_step(self, adam_params: Any = None) -> OptimStepOutput:
         """Apply AdamW with exactly ``adam_params`` to the accumulated gradients, then clear them."""
         params = AdamParams() if adam_params is None else adam_params_from_any(adam_params)
-        with self._lock:
+        with self._slot.call("optim_step"):
             self._check_open()
             self._training_turn()
             scale = 1.0
@@ -274,7 +282,7 @@ class Backend:
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last optim_step."""
-        with self._lock:
+        with self._slot.call("zero_grad"):
             self._check_open()
             self.engine.zero_grad()
             self._calls_since_step = 0
@@ -293,19 +301,12 @@ class Backend:
     ) -> list[SampleOutput]:
         """Sample continuations of each prompt (token lists or ModelInputs) from the current weights.
 
-        ``topk_prompt_logprobs=k`` also returns, per prompt position, the k most likely tokens
-        and their logprobs (Tinker's field). ``record_stability_info=True`` records every
-        sampled sequence in :attr:`sequences` and gives it a ``sequence_id`` that a datum's
-        provenance names (``stable_reinforce``). Tinker's other scores, from the same pass:
-        ``topk_sample_logprobs=k`` (per sampled position, the k most likely tokens: each
-        sequence's ``topk_logprobs``), ``target_prompt_logprobs`` (per prompt, an int64
-        ``[len(prompt) - 1, K]`` array of token ids to score at positions 1.., -1 for none, or
-        None: the output's ``target_prompt_logprobs``) and ``prompt_alt_tokens_k=k`` (k draws
-        at every prompt position after the first, at the request's temperature: the output's
-        ``prompt_alt_tokens``). Served by this Backend's sampler (``sampler=``); a score the
-        sampler does not serve is refused by name. The sampler is built on the first call
-        with the engine's weights (``Engine.weights_source()``).
-        """
+        Tinker's scores from the same pass (docs/reference.md): ``topk_prompt_logprobs=k`` and
+        ``topk_sample_logprobs=k`` (the k most likely tokens per prompt / sampled position),
+        ``target_prompt_logprobs`` (per prompt, int64 ``[len(prompt) - 1, K]`` token ids to score, -1 for
+        none), ``prompt_alt_tokens_k=k`` (k draws per prompt position); ``record_stability_info=True``
+        records each sequence in :attr:`sequences` with a ``sequence_id`` (``stable_reinforce``). A score
+        the sampler (``sampler=``, built on the first call) does not serve is refused by name."""
         return self.sample_request(sample_request_from_any(
             prompts, sampling_params, num_samples=num_samples, prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs, record_stability_info=record_stability_info,
@@ -322,9 +323,9 @@ class Backend:
         return self.sequences.record_outputs(request.prompt_token_ids(), outs) if record else outs
 
     def _sample(self, request: SampleRequest) -> list[SampleOutput]:
-        """A sampler on devices of its own (``runs_apart``) samples outside the lock, its weights synced under it."""
+        """A sampler on devices of its own (``runs_apart``) samples outside the slot, its weights synced in it."""
         if (sampler := self._sampler) is None or not sampler.runs_apart:
-            with self._lock:
+            with self._slot.call("sample"):
                 self._check_open()
                 sampler = self._built_sampler()
                 if not sampler.runs_apart:
@@ -333,8 +334,8 @@ class Backend:
                     self._sampled = True
                     return self.clock.timed_sample(sampler, request)
         self._check_open()
-        if not sampler.weights_current():
-            with self._lock:
+        if not sampler.weights_current():  # a paused call on another thread is waited for: training moves no weight
+            with self._slot.call("sample (its weights sync)", wait_if_paused=True):
                 self._check_open()
                 sampler.sync_weights()
         return self.clock.timed_sample(sampler, request)
@@ -346,7 +347,7 @@ class Backend:
         return self._sampler
 
     def _built_sampler(self) -> Sampler:
-        """(holding the lock) The sampler, built on first use with the engine's weights source."""
+        """(holding the slot) The sampler, built on first use with the engine's weights source."""
         if self._sampler is None:
             factory = get_registry().sampler_spec(self.sampler_name).factory
             if getattr(factory, "own_weights", False):  # its engine starts with the trainer in host memory
@@ -366,7 +367,7 @@ class Backend:
     def weights_changed(self) -> None:
         """Say the engine's weights changed, so the sampler samples the new ones. ``optim_step`` and
         ``load_state`` do it themselves; call it after changing the weights any other way."""
-        with self._lock:
+        with self._slot.call("weights_changed"):
             self.engine.weights_changed()
 
     # ---- saving -----------------------------------------------------------------------
@@ -377,7 +378,7 @@ class Backend:
 
         A critic has no lm_head, so its export is no model to sample from: it is written
         (backbone and value head, with a README.md saying so) and a warning says how to load it."""
-        with self._lock:
+        with self._slot.call("save_weights_for_sampler"):
             self._check_open()
             with atomic_directory(path, overwrite=overwrite) as tmp:
                 self.engine.export_weights(tmp, merge_lora=merge_lora)
@@ -395,7 +396,7 @@ class Backend:
 
     def save_state(self, path: str | Path, *, overwrite: bool = False) -> SaveStateOutput:
         """Weights, optimizer moments and step counts, LoRA config and metadata; atomic, no pickle."""
-        with self._lock:
+        with self._slot.call("save_state"):
             self._check_open()
             with atomic_directory(path, overwrite=overwrite) as tmp:
                 engine_meta = self.engine.save_state(tmp)
@@ -411,7 +412,7 @@ class Backend:
     def load_state(self, path: str | Path, optimizer: bool = True) -> LoadStateOutput:
         """Load a :meth:`save_state` directory; refuses a state of another model."""
         directory = Path(path).expanduser()
-        with self._lock:
+        with self._slot.call("load_state"):
             self._check_open()
             meta = read_state_metadata(directory, METADATA_FILE, STATE_FORMAT, self._identity())
             self._training_turn()
@@ -421,12 +422,11 @@ class Backend:
             return LoadStateOutput(path=str(directory.resolve()), optimizer_loaded=optimizer)
 
     def image_tokens(self, image: Any) -> int:
-        """Positions ``image`` takes in this model's sequences (Tinker's ``expected_tokens``, and
-        what ``ModelInput.length`` counts for it): an ``ImageChunk`` (ours or the tinker client's),
-        PNG or JPEG bytes, or a ``(width, height)``. Its header is checked against the image
-        limits as a call's would be. A text model reads no images: refused by name."""
+        """Positions ``image`` (an ``ImageChunk``, ours or tinker's; PNG or JPEG bytes; a ``(width, height)``)
+        takes in this model's sequences: Tinker's ``expected_tokens``, what ``ModelInput.length`` counts. Its
+        header is checked against the image limits as a call's would be; a text model refuses by name."""
         self._check_open()
-        images = getattr(self.engine, "images", None)
+        images = self.engine.images
         if images is None:
             raise InputError(f"image_tokens: model {self.model_name!r} reads no images (it is not a vision-language "
                              f"model: Qwen2-VL, Qwen2.5-VL or Qwen3-VL)")

@@ -140,6 +140,12 @@ class AdamParamsError(InputError):
     """An AdamParams field is out of range."""
 
 
+class CallInProgressError(InputError):
+    """A call on a Backend while another call holds it: a stepped call paused at a micro-batch
+    boundary, or a call made from inside another on the same thread (``engines/call_slot.py``).
+    Refused before anything runs; the other call goes on unchanged."""
+
+
 class ModelLoadError(InputError):
     """A model directory is missing or malformed."""
 

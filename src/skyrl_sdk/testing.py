@@ -198,15 +198,15 @@ def prepared_call(backend: Any, data: Sequence[Any], loss_fn: str, loss_fn_confi
     ``backend.engine.run`` without the Backend around it."""
     from .engines.turns import run_to_end
 
-    with backend._lock:
+    with backend._slot.call("testing.prepared_call"):
         return run_to_end(backend._prepare(data, loss_fn, loss_fn_config, backward=backward))
 
 
 @contextlib.contextmanager
 def training_call_in_progress(backend: Any) -> Iterator[None]:
-    """Hold ``backend`` as a training call in progress does (its lock), from this thread: for
-    tests of what must not wait for training, such as a sampler that runs apart."""
-    with backend._lock:
+    """Hold ``backend`` as a training call in progress does (its call slot), from this thread:
+    for tests of what must not wait for training, such as a sampler that runs apart."""
+    with backend._slot.call("testing.training_call_in_progress"):
         yield
 
 
